@@ -1,0 +1,170 @@
+"""Training labels for acceptance heads (SpecDec++ Section 3.3), batched over prompts.
+
+For each prompt x:
+  1. sample a response X_1..X_N from the TARGET's warped distribution (:func:`sample_responses`);
+  2. one DRAFT forward over x + X gives q_i = q(.|x, X_<i) for every i; draw Y_i ~ q_i;
+  3. one TARGET forward over the same sequence gives p_i; the label is
+     p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
+
+p and q are the distributions actually sampled from: :func:`specdecpp.sampling.warp` of the
+logits over the vocabulary both models score, exactly as the engine computes them.
+``draft_entropy_i`` is SVIP's entropy of the same draft position: natural log, full (shared)
+vocabulary, softmax of logits / temperature (raw softmax under greedy), so that the column
+equals what the SVIP policy thresholds at inference. The entropy of the warped q would be 0 under
+greedy decoding and truncated under top-k, so it could not explain SVIP's decisions.
+
+Batches are left-padded with an attention mask and explicit position ids. Every prompt has its
+own ``torch.Generator`` (see :func:`prompt_generator`) and draws from it in the same order
+whether it runs alone or in a batch, so results do not depend on batch composition or sharding
+(up to floating-point rounding of the padded matmuls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .models import output_vocab_size
+from .sampling import SamplingConfig, entropy, sample, warp
+from .verify import acceptance_ratio
+
+
+@dataclass
+class TokenLabels:
+    """Labels of one response, one entry per response token X_i."""
+
+    draft_ids: torch.Tensor      # [N] long: Y_i ~ q_i
+    p_acc: torch.Tensor          # [N] float32: min(1, p_i(Y_i) / q_i(Y_i))
+    draft_entropy: torch.Tensor  # [N] float32: SVIP's H(q_i), full vocabulary, nats
+
+
+def prompt_generator(seed: int, prompt_id: str, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded from (seed, prompt id) only: the same prompt gets the same draws
+    in any batch, shard or resumed run."""
+    digest = hashlib.sha256(f"{int(seed)}:{prompt_id}".encode()).digest()
+    return torch.Generator(device=torch.device(device)).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def shared_vocab(draft, target) -> int:
+    """Number of token ids both models score (the engine's convention)."""
+    return min(output_vocab_size(draft), output_vocab_size(target))
+
+
+def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 0):
+    """Left-pad token lists; return ``(input_ids, attention_mask, position_ids)``, each [B, L]."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("left_pad: every sequence needs at least one token")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[b, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+@torch.no_grad()
+def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                     max_new_tokens: int, generators: Sequence[torch.Generator],
+                     eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
+                     on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Sample one response per prompt from ``warp(target logits)``, all prompts in one batch.
+
+    A row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens; finished
+    rows leave the batch and its KV cache. ``on_tokens(n)`` is called after each step with the
+    number of tokens just sampled (for progress bars).
+    """
+    if len(generators) != len(prompts):
+        raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    device = target.device
+    vocab = vocab or output_vocab_size(target)
+    eos = _eos_set(eos_token_id)
+    ids, mask, positions = left_pad(prompts, device)
+    cache = _new_cache(target)
+    responses: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))  # batch position -> prompt index
+    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
+    while True:
+        probs = warp(logits, sampling)
+        tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
+        keep, next_ids = [], []
+        for b, (i, token) in enumerate(zip(rows, tokens)):
+            responses[i].append(token)
+            if token not in eos and len(responses[i]) < max_new_tokens:
+                keep.append(b)
+                next_ids.append(token)
+        if on_tokens is not None:
+            on_tokens(len(rows))
+        if not keep:
+            return responses
+        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, positions = mask[index], positions[index]
+            rows = [rows[b] for b in keep]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+        positions = positions[:, -1:] + 1
+        step = torch.tensor(next_ids, device=device).unsqueeze(-1)
+        logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
+
+
+def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                    vocab: int) -> list[torch.Tensor]:
+    """One batched forward over prompt + response; for each row the logits [N, vocab] that
+    predict response token 1..N (position i sees the prompt and X_<i)."""
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("response_logits: every response needs at least one token")
+    seqs = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
+    ids, mask, positions = left_pad(seqs, model.device)
+    n_max = max(len(r) for r in responses)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=n_max).logits[..., :vocab]
+    return [logits[b, n_max - len(r):] for b, r in enumerate(responses)]
+
+
+@torch.no_grad()
+def label_responses(draft, target, prompts: Sequence[Sequence[int]],
+                    responses: Sequence[Sequence[int]], sampling: SamplingConfig,
+                    generators: Sequence[torch.Generator], vocab: int | None = None) -> list[TokenLabels]:
+    """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
+
+    One draft forward and one target forward for the whole batch. ``generators[b]`` draws
+    row b's Y (continue the generator used for its response, or a fresh one).
+    """
+    if not (len(prompts) == len(responses) == len(generators)):
+        raise ValueError(f"label_responses: {len(prompts)} prompts, {len(responses)} responses and "
+                         f"{len(generators)} generators must match")
+    vocab = vocab or shared_vocab(draft, target)
+    draft_logits = response_logits(draft, prompts, responses, vocab)
+    target_logits = response_logits(target, prompts, responses, vocab)
+    labels = []
+    for d_logits, t_logits, gen in zip(draft_logits, target_logits, generators):
+        q = warp(d_logits, sampling)
+        y = sample(q, gen)
+        p = warp(t_logits, sampling)
+        labels.append(TokenLabels(draft_ids=y, p_acc=acceptance_ratio(p, q, y).float(),
+                                  draft_entropy=entropy(d_logits, sampling.temperature).float()))
+    return labels
