@@ -1,0 +1,132 @@
+"""Hugging Face assisted generation (``target.generate(assistant_model=draft)``) in our harness.
+
+transformers decides the candidate lengths; we only count and time. Forward hooks on the two
+models count their forward passes (N_draft, N_target) and time them (synchronising CUDA), the
+draft passes between two target passes give the round's candidate length, and a streamer sees
+each round's accepted tokens. Wall time is taken around ``generate`` with the same clock as the
+engine. The modes map to transformers' generation-config keys on the assistant:
+
+- ``constant``: num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0
+- ``heuristic``: schedule "heuristic" (+2 after a fully accepted round, else -1, floor 1)
+- ``confidence``: schedule "constant" with num_assistant_tokens as the cap, and drafting stops
+  when the draft's probability of its token falls below assistant_confidence_threshold
+  (transformers adapts that threshold during generation only when scikit-learn is installed)
+
+The assistant's settings are reset before every prompt, so every prompt starts from the
+configured values (transformers otherwise carries the heuristic's length over between calls).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdecpp.engine import RunStats
+from specdecpp.sampling import SamplingConfig
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class _ForwardMeter:
+    """Counts and times the forward passes of one model through hooks."""
+
+    def __init__(self, model, clock: _Clock, on_call=None) -> None:
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self.clock, self.on_call = clock, on_call
+        self.handles = [model.register_forward_pre_hook(self._pre),
+                        model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args):
+        if self.on_call is not None:
+            self.on_call()
+        self._start = self.clock.now()
+
+    def _post(self, module, args, output):
+        self.seconds += self.clock.now() - self._start
+        self.calls += 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _RoundStreamer:
+    """transformers streams the prompt first, then each round's accepted tokens plus one."""
+
+    def __init__(self) -> None:
+        self.puts: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class HFAssistedRunner:
+    timed = True
+
+    def __init__(self, draft, target, sampling: SamplingConfig, mode: str, num_assistant_tokens: int,
+                 confidence_threshold: float = 0.0) -> None:
+        self.draft, self.target, self.sampling = draft, target, sampling
+        self.assistant_settings = {
+            "num_assistant_tokens": num_assistant_tokens,
+            "num_assistant_tokens_schedule": "heuristic" if mode == "heuristic" else "constant",
+            "assistant_confidence_threshold": confidence_threshold if mode == "confidence" else 0.0,
+        }
+        self.clock = _Clock(target.device)
+
+    def _generation_config(self, max_new_tokens: int, eos_token_id):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        pad = eos_token_id if isinstance(eos_token_id, int) else 0
+        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
+                  pad_token_id=pad, do_sample=not s.greedy)
+        if not s.greedy:
+            kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        return GenerationConfig(**kw)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
+        for key, value in self.assistant_settings.items():
+            setattr(self.draft.generation_config, key, value)
+        config = self._generation_config(max_new_tokens, eos_token_id)
+        streamer = _RoundStreamer()
+        draft_meter = _ForwardMeter(self.draft, self.clock)
+        candidate_lengths: list[int] = []
+        seen = [0]
+
+        def round_started():  # a target pass closes the drafting of one round
+            candidate_lengths.append(draft_meter.calls - seen[0])
+            seen[0] = draft_meter.calls
+
+        target_meter = _ForwardMeter(self.target, self.clock, on_call=round_started)
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        try:
+            t0 = self.clock.now()
+            out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                       assistant_model=self.draft, generation_config=config,
+                                       streamer=streamer)
+            wall = self.clock.now() - t0
+        finally:
+            draft_meter.remove()
+            target_meter.remove()
+        output_ids = out[0, prompt_ids.shape[1]:].tolist()
+        accept_lengths = [n - 1 for n in streamer.puts[1:]]
+        stats = RunStats(
+            n_generated=len(output_ids), n_target_calls=target_meter.calls,
+            n_draft_calls=draft_meter.calls,
+            n_discarded=sum(candidate_lengths) - sum(accept_lengths),
+            accept_lengths=accept_lengths, candidate_lengths=candidate_lengths,
+            draft_time_s=draft_meter.seconds, target_time_s=target_meter.seconds, wall_time_s=wall)
+        return output_ids, stats

@@ -1,0 +1,177 @@
+"""Stopping methods from config: check them before any model loads, then build a runner.
+
+A runner has ``timed`` (whether its times are measurements) and
+``generate(prompt_ids, max_new_tokens, seed, eos_token_id) -> (output_ids, RunStats)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, SpeculativeDecoder, TargetOnly
+from specdecpp.engine import RunStats
+from specdecpp.sampling import SamplingConfig
+
+METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted", "oracle")
+HF_MODES = ("constant", "heuristic", "confidence")
+
+
+@dataclass
+class MethodSpec:
+    """A checked method: its name, the settings recorded in every row, the file-name tag."""
+
+    name: str
+    settings: dict
+    tag: str
+    head: AcceptanceHead | None = field(default=None, repr=False)
+
+
+def _threshold(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"method {name}: method.threshold must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _count(name: str, key: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"method {name}: method.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def draft_hidden_size(draft_ref: str) -> int | None:
+    """The draft's hidden size from its config alone (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    from specdecpp.models import _source
+
+    src, kw = _source(draft_ref)
+    try:
+        config = AutoConfig.from_pretrained(src, **kw)
+    except OSError as exc:
+        raise FileNotFoundError(f"could not read the config of draft {draft_ref!r}: {exc}") from exc
+    size = getattr(config, "hidden_size", None)
+    return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model references name the same model (local paths compared resolved)."""
+    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
+    """Load the head of ``method.head`` and check it fits the draft, before the models load."""
+    head_path = m.get("head")
+    if not head_path:
+        raise ValueError("method specdecpp: set method.head to a head directory (heads/<experiment>, "
+                         "written by `python -m train +experiment=...`)")
+    head = AcceptanceHead.from_pretrained(str(head_path))
+    size = draft_hidden_size(draft_ref)
+    if size != head.hidden_size:
+        raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
+                         f"draft {head.draft!r}) but draft {draft_ref!r} has hidden_size {size}: "
+                         "train a head for this draft or use the draft the head was trained on")
+    if head.draft and not _same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
+        raise ValueError(f"method.head {str(head_path)!r} was trained on draft {head.draft!r}, but "
+                         f"pair.draft is {draft_ref!r}. Use the matching draft, or pass "
+                         "method.allow_draft_mismatch=true if they are the same model under two names")
+    return head
+
+
+def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
+    """Check a ``method`` config node (no model is loaded; a head is loaded and checked)."""
+    name = m.get("name")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)} "
+                         "(method=<name> on the command line)")
+    if name == "target_only":
+        return MethodSpec(name, {}, "base")
+    if name == "fixed_k":
+        k = _count(name, "k", m.get("k"))
+        return MethodSpec(name, {"k": k}, f"k{k}")
+    if name == "svip":
+        h = _threshold(name, m.get("threshold"))
+        c = m.get("c")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+            raise ValueError(f"method svip: method.c must be a number > 0, got {c!r}")
+        mx = _count(name, "max_candidates", m.get("max_candidates"))
+        return MethodSpec(name, {"threshold": h, "c": float(c), "max_candidates": mx},
+                          f"h{_num(h)}_c{_num(c)}_max{mx}")
+    if name == "specdecpp":
+        h = _threshold(name, m.get("threshold"))
+        lo = _count(name, "min_candidates", m.get("min_candidates"))
+        hi = _count(name, "max_candidates", m.get("max_candidates"))
+        if lo > hi:
+            raise ValueError(f"method specdecpp: method.min_candidates ({lo}) > method.max_candidates ({hi})")
+        head = load_checked_head(m, draft_ref)
+        head_name = Path(str(m.get("head")).rstrip("/")).name
+        settings = {"head": str(m.get("head")), "head_depth": head.depth, "threshold": h,
+                    "min_candidates": lo, "max_candidates": hi}
+        return MethodSpec(name, settings, f"{head_name}_h{_num(h)}_min{lo}_max{hi}", head)
+    if name == "hf_assisted":
+        mode = m.get("mode")
+        if mode not in HF_MODES:
+            raise ValueError(f"method hf_assisted: method.mode must be one of {', '.join(HF_MODES)}, got {mode!r}")
+        n = _count(name, "num_assistant_tokens", m.get("num_assistant_tokens"))
+        settings = {"mode": mode, "num_assistant_tokens": n}
+        tag = f"{mode}_n{n}"
+        if mode == "confidence":
+            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"))
+            tag += f"_c{_num(settings['confidence_threshold'])}"
+        return MethodSpec(name, settings, tag)
+    if not sampling.greedy:  # oracle
+        raise ValueError("method oracle is defined for greedy decoding only: add sampling=greedy")
+    return MethodSpec(name, {}, "oracle")
+
+
+class EngineRunner:
+    """Our engine (specdecpp.SpeculativeDecoder) with one stop policy."""
+
+    timed = True
+
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.decoder = decoder
+
+    def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
+        out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
+                                    eos_token_id=eos_token_id)
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats
+
+
+def _policy(spec: MethodSpec):
+    s = spec.settings
+    if spec.name == "target_only":
+        return TargetOnly()
+    if spec.name == "fixed_k":
+        return FixedK(s["k"])
+    if spec.name == "svip":
+        return SVIP(s["threshold"], c=s["c"], max_candidates=s["max_candidates"])
+    return SpecDecPP(spec.head, s["threshold"], s["min_candidates"], s["max_candidates"])
+
+
+def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig):
+    if spec.name == "hf_assisted":
+        from .hf_assisted import HFAssistedRunner
+
+        return HFAssistedRunner(draft, target, sampling, **spec.settings)
+    if spec.name == "oracle":
+        from .oracle import OracleRunner
+
+        return OracleRunner(draft, target, sampling)
+    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling))
+
+
+__all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "RunStats", "build_runner",
+           "resolve_method"]
