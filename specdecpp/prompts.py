@@ -42,8 +42,8 @@ def load_prompts(source: str, split: str | None = "test", limit: int | None = No
                  path: str | os.PathLike | None = None) -> list[Prompt]:
     """The prompts of ``source``'s ``split`` in a fixed order; the first ``limit`` of them if given.
 
-    ``path`` is the file for ``jsonl``; for the hub sources it may name a local copy that
-    ``datasets.load_dataset`` can read (a dataset directory or hub id) instead of the default hub id.
+    ``path`` is the file for ``jsonl``; for the hub sources it may name a local copy instead of the
+    default hub id: a .json/.jsonl/.parquet/.csv file, a dataset directory, or another hub id.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit must be a positive integer or None; got {limit!r}")
@@ -141,22 +141,35 @@ def hub_reachable() -> bool:
         return False
 
 
-def _load_hub(source: str, hub_id: str, path, **kwargs):
-    """``datasets.load_dataset`` on ``path`` (a local copy) or ``hub_id``; a clear error offline."""
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _load_hub(source: str, hub_id: str, path, split: str, config: str | None = None):
+    """One split of ``hub_id``, or of the local copy ``path``: a data file (.json/.jsonl/.parquet/
+    .csv, read whole), a dataset directory, or another hub id. A clear error when offline."""
     import datasets
 
     name = str(path) if path is not None else hub_id
-    is_local = path is not None and Path(os.path.expanduser(str(path))).exists()
-    if not is_local and not hub_reachable() and not datasets.config.HF_HUB_OFFLINE:
+    local = Path(os.path.expanduser(name))
+    if local.is_file():
+        if local.suffix not in _FILE_BUILDERS:
+            raise ValueError(f"prompt source {source!r}: cannot read {name!r}; a local copy must be "
+                             f"a {'/'.join(_FILE_BUILDERS)} file or a dataset directory")
+        return datasets.load_dataset(_FILE_BUILDERS[local.suffix], data_files=str(local), split="train")
+    if local.is_dir():
+        has_config = config is not None and (local / config).is_dir()
+        return datasets.load_dataset(str(local), data_dir=config if has_config else None, split=split)
+    if not hub_reachable() and not datasets.config.HF_HUB_OFFLINE:
         raise ConnectionError(
             f"prompt source {source!r} needs the Hugging Face hub ({name!r}), which is unreachable "
-            "from here; use prompts=bundled, or prompts=jsonl with prompts.path=FILE.jsonl, or pass "
-            "prompts.path=DIR pointing at a local copy of the dataset")
+            "from here; use prompts=bundled, or prompts=jsonl with prompts.path=FILE.jsonl, or set "
+            "prompts.path to a local copy of the dataset (a data file or a dataset directory)")
     try:
-        return datasets.load_dataset(os.path.expanduser(name) if is_local else name, **kwargs)
+        return datasets.load_dataset(name, name=config, split=split)
     except Exception as exc:
-        raise ConnectionError(f"prompt source {source!r}: could not load {name!r} ({exc}); use "
-                              "prompts=bundled or prompts=jsonl with a local file instead") from exc
+        raise ConnectionError(f"prompt source {source!r}: could not load {name!r} from the hub "
+                              f"({exc}); use prompts=bundled or prompts=jsonl with a local file, or "
+                              "set prompts.path to a local copy") from exc
 
 
 def _alpaca(split, path) -> list[Prompt]:
@@ -168,14 +181,14 @@ def _alpaca(split, path) -> list[Prompt]:
     if len(rows) < needed:
         raise ValueError(f"alpaca copy {path or 'tatsu-lab/alpaca'!r} has {len(rows)} rows; the "
                          f"40k/10k/2k split needs at least {needed}")
-    order = np.random.default_rng(ALPACA_SEED).permutation(len(rows))
+    order = np.random.default_rng(ALPACA_SEED).permutation(len(rows)).tolist()
     start = {"train": 0, "dev": 40_000, "test": 50_000}[split]
-    picked = order[start:start + ALPACA_SPLIT_SIZES[split]].tolist()
+    columns = rows.select_columns(["instruction", "input"]).to_dict()
+    instructions, inputs = columns["instruction"], columns["input"]
     out = []
-    for i in picked:
-        row = rows[i]
-        text = row["instruction"] + ("\n\n" + row["input"] if row["input"].strip() else "")
-        out.append(Prompt(f"alpaca-{i}", text))
+    for i in order[start:start + ALPACA_SPLIT_SIZES[split]]:
+        extra = (inputs[i] or "").strip()
+        out.append(Prompt(f"alpaca-{i}", instructions[i] + ("\n\n" + inputs[i] if extra else "")))
     return out
 
 
@@ -208,7 +221,7 @@ def _task_number(task_id: str) -> int:
 
 def _gsm8k(split, path) -> list[Prompt]:
     _check_split("gsm8k", split, ("train", "test"))
-    rows = _load_hub("gsm8k", "openai/gsm8k", path, name="main", split=split)
+    rows = _load_hub("gsm8k", "openai/gsm8k", path, split=split, config="main")
     return [Prompt(f"gsm8k-{split}-{i}", r["question"]) for i, r in enumerate(rows)]
 
 
