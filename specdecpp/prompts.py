@@ -122,7 +122,8 @@ def hub_offline() -> bool:
     """HF_HUB_OFFLINE as set now (the environment) or when huggingface_hub was imported."""
     from huggingface_hub import constants
 
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    flag = os.environ.get("HF_HUB_OFFLINE", "").upper()
+    return constants.HF_HUB_OFFLINE or flag in {"1", "ON", "YES", "TRUE"}
 
 
 def hub_reachable() -> bool:

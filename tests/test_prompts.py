@@ -243,9 +243,8 @@ def test_prompt_configs_compose(name):
     with initialize_config_dir(config_dir=str(CONF / "prompts"), version_base="1.3"):
         cfg = compose(config_name=name)
     assert set(cfg) == {"name", "source", "split", "limit", "path"}
-    assert cfg.name == name and cfg.source == name and cfg.split == "test" and cfg.limit is None
-    if name != "jsonl":
-        assert cfg.path is None
+    assert cfg.name == name and cfg.source == name and cfg.split == "test"
+    assert cfg.limit is None and cfg.path is None
 
 
 def test_encode_prompt_applies_the_chat_template(chat_tokenizer):
