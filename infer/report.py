@@ -1,0 +1,107 @@
+"""python -m infer.report RESULTS_DIR [--out reports/NAME]
+
+Reads every result file under RESULTS_DIR and writes report.md, summary.json and PNG plots (one
+Pareto plot and one throughput plot per pair / prompt set / sampling group) to the out
+directory, and prints the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from .plots import pareto_plot, throughput_plot
+from .results import read_result_dir
+from .summary import summarize_results
+
+COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "Eq. 2.3 tokens/s", "measured/Eq. 2.3",
+           "mean accepted", "discard rate", "verification rate")
+
+
+def _f(x, digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _settings(e: dict) -> str:
+    shown = {k: v for k, v in e["settings"].items() if k not in ("head_depth",)}
+    return " ".join(f"{k}={v}" for k, v in shown.items()) or "-"
+
+
+def group_table(group: dict) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for e in group["entries"]:
+        speedup = (_f(e["speedup"], suffix="x") if e["timed"]
+                   else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
+        lines.append("| " + " | ".join([
+            e["method"], _settings(e), str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
+            _f(e["predicted_tokens_per_s"]), _f(e["measured_over_predicted"]),
+            _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def fit_line(group: dict) -> str:
+    fit = group["fit"]
+    if fit is None:
+        return ("Cost model (Eq. 2.1): not fitted; it needs timed rows of our engine whose "
+                "(N_draft, N_target) vary independently, e.g. target_only beside fixed_k runs.")
+    return (f"Cost model (Eq. 2.1, least squares over {fit['n_rows']} engine rows): "
+            f"t_draft = {fit['t_draft'] * 1e3:.3f} ms, t_target = {fit['t_target'] * 1e3:.3f} ms, "
+            f"R^2 = {fit['r2']:.3f}; t_draft / t_target = {fit['t_draft'] / fit['t_target']:.3f}.")
+
+
+def _slug(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts)).strip("-")
+
+
+def build_report(results_dir: str | Path, out_dir: str | Path) -> dict:
+    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries."""
+    rows = read_result_dir(Path(results_dir))
+    groups = summarize_results(rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections, images = [f"# Inference report: {results_dir}\n"], []
+    for g in groups:
+        slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"])
+        pngs = [pareto_plot(g, out / f"pareto_{slug}.png"), throughput_plot(g, out / f"throughput_{slug}.png")]
+        images += pngs
+        sections += [
+            f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
+            f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
+        ]
+        if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):
+            sections.append("No oracle rows: add them with `python -m infer method=oracle sampling=greedy` "
+                            "and the same pair, prompts and out.\n")
+        sections += [f"![{p.stem}]({p.name})\n" for p in pngs]
+    sections.append(
+        "Columns: tokens/s = total generated tokens / total wall time; speedup over target_only in the "
+        "same table; Eq. 2.3 tokens/s = 1 / (t_draft + t_draft*discard + (t_target - t_draft)*verification) "
+        "with the fitted costs; measured/Eq. 2.3 < 1 is time spent outside model forward passes "
+        "(engine overhead); mean accepted = accepted candidates per round; discard rate = "
+        "N_discarded / N; verification rate = N_target / N (rates pooled over prompts). "
+        "The oracle (greedy only) is counted, not timed: its speedup is Eq. 2.3's.\n")
+    report = "\n".join(sections)
+    (out / "report.md").write_text(report)
+    (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")
+    return {"report": out / "report.md", "summary": out / "summary.json", "images": images,
+            "groups": groups, "text": report}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m infer.report", description=__doc__.split("\n\n")[1])
+    parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
+    parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
+    args = parser.parse_args(argv)
+    out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))
+    try:
+        result = build_report(args.results_dir, out)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    print(result["text"])
+    print(f"wrote {result['report']}, {result['summary']} and {len(result['images'])} PNG files")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""python -m infer.sweep [overrides]: the paper's whole comparison in one process.
+
+Every entry of ``cfg.comparison`` (method -> settings; a list is a grid) becomes one run with the
+same pair, prompts, sampling and seeds. All runs are checked first, then the models are loaded
+once and shared. Each run writes its own result file, resumable like ``python -m infer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from .app import execute, load_models, prepare, summarize
+from .methods import METHODS
+
+log = logging.getLogger(__name__)
+METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
+
+
+def expand_comparison(comparison) -> list[DictConfig]:
+    """Method configs of every grid point: conf/method/<name>.yaml merged with the entry."""
+    configs = []
+    for name, entry in (comparison or {}).items():
+        if name not in METHODS:
+            raise ValueError(f"comparison.{name}: unknown method; choose among {', '.join(METHODS)}")
+        entry = entry or {}
+        fixed = {k: v for k, v in entry.items() if not isinstance(v, ListConfig | list)}
+        grid = {k: list(v) for k, v in entry.items() if isinstance(v, ListConfig | list)}
+        if any(not values for values in grid.values()):
+            raise ValueError(f"comparison.{name}: an empty grid {grid}")
+        base = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
+        for point in itertools.product(*grid.values()):
+            configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point))))
+    return configs
+
+
+def run(cfg) -> list[dict]:
+    """Run every method of ``cfg.comparison``; return one summary per run."""
+    jobs = []
+    for method in expand_comparison(cfg.comparison):
+        if method.name == "oracle" and float(cfg.sampling.temperature) != 0:
+            log.warning("comparison.oracle skipped: the oracle needs greedy decoding (sampling=greedy)")
+            continue
+        sub = cfg.copy()
+        with open_dict(sub):
+            sub.method = method
+        jobs.append(prepare(sub))  # every check before any model loads
+    summaries = []
+    for job in jobs:
+        if not job.todo:
+            log.info("%s is complete; skipped", job.path)
+            summaries.append(summarize(job))
+            continue
+        summaries.append(execute(job, load_models(job.pair)))
+    return summaries
+
+
+@hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
+def main(cfg) -> None:
+    for s in run(cfg):
+        tps = f"{s['tokens_per_s']:.2f}" if s["tokens_per_s"] is not None else "-"
+        print(f"{s['method']:>12} {s['tag']:<28} rows {s['rows']:>4}  tokens/s {tps:>8}  {s['path']}")
+
+
+if __name__ == "__main__":
+    main()
