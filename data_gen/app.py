@@ -45,7 +45,7 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = tqdm(total=total, unit="prompt", desc="data_gen", disable=not enabled)
-        self.tokens, self.start = 0, time.perf_counter()
+        self.tokens, self.prompts, self.start = 0, 0, time.perf_counter()
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
@@ -53,6 +53,7 @@ class _Progress:
                                  refresh=False)
 
     def add_prompts(self, n: int) -> None:
+        self.prompts += n
         self.bar.update(n)
 
 
@@ -127,6 +128,7 @@ def run(cfg: DictConfig) -> DataGenResult:
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     prompts = load_split_prompts(cfg)
     shards, counts = plan_shards(prompts, cfg.shard_size), shard_counts(prompts, cfg.shard_size)
+    mine = owned_shards(shards, cfg.shard.index, cfg.shard.count)
     existing = _check_out_dir(out)
     if existing is not None:
         check_resumable(str(out), existing, settings_meta(cfg))
@@ -152,8 +154,7 @@ def run(cfg: DictConfig) -> DataGenResult:
     else:
         write_meta(out, meta)
 
-    todo = [s for s in owned_shards(shards, cfg.shard.index, cfg.shard.count)
-            if not shard_done(out, s.split, s.index)]
+    todo = [s for s in mine if not shard_done(out, s.split, s.index)]
     log.info("%s: %d shard(s) to label for process %d/%d", out, len(todo), cfg.shard.index, cfg.shard.count)
     datasets.disable_progress_bars()
     progress = _Progress(sum(len(s.prompts) for s in todo), enabled=cfg.progress)
@@ -163,7 +164,7 @@ def run(cfg: DictConfig) -> DataGenResult:
                            vocab=vocab, progress=progress)
         save_shard(out, shard.split, shard.index, rows)
     progress.bar.close()
-    result = DataGenResult(out, complete=False, n_prompts=progress.bar.n, n_tokens=progress.tokens,
+    result = DataGenResult(out, complete=False, n_prompts=progress.prompts, n_tokens=progress.tokens,
                            elapsed_s=time.perf_counter() - progress.start)
     pending = sum(not shard_done(out, s.split, s.index) for s in shards)
     if pending:

@@ -1,0 +1,330 @@
+"""data_gen: labels against an independent recomputation, resume, sharding, batching, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_lm
+from hydra import compose, initialize_config_dir
+
+import data_gen.app
+from data_gen import run
+from specdecpp.dataset import (FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta)
+from specdecpp.labels import label_responses, left_pad, prompt_generator, sample_responses
+from specdecpp.models import load_model
+from specdecpp.prompts import encode_prompt
+from specdecpp.sampling import SamplingConfig, sample, warp
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
+PROMPTS = [("t0", "train", "Write a short poem about the sea."),
+           ("t1", "train", "Explain how a binary search works, step by step, for a beginner."),
+           ("t2", "train", "What is 12 times 7?"),
+           ("t3", "train", "def add(a, b):"),
+           ("t4", "train", "Give three tips for staying healthy."),
+           ("d0", "dev", "The quick brown fox jumps over the lazy dog."),
+           ("d1", "dev", "Speculative decoding drafts tokens with a small model.")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, above all on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
+    return path
+
+
+def make_cfg(tiny_pair, prompts_file, out, *overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("data_gen", overrides=[
+            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "pair.device=cpu",
+            "prompts=jsonl", f"prompts.path={prompts_file}", "splits=[train,dev]", f"out={out}",
+            "max_new_tokens=8", "shard_size=2", "batch_size=2", "progress=false", *overrides])
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_pair, prompts_file, tmp_path_factory):
+    """One uninterrupted run: shards train 0,1,2 and dev 0, two prompts per batch."""
+    out = tmp_path_factory.mktemp("baseline") / "data"
+    result = run(make_cfg(tiny_pair, prompts_file, out))
+    assert result.complete and result.rows == {"train": 5, "dev": 2}
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    return load_model(tiny_pair.draft, "cpu"), load_model(tiny_pair.target, "cpu")
+
+
+def assert_same_data(a, b, exact=True):
+    (da, ma), (db, mb) = load_labelled(a), load_labelled(b)
+    assert set(da) == set(db)
+    for split in da:
+        ra, rb = da[split].to_list(), db[split].to_list()
+        assert [r["id"] for r in ra] == [r["id"] for r in rb]
+        for x, y in zip(ra, rb):
+            for col in ("id", "prompt", "prompt_ids", "target_ids", "draft_ids"):
+                assert x[col] == y[col], (split, x["id"], col)
+            for col in ("p_acc", "draft_entropy"):
+                if exact:
+                    assert x[col] == y[col], (split, x["id"], col)
+                else:
+                    torch.testing.assert_close(torch.tensor(x[col]), torch.tensor(y[col]), atol=1e-5, rtol=1e-5)
+    assert ma["rows"] == mb["rows"]
+
+
+def recompute_row(row, draft, target, sampling, seed, max_new_tokens, eos):
+    """A straightforward reference: one full forward per prefix, no cache, no batch, no padding."""
+    gen = prompt_generator(seed, row["id"])
+    prefix, response = list(row["prompt_ids"]), []
+    while len(response) < max_new_tokens and (not response or response[-1] != eos):
+        logits = target(torch.tensor([prefix + response])).logits[0, -1]
+        response.append(int(sample(warp(logits, sampling), gen)))
+    draft_logits = torch.stack([draft(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
+    target_logits = torch.stack([target(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
+    q, p = warp(draft_logits, sampling), warp(target_logits, sampling)
+    y = sample(q, gen)
+    rows = torch.arange(len(response))
+    p_acc = torch.clamp(p[rows, y] / q[rows, y], max=1.0)
+    t = sampling.temperature or 1.0
+    logq_raw = torch.log_softmax(draft_logits / t, -1)
+    return {"target_ids": response, "draft_ids": y.tolist(), "p_acc": p_acc,
+            "draft_entropy": -(logq_raw.exp() * logq_raw).sum(-1)}
+
+
+def check_against_reference(out, models, tiny_pair, sampling):
+    splits, meta = load_labelled(out)
+    draft, target = models
+    assert meta["sampling"] == sampling.to_dict()
+    n = 0
+    for split in splits:
+        for row in splits[split]:
+            assert row["prompt_ids"] == encode_prompt(tiny_pair.tokenizer, row["prompt"])
+            ref = recompute_row(row, draft, target, sampling, meta["seed"], meta["max_new_tokens"],
+                                tiny_pair.tokenizer.eos_token_id)
+            assert row["target_ids"] == ref["target_ids"]
+            assert row["draft_ids"] == ref["draft_ids"]
+            torch.testing.assert_close(torch.tensor(row["p_acc"]), ref["p_acc"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.tensor(row["draft_entropy"]), ref["draft_entropy"], atol=1e-4, rtol=1e-5)
+            n += len(row["p_acc"])
+    return splits, n
+
+
+def test_labels_equal_an_independent_recomputation(baseline, models, tiny_pair):
+    splits, n = check_against_reference(baseline, models, tiny_pair, SamplingConfig(1.0, 50, 1.0))
+    assert [r["id"] for r in splits["train"]] == ["t0", "t1", "t2", "t3", "t4"]
+    assert [r["id"] for r in splits["dev"]] == ["d0", "d1"]
+    assert n == 7 * 8  # no EOS sampled by these random models at this length
+    p_acc = torch.tensor([v for r in splits["train"] for v in r["p_acc"]])
+    assert p_acc.min() >= 0 and p_acc.max() <= 1 and p_acc.std() > 0
+
+
+def test_meta_describes_the_run(baseline, tiny_pair, prompts_file):
+    _, meta = load_labelled(baseline)
+    assert meta["draft"] == tiny_pair.draft and meta["target"] == tiny_pair.target
+    assert meta["draft_hidden_size"] == tiny_pair.draft_hidden and meta["vocab_size"] == tiny_pair.vocab
+    assert meta["prompts"]["source"] == "jsonl" and meta["prompts"]["path"] == str(prompts_file)
+    assert meta["prompts"]["splits"] == ["train", "dev"]
+    assert meta["seed"] == 0 and meta["max_new_tokens"] == 8 and meta["complete"] is True
+    assert meta["code_version"].startswith("0.") and meta["created"]
+    assert not (baseline / "shards").exists()
+
+
+def test_greedy_labels_are_zero_or_one(tiny_pair, prompts_file, models, tmp_path):
+    out = tmp_path / "greedy"
+    run(make_cfg(tiny_pair, prompts_file, out, "sampling=greedy", "limit={train:3,dev:1}"))
+    splits, n = check_against_reference(out, models, tiny_pair, SamplingConfig(0.0))
+    assert n == 4 * 8
+    p_acc = {v for s in splits.values() for r in s for v in r["p_acc"]}
+    assert p_acc <= {0.0, 1.0}
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_pair, prompts_file, baseline, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    calls = []
+    real = data_gen.app.label_responses
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # shard train/0 is saved, shard train/1 dies before it is
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_gen.app, "label_responses", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(tiny_pair, prompts_file, out))
+    with pytest.raises(DatasetError, match="did not finish: rerun the same command to resume"):
+        load_labelled(out)
+
+    calls.clear()
+    monkeypatch.setattr(data_gen.app, "label_responses", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    result = run(make_cfg(tiny_pair, prompts_file, out))
+    assert result.complete and result.n_prompts == 5  # shard train/0 (2 prompts) was not redone
+    assert len(calls) == 3
+    assert_same_data(baseline, out)
+    assert run(make_cfg(tiny_pair, prompts_file, out)).n_prompts == 0  # a finished run is not redone
+
+
+def test_two_shard_processes_equal_a_single_run(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "sharded"
+    first = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    assert not first.complete and first.n_prompts == 4  # shards train/1 and dev/0
+    with pytest.raises(DatasetError, match="did not finish"):
+        load_labelled(out)
+    second = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    assert second.complete and second.n_prompts == 3  # shards train/0 and train/2
+    assert_same_data(baseline, out)
+
+
+def test_batched_equals_one_prompt_at_a_time(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "single"
+    run(make_cfg(tiny_pair, prompts_file, out, "batch_size=1", "shard_size=7"))
+    assert_same_data(baseline, out, exact=False)
+
+
+def test_consolidate_only_finishes_a_sharded_run(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "consolidate"
+    assert not run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2")).complete
+    (out / data_gen.app.LOCK_FILE).touch()  # as if another process were consolidating
+    assert not run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2")).complete
+    (out / data_gen.app.LOCK_FILE).unlink()
+    result = run(make_cfg(tiny_pair, prompts_file, out, "consolidate_only=true"))
+    assert result.complete and result.n_prompts == 0
+    assert_same_data(baseline, out)
+
+
+def test_sample_responses_batched_with_eos_equals_single():
+    """Rows that stop at different steps leave the batch; the rest are unaffected."""
+    target = tiny_lm(40, 32, 2, seed=5, scale=0.5)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    eos = set(range(30, 40))
+    cfg = SamplingConfig(1.0)
+    batched = sample_responses(target, prompts, cfg, 12, [prompt_generator(3, str(i)) for i in range(4)], eos)
+    single = [sample_responses(target, [p], cfg, 12, [prompt_generator(3, str(i))], eos)[0]
+              for i, p in enumerate(prompts)]
+    assert batched == single
+    lengths = [len(r) for r in batched]
+    assert min(lengths) < 12  # some row stopped early at EOS
+    for r in batched:
+        assert all(t not in eos for t in r[:-1]) and (len(r) == 12 or r[-1] in eos)
+    labels = label_responses(tiny_lm(40, 16, 1, seed=6, scale=0.5), target, prompts, batched, cfg,
+                             [prompt_generator(4, str(i)) for i in range(4)])
+    assert [len(lab.p_acc) for lab in labels] == lengths
+
+
+def test_left_pad_masks_and_positions():
+    ids, mask, pos = left_pad([[7, 8, 9], [5]], torch.device("cpu"))
+    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_changed_settings_against_existing_out_is_an_error(tiny_pair, prompts_file, baseline):
+    with pytest.raises(ValueError, match=r"other settings \(seed: existing 0 vs now 1\)"):
+        run(make_cfg(tiny_pair, prompts_file, baseline, "seed=1"))
+    with pytest.raises(ValueError, match="sampling"):
+        run(make_cfg(tiny_pair, prompts_file, baseline, "sampling=greedy"))
+
+
+def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        run(make_cfg(tiny_pair, prompts_file, out, "pair.draft=/no/such/model"))
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tiny_pair.draft, other)
+    tok = tiny_pair.tokenizer.__class__.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={other}"))
+    with pytest.raises(ValueError, match="limit=6 is larger than the 5 prompts"):
+        run(make_cfg(tiny_pair, prompts_file, out, "limit=6"))
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        run(make_cfg(tiny_pair, prompts_file, out, "max_new_tokens=0"))
+    with pytest.raises(ValueError, match="shard.index=2 / shard.count=2"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=2", "shard.count=2"))
+    assert not out.exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a data_gen output"):
+        run(make_cfg(tiny_pair, prompts_file, foreign))
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_jsonl_without_splits_is_one_train_split(tiny_pair, tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"id": "a", "prompt": "Hello there"}\n{"oops"\n\n{"id": "b", "prompt": "Tell me a joke"}\n')
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="'a' is in split 'train' and 'dev'"):
+        run(make_cfg(tiny_pair, path, tmp_path / "dup"))
+    with pytest.warns(UserWarning, match="skipped 1 malformed line"):
+        result = run(make_cfg(tiny_pair, path, tmp_path / "plain", "splits=null", "max_new_tokens=2"))
+    assert result.rows == {"train": 2}
+
+
+def _write_dataset(path, rows, complete=True):
+    from datasets import DatasetDict
+
+    DatasetDict({"train": rows_to_dataset(rows)}).save_to_disk(str(path))
+    write_meta(path, {"complete": complete})
+
+
+GOOD_ROW = {"id": "x", "prompt": "p", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [5, 6],
+            "p_acc": [0.5, 1.0], "draft_entropy": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"p_acc": [0.5, 1.5]}, r"p_acc must lie in \[0, 1\]"),
+    ({"p_acc": [float("nan"), 1.0]}, "non-finite"),
+    ({"draft_ids": [5]}, "row 0 .id 'x'.: draft_ids has 1 entries but target_ids has 2"),
+])
+def test_load_labelled_rejects_bad_labels(tmp_path, change, message):
+    _write_dataset(tmp_path / "d", [{**GOOD_ROW, **change}])
+    with pytest.raises(DatasetError, match=message):
+        load_labelled(tmp_path / "d")
+
+
+def test_load_labelled_names_what_is_wrong(tmp_path):
+    with pytest.raises(DatasetError, match="directory not found; run data_gen first"):
+        load_labelled(tmp_path / "missing")
+    _write_dataset(tmp_path / "ok", [GOOD_ROW])
+    splits, meta = load_labelled(tmp_path / "ok")
+    assert splits["train"].features == FEATURES and splits["train"][0]["p_acc"] == [0.5, 1.0]
+    _write_dataset(tmp_path / "partial", [GOOD_ROW], complete=False)
+    with pytest.raises(DatasetError, match="'.*partial': data_gen did not finish: rerun the same command"):
+        load_labelled(tmp_path / "partial")
+    (tmp_path / "nometa").mkdir()
+    with pytest.raises(DatasetError, match="no specdecpp_meta.json"):
+        load_labelled(tmp_path / "nometa")
+    shutil.rmtree(tmp_path / "ok" / "train")
+    with pytest.raises(DatasetError, match="missing or corrupt"):
+        load_labelled(tmp_path / "ok")
+
+
+def test_command_line(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, "-m", "data_gen", f"pair.draft={tiny_pair.draft}",
+                           f"pair.target={tiny_pair.target}", "prompts=jsonl", f"prompts.path={prompts_file}",
+                           f"out={out}", "max_new_tokens=3", "limit=2", "progress=false",
+                           f"hydra.run.dir={tmp_path / 'hydra'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    splits, meta = load_labelled(out)
+    assert {s: len(d) for s, d in splits.items()} == {"train": 2}
+    assert [len(r["p_acc"]) for r in splits["train"]] == [3, 3]
