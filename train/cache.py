@@ -1,0 +1,116 @@
+"""Draft features for one fixed token mixing, computed once and memory-mapped from disk.
+
+The draft is frozen, so the hidden states e_i at the Y-positions of a fixed mixing never change:
+every head of a sweep can train on them without running the draft again. Layout of one cache
+(``<cache_dir>/<split>-<key>/``):
+
+- ``features.npy`` [M, H] (float32 or float16), ``labels.npy`` [M] float32: one row per Y-position,
+  prompts in dataset order; ``offsets.npy`` [rows + 1] int64: prompt j owns rows offsets[j]:offsets[j+1].
+- ``cache.json``: what the key was made of, and ``complete``; ``progress.json``: rows done so far.
+
+The key hashes the split's fingerprint, the draft (name and a weight fingerprint), the mixing ratio
+and seed and the storage dtype, so a change to any of them builds a new cache. An interrupted
+build resumes at the last finished chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from tqdm.auto import tqdm
+
+from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, mixing_mask
+
+from .checks import arrow_column
+
+FORMAT_VERSION = 1
+DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def draft_fingerprint(draft) -> str:
+    """Hash of the draft's config and of one float per parameter tensor (cheap; catches retrained weights)."""
+    digest = hashlib.sha256(json.dumps(draft.config.to_dict(), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        sums = [float(p.float().sum()) for p in draft.parameters()]
+    digest.update(np.asarray(sums, dtype=np.float64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+class FeatureCache:
+    """Read side: ``cache.row(j) -> (hidden [n_j, H], labels [n_j])`` from the memory maps."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.info = json.loads((self.directory / "cache.json").read_text())
+        self.features = np.load(self.directory / "features.npy", mmap_mode="r")
+        self.labels = np.load(self.directory / "labels.npy", mmap_mode="r")
+        self.offsets = np.load(self.directory / "offsets.npy")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        return torch.from_numpy(np.array(self.features[a:b])), torch.from_numpy(np.array(self.labels[a:b]))
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str | os.PathLike,
+                  mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8) -> FeatureCache:
+    """Open the cache for this (split, draft, mixing), building or finishing it first if needed."""
+    if dtype not in DTYPES:
+        raise ValueError(f"data.cache_dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    info = {"format": FORMAT_VERSION, "split": split_name, "split_fingerprint": split._fingerprint,
+            "rows": len(split), "draft": str(draft_ref), "draft_fingerprint": draft_fingerprint(draft),
+            "hidden_size": int(draft.config.hidden_size), "mix_ratio": float(mix_ratio),
+            "mix_seed": int(mix_seed), "dtype": dtype}
+    key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+    directory = Path(cache_dir) / f"{split_name}-{key}"
+    state_file, progress_file = directory / "cache.json", directory / "progress.json"
+    if state_file.is_file() and json.loads(state_file.read_text()).get("complete"):
+        return FeatureCache(directory)
+
+    n_tokens = pc.list_value_length(arrow_column(split, "target_ids")).to_numpy(zero_copy_only=False)
+    kept = [int((~mixing_mask(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j)).sum())
+            for j, n in enumerate(n_tokens)]
+    offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+    shape = (int(offsets[-1]), int(draft.config.hidden_size))
+    resume = state_file.is_file() and progress_file.is_file()
+    done = json.loads(progress_file.read_text())["rows_done"] if resume else 0
+    directory.mkdir(parents=True, exist_ok=True)
+    mode = "r+" if resume else "w+"
+    features = np.lib.format.open_memmap(directory / "features.npy", mode=mode, dtype=DTYPES[dtype], shape=shape)
+    labels = np.lib.format.open_memmap(directory / "labels.npy", mode=mode, dtype=np.float32, shape=shape[:1])
+    if not resume:
+        np.save(directory / "offsets.npy", offsets)
+        _write_json(state_file, {**info, "key": key, "positions": shape[0], "complete": False})
+        _write_json(progress_file, {"rows_done": 0})
+
+    rows = split.select_columns(["prompt_ids", "target_ids", "draft_ids", "p_acc"]).with_format("torch")
+    with tqdm(total=len(split), initial=done, desc=f"draft features ({split_name})", unit="prompt") as bar:
+        for start in range(done, len(split), batch_size):
+            stop = min(start + batch_size, len(split))
+            chunk = [{**rows[j], "row": j} for j in range(start, stop)]
+            hidden, chunk_labels = mixed_features(draft, chunk, mix_ratio, mix_seed, FIXED_MIXING_EPOCH)
+            a, b = int(offsets[start]), int(offsets[stop])
+            if b > a:
+                features[a:b] = torch.cat(hidden).float().cpu().numpy()
+                labels[a:b] = torch.cat(chunk_labels).numpy()
+            features.flush()
+            labels.flush()
+            _write_json(progress_file, {"rows_done": stop})
+            bar.update(stop - start)
+    del features, labels
+    _write_json(state_file, {**info, "key": key, "positions": shape[0], "complete": True})
+    return FeatureCache(directory)

@@ -1,0 +1,90 @@
+"""Batches for head training: cached draft features, or raw rows mixed on the fly.
+
+A batch is a fixed group of prompts (``data.batch_size`` of them), so the loss normalisation runs
+over the same Y-positions whichever way the features are obtained:
+- cached: ``{"hidden": [M, H], "labels": [M]}``, the M Y-positions of the batch's prompts;
+- raw: ``{"row", "prompt_ids", "target_ids", "draft_ids", "p_acc"}`` lists; the module mixes the
+  tokens (mask of the current epoch or the fixed one) and runs the draft.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .cache import feature_cache
+
+RAW_COLUMNS = ["prompt_ids", "target_ids", "draft_ids", "p_acc"]
+
+
+class CachedRows(Dataset):
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, j: int) -> dict:
+        hidden, labels = self.cache.row(j)
+        return {"hidden": hidden, "labels": labels}
+
+
+class RawRows(Dataset):
+    def __init__(self, split) -> None:
+        self.split = split.select_columns(RAW_COLUMNS).with_format("torch")
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, j: int) -> dict:
+        return {**self.split[j], "row": j}
+
+
+def collate_cached(items: list[dict]) -> dict:
+    return {"hidden": torch.cat([i["hidden"] for i in items]), "labels": torch.cat([i["labels"] for i in items])}
+
+
+def collate_raw(items: list[dict]) -> dict:
+    return {key: [i[key] for i in items] for key in ["row", *RAW_COLUMNS]}
+
+
+class HeadDataModule(L.LightningDataModule):
+    """Train/validation loaders (and a loader per split for the final evaluation)."""
+
+    def __init__(self, splits, *, train_split: str, val_split: str | None, draft, draft_ref: str,
+                 batch_size: int, num_workers: int, mix_ratio: float, mix_seed: int, seed: int,
+                 cache_features: bool, cache_dir: str, cache_dtype: str, feature_batch_size: int) -> None:
+        super().__init__()
+        for name in (train_split, val_split):
+            if name is not None and name not in splits:
+                raise ValueError(f"dataset has no split {name!r} (it has {list(splits)}); set "
+                                 "data.train_split / data.val_split (null for no validation)")
+        self.splits, self.train_split, self.val_split = splits, train_split, val_split
+        self.draft, self.draft_ref = draft, draft_ref
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
+        self.cache_features, self.cache_dir, self.cache_dtype = cache_features, cache_dir, cache_dtype
+        self.feature_batch_size = feature_batch_size
+        self._sets: dict[str, Dataset] = {}
+
+    def dataset(self, name: str) -> Dataset:
+        if name not in self._sets:
+            split = self.splits[name]
+            self._sets[name] = (CachedRows(feature_cache(split, name, self.draft, self.draft_ref, self.cache_dir,
+                                                         self.mix_ratio, self.mix_seed, self.cache_dtype,
+                                                         self.feature_batch_size))
+                                if self.cache_features else RawRows(split))
+        return self._sets[name]
+
+    def loader(self, name: str, shuffle: bool = False) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(self.dataset(name), batch_size=self.batch_size, shuffle=shuffle, generator=generator,
+                          num_workers=self.num_workers,
+                          collate_fn=collate_cached if self.cache_features else collate_raw)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader(self.train_split, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader(self.val_split) if self.val_split is not None else []

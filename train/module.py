@@ -1,0 +1,111 @@
+"""LightningModule: the acceptance head trained with the weighted soft-label BCE."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torchmetrics import MinMetric
+from transformers import get_cosine_schedule_with_warmup
+
+from specdecpp.head import AcceptanceHead
+from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, weighted_bce
+
+from .metrics import head_metrics
+
+
+class FrozenDraft:
+    """Holds the draft outside the module tree: never trained, never saved in checkpoints."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+
+class AcceptanceHeadModule(L.LightningModule):
+    """Trains ``head`` on draft features at the Y-positions of mixed sequences.
+
+    Batches are cached features or raw rows (see train/data.py); raw rows are mixed here with the
+    epoch's mask (``remix_each_epoch``) or the fixed one, and fed to the frozen draft.
+    """
+
+    def __init__(self, head: AcceptanceHead, *, optimizer: Callable, w_rej: float, w_acc: float = 1.0,
+                 warmup_ratio: float = 0.03, mix_ratio: float = 0.15, mix_seed: int = 0,
+                 remix_each_epoch: bool = False, draft=None) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["head", "optimizer", "draft"], logger=False)
+        self.hparams.update(hidden_size=head.hidden_size, depth=head.depth)
+        self.head = head
+        self.optimizer_factory = optimizer
+        self.draft = FrozenDraft(draft)
+        self.train_metrics = head_metrics("train/", full=False)
+        self.val_metrics = head_metrics("val/")
+        self.val_kl_best = MinMetric()
+        self.eval_names: list[str] = []
+        self.eval_metrics = torch.nn.ModuleList()
+        self.eval_results: dict[str, dict] = {}
+
+    # -- features and loss ---------------------------------------------------------------------
+    def features(self, batch: dict, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if "hidden" in batch:
+            return batch["hidden"], batch["labels"]
+        draft = self.draft.model
+        if draft is None:
+            raise RuntimeError("raw batches need the draft model: pass draft= to AcceptanceHeadModule")
+        if draft.device != self.device:
+            draft.to(self.device)
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        hidden, labels = mixed_features(draft, rows, self.hparams.mix_ratio, self.hparams.mix_seed, epoch)
+        return torch.cat(hidden), torch.cat(labels).to(self.device)
+
+    def model_step(self, batch: dict, epoch: int = FIXED_MIXING_EPOCH):
+        hidden, labels = self.features(batch, epoch)
+        logits = self.head(hidden).float()
+        loss = weighted_bce(logits, labels, self.hparams.w_rej, self.hparams.w_acc)
+        return loss, logits.detach(), labels
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        epoch = self.current_epoch if self.hparams.remix_each_epoch else FIXED_MIXING_EPOCH
+        loss, logits, labels = self.model_step(batch, epoch)
+        self.train_metrics.update(logits, labels)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel())
+        self.log_dict(self.train_metrics, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss, logits, labels = self.model_step(batch)
+        self.val_metrics.update(logits, labels)
+        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_metrics.compute()
+        self.val_metrics.reset()
+        if not math.isnan(float(values["val/KL"])):
+            self.val_kl_best.update(values["val/KL"])
+        self.log_dict({**values, "val/KL_best": self.val_kl_best.compute()}, prog_bar=True)
+
+    # -- final evaluation on named splits (trainer.test with one loader per split) -------------
+    def set_eval_splits(self, names: list[str]) -> None:
+        self.eval_names = list(names)
+        self.eval_metrics = torch.nn.ModuleList(head_metrics(f"{name}/") for name in names).to(self.device)
+        self.eval_results = {}
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        _, logits, labels = self.model_step(batch)
+        self.eval_metrics[dataloader_idx].update(logits, labels)
+
+    def on_test_epoch_end(self) -> None:
+        for name, metrics in zip(self.eval_names, self.eval_metrics):
+            values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}
+            values["positions"] = int(metrics["KL"].count)
+            self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
+            self.log_dict({f"final/{name}/{k}": v for k, v in values.items()}, add_dataloader_idx=False)
+
+    # -- optimisation --------------------------------------------------------------------------
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self.head.parameters())
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = math.ceil(self.hparams.warmup_ratio * total)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
