@@ -1,0 +1,326 @@
+"""infer: every method through run(cfg) on tiny models, greedy equality in the result files,
+counts, resume, the Eq. 2.1 regression, Eq. 2.3, the oracle, the report, sweeps, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+
+import infer.app as app
+from infer import sweep
+from infer.report import build_report
+from infer.report import main as report_main
+from infer.results import prompt_seed, read_rows
+from specdecpp import AcceptanceHead
+from specdecpp.metrics import fit_cost_model, greedy_oracle, predicted_latency_per_token
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_KEYS = {"method", "settings", "tag", "pair", "prompts", "sampling", "seed", "prompt_id", "n_generated",
+            "n_target", "n_draft", "n_discarded", "accept_lengths", "candidate_lengths", "draft_time_s",
+            "target_time_s", "wall_time_s", "tokens_per_s", "output_ids", "max_new_tokens"}
+MAX_NEW = 6
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("infer", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("infer")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    head = root / "head"
+    AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft).save_pretrained(head)
+    base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", f"max_new_tokens={MAX_NEW}", "warmup_tokens=2", "progress=false"]
+    return type("Setup", (), {"root": root, "prompts": prompts, "head": head, "base": base,
+                              "pair": tiny_pair})
+
+
+GREEDY_METHODS = {
+    "target_only": ["method=target_only"],
+    "fixed_k": ["method=fixed_k", "method.k=3"],
+    "svip": ["method=svip", "method.threshold=0.5"],
+    "specdecpp": ["method=specdecpp", "method.threshold=0.5"],  # + method.head
+    "hf_constant": ["method=hf_assisted", "method.mode=constant", "method.num_assistant_tokens=3"],
+    "hf_heuristic": ["method=hf_assisted", "method.mode=heuristic", "method.num_assistant_tokens=2"],
+    "oracle": ["method=oracle"],
+}
+
+
+@pytest.fixture(scope="module")
+def greedy_results(setup):
+    """Every method, greedy, on the tiny pair: {name: rows}."""
+    out = setup.root / "greedy"
+    results = {}
+    for name, overrides in GREEDY_METHODS.items():
+        head = [f"method.head={setup.head}"] if name == "specdecpp" else []
+        summary = app.run(make_cfg(*setup.base, *overrides, *head, "sampling=greedy", f"out={out}/{name}"))
+        results[name] = read_rows(Path(summary["path"]))
+    return out, results
+
+
+def test_every_method_writes_complete_rows(greedy_results):
+    _, results = greedy_results
+    for name, rows in results.items():
+        assert [r["prompt_id"] for r in rows] == ["sea", "math"], name
+        for r in rows:
+            assert ROW_KEYS <= set(r), (name, ROW_KEYS - set(r))
+            assert r["n_generated"] == len(r["output_ids"]) == MAX_NEW, name  # these models emit no EOS here
+            assert r["n_target"] == len(r["accept_lengths"]) == len(r["candidate_lengths"]), name
+            assert r["n_draft"] == sum(r["candidate_lengths"]), name
+            assert r["n_discarded"] == sum(r["candidate_lengths"]) - sum(r["accept_lengths"]), name
+            assert r["n_draft"] + r["n_target"] == r["n_generated"] + r["n_discarded"], name  # Eq. 2.1 identity
+            if name == "oracle":
+                assert r["wall_time_s"] is None and r["n_discarded"] == 0
+            else:
+                assert r["wall_time_s"] > 0 and r["target_time_s"] > 0
+    assert all(r["n_draft"] == 0 for r in results["target_only"])
+    assert all(max(r["candidate_lengths"]) <= 3 for r in results["fixed_k"])
+    assert all(r["candidate_lengths"][0] == 3 for r in results["hf_constant"])
+    assert all(r["candidate_lengths"][0] == 2 for r in results["hf_heuristic"])
+
+
+def test_greedy_outputs_equal_target_only(greedy_results):
+    _, results = greedy_results
+    reference = {r["prompt_id"]: r["output_ids"] for r in results["target_only"]}
+    for name, rows in results.items():
+        assert {r["prompt_id"]: r["output_ids"] for r in rows} == reference, name
+
+
+def test_self_draft_accepts_everything(setup):
+    """With the target as its own draft every candidate is accepted, in our engine and in HF's
+    loop (checks the hook and streamer counting), greedy and sampled."""
+    target = setup.pair.target
+    for sampling in ("greedy", "paper"):
+        for overrides, k in ((["method=fixed_k", "method.k=2"], 2),
+                             (["method=hf_assisted", "method.mode=constant", "method.num_assistant_tokens=2"], 2)):
+            cfg = make_cfg(*setup.base, *overrides, f"pair.draft={target}", f"sampling={sampling}",
+                           "prompts.limit=1", f"out={setup.root}/self/{sampling}", "warmup_tokens=0")
+            (row,) = read_rows(Path(app.run(cfg)["path"]))
+            assert row["accept_lengths"] == row["candidate_lengths"], (sampling, overrides)
+            assert row["n_discarded"] == 0
+            # rounds of k accepted + 1 token, the last round capped by max_new_tokens
+            assert row["candidate_lengths"] == [2, 2] and row["n_target"] == 2 and row["n_generated"] == MAX_NEW
+
+
+def test_resume_keeps_rows_and_redoes_only_missing(setup):
+    out = setup.root / "resume"
+    common = [*setup.base, "method=fixed_k", "method.k=2", "sampling=paper", f"out={out}"]
+    first = app.run(make_cfg(*common, "prompts.limit=1"))
+    path = Path(first["path"])
+    kept = path.read_text()
+    assert first["rows"] == 1
+    full = app.run(make_cfg(*common))
+    assert full["rows"] == 2 and full["new_rows"] == 1
+    assert path.read_text().startswith(kept)  # the first row is untouched
+    rows = read_rows(path)
+    # interrupted mid-write: a truncated last line is dropped and that prompt redone identically
+    path.write_text(kept + json.dumps(rows[1])[:40])
+    again = app.run(make_cfg(*common))
+    redone = read_rows(path)
+    assert again["new_rows"] == 1 and [r["prompt_id"] for r in redone] == ["sea", "math"]
+    assert redone[1]["output_ids"] == rows[1]["output_ids"]  # same seed per prompt id
+    assert app.run(make_cfg(*common))["new_rows"] == 0  # complete: skipped
+    # the same file with other settings is refused and left untouched
+    before = path.read_text()
+    bad = make_cfg(*common, "max_new_tokens=5")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        app.prepare(bad)
+    assert path.read_text() == before
+
+
+def test_prompt_seed_depends_on_seed_and_id_only():
+    assert prompt_seed(0, "a") == prompt_seed(0, "a")
+    assert len({prompt_seed(0, "a"), prompt_seed(1, "a"), prompt_seed(0, "b")}) == 3
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    app._LOADED.clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(app, "load_pair", refuse)
+
+
+def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
+    base = [*setup.base, f"out={tmp_path}"]
+    other = tmp_path / "head_other_size"
+    AcceptanceHead(16, 1, draft=setup.pair.draft).save_pretrained(other)
+    with pytest.raises(ValueError, match="hidden_size 16"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={other}"))
+    renamed = tmp_path / "head_other_draft"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft="someone/other-draft").save_pretrained(renamed)
+    with pytest.raises(ValueError, match="allow_draft_mismatch"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={renamed}"))
+    job = app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={renamed}", "method.allow_draft_mismatch=true"))
+    assert job.spec.head.hidden_size == setup.pair.draft_hidden
+    with pytest.raises(FileNotFoundError, match="no_such_head"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={tmp_path}/no_such_head"))
+    for method, key in (("specdecpp", "threshold"), ("svip", "threshold")):
+        with pytest.raises(ValueError, match=r"method\.threshold must be a number in \[0, 1\]"):
+            app.run(make_cfg(*base, f"method={method}", f"method.{key}=1.5"))
+    with pytest.raises(ValueError, match="method.mode"):
+        app.run(make_cfg(*base, "method=hf_assisted", "method.mode=fastest"))
+    with pytest.raises(ValueError, match="sampling=greedy"):
+        app.run(make_cfg(*base, "method=oracle", "sampling=paper"))
+    with pytest.raises(ValueError, match="method.k"):
+        app.run(make_cfg(*base, "method=fixed_k", "method.k=0"))
+    with pytest.raises(MissingConfigException, match="(?s)method/nope.*fixed_k.*specdecpp"):
+        make_cfg(*base, "method=nope")
+    with pytest.raises(ValueError, match="comparison.nope"):
+        sweep.expand_comparison({"nope": {}})
+
+
+def test_sweep_loads_models_once(setup, monkeypatch):
+    app._LOADED.clear()
+    calls = []
+    real = app.load_pair
+    monkeypatch.setattr(app, "load_pair", lambda *a: calls.append(a) or real(*a))
+    cfg = make_cfg(*setup.base, "sampling=greedy", "max_new_tokens=3", f"out={setup.root}/sweep/${{method.name}}",
+                   "~comparison.svip", "~comparison.specdecpp", "~comparison.hf_assisted", "comparison.fixed_k.k=[1,2]")
+    summaries = sweep.run(cfg)
+    assert [(s["method"], s["tag"], s["rows"]) for s in summaries] == [
+        ("target_only", "base", 2), ("fixed_k", "k1", 2), ("fixed_k", "k2", 2), ("oracle", "oracle", 2)]
+    assert len(calls) == 1
+    paper = make_cfg(*setup.base, *(f"~comparison.{m}" for m in ("target_only", "fixed_k", "svip", "specdecpp",
+                                                                  "hf_assisted")), f"out={setup.root}/sweep_paper")
+    assert sweep.run(paper) == []  # the oracle needs greedy decoding: skipped
+
+
+def test_multirun_two_thresholds_writes_two_files(setup, tmp_path):
+    out = tmp_path / "multirun"
+    cmd = [sys.executable, "-m", "infer", "-m", *setup.base, "method=specdecpp", f"method.head={setup.head}",
+           "method.threshold=0.3,0.9",
+           "max_new_tokens=3", "warmup_tokens=0", "prompts.limit=1", f"out={out}",
+           f"hydra.sweep.dir={tmp_path}/hydra"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in out.glob("*.jsonl"))
+    assert files == ["head_h0.3_min1_max20__t1-k50-p1__s0.jsonl", "head_h0.9_min1_max20__t1-k50-p1__s0.jsonl"]
+    assert [len(read_rows(out / f)) for f in files] == [1, 1]
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+def test_fit_cost_model_recovers_known_costs():
+    rng = np.random.default_rng(0)
+    n_draft, n_target = rng.integers(0, 400, 60), rng.integers(20, 130, 60)
+    wall = 0.0234 * n_draft + 0.112 * n_target
+    fit = fit_cost_model(n_draft, n_target, wall)
+    assert fit.t_draft == pytest.approx(0.0234, rel=1e-9) and fit.t_target == pytest.approx(0.112, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0) and fit.n_rows == 60
+    noisy = fit_cost_model(n_draft, n_target, wall + rng.normal(0, 0.05, 60))
+    assert noisy.t_draft == pytest.approx(0.0234, rel=0.05) and noisy.t_target == pytest.approx(0.112, rel=0.05)
+    assert 0.98 < noisy.r2 < 1.0
+    with pytest.raises(ValueError, match="proportional"):
+        fit_cost_model([1, 2, 3], [2, 4, 6], [1.0, 2.0, 3.0])
+
+
+def test_eq_2_3_equals_eq_2_1_per_token():
+    t_d, t_t, n, n_draft, n_target = 0.02, 0.1, 100, 180, 40
+    n_discarded = n_draft + n_target - n
+    per_token = (t_d * n_draft + t_t * n_target) / n
+    assert predicted_latency_per_token(t_d, t_t, n_discarded / n, n_target / n) == pytest.approx(per_token)
+
+
+def test_greedy_oracle_hand_made():
+    target = [5, 6, 7, 8, 9, 10]
+    draft = [5, 6, 0, 8, 0, 10]  # disagreements at positions 2 and 4
+    s = greedy_oracle(target, draft)
+    # rounds: draft 5 6, target emits 7 | draft 8, target emits 9 | target emits 10 (last token)
+    assert (s.accept_lengths, s.candidate_lengths) == ([2, 1, 0], [2, 1, 0])
+    assert (s.n_generated, s.n_target_calls, s.n_draft_calls, s.n_discarded) == (6, 3, 3, 0)
+    assert greedy_oracle([1, 2, 3], [1, 2, 3]).accept_lengths == [2]
+    assert greedy_oracle([1, 2, 3], [0, 0, 0]).n_target_calls == 3
+    with pytest.raises(ValueError, match="draft predictions"):
+        greedy_oracle([1, 2], [1])
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def _row(method, tag, settings, pid, n_draft, n_target, n, wall, timed=True):
+    return {"method": method, "tag": tag, "settings": settings, "prompt_id": pid, "timed": timed,
+            "pair": {"name": "syn", "draft": "d", "target": "t"}, "prompts": {"name": "p"}, "device": "cpu",
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "n_generated": n, "n_draft": n_draft,
+            "n_target": n_target, "n_discarded": n_draft + n_target - n, "accept_lengths": [1] * n_target,
+            "candidate_lengths": [1] * n_target, "wall_time_s": wall if timed else None,
+            "draft_time_s": 0.0 if timed else None, "target_time_s": wall if timed else None}
+
+
+def test_report_regression_and_prediction_from_synthetic_rows(tmp_path):
+    t_d, t_t = 0.01, 0.05
+    rows = []
+    for i in range(4):
+        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 20 + i, 20 + i, t_t * (20 + i)))
+        for k in (2, 4):
+            n_draft, n_target = k * (8 + i), 8 + i
+            rows.append(_row("fixed_k", f"k{k}", {"k": k}, f"p{i}", n_draft, n_target, 20 + i,
+                             t_d * n_draft + t_t * n_target))
+        rows.append(_row("hf_assisted", "constant_n5", {"mode": "constant", "num_assistant_tokens": 5},
+                         f"p{i}", 30, 6, 20 + i, 99.0))  # not our engine: not in the fit
+        rows.append(_row("oracle", "oracle", {}, f"p{i}", 14 + i, 6, 20 + i, None, timed=False))
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report(res.parent, tmp_path / "report")
+    (group,) = report["groups"]
+    assert group["fit"]["t_draft"] == pytest.approx(t_d) and group["fit"]["t_target"] == pytest.approx(t_t)
+    assert group["fit"]["r2"] == pytest.approx(1.0) and group["fit"]["n_rows"] == 12
+    entries = {e["tag"]: e for e in group["entries"]}
+    for tag in ("base", "k2", "k4"):  # exact Eq. 2.1 walls: Eq. 2.3 predicts the measured throughput
+        assert entries[tag]["measured_over_predicted"] == pytest.approx(1.0)
+    k4 = [r for r in rows if r["tag"] == "k4"]
+    n = sum(r["n_generated"] for r in k4)
+    assert entries["k4"]["tokens_per_s"] == pytest.approx(n / sum(r["wall_time_s"] for r in k4))
+    assert entries["k4"]["discard_rate"] == pytest.approx(sum(r["n_discarded"] for r in k4) / n)
+    assert entries["k4"]["speedup"] == pytest.approx(entries["k4"]["tokens_per_s"] / entries["base"]["tokens_per_s"])
+    oracle = entries["oracle"]
+    assert oracle["tokens_per_s"] is None and oracle["verification_rate"] == pytest.approx(24 / 86)
+    assert oracle["predicted_tokens_per_s"] == pytest.approx(
+        1 / predicted_latency_per_token(t_d, t_t, 0.0, 24 / 86))
+    text = report["report"].read_text()
+    assert "t_draft = 10.000 ms, t_target = 50.000 ms, R^2 = 1.000" in text
+    assert "| fixed_k | k=4 | 4 |" in text
+    for png in report["images"]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(report["summary"].read_text())[0]["fit"]["n_rows"] == 12
+
+
+def test_report_on_tiny_run(greedy_results, tmp_path):
+    out, results = greedy_results
+    report = build_report(out, tmp_path / "tiny_report")
+    (group,) = report["groups"]
+    assert {e["method"] for e in group["entries"]} == {"target_only", "fixed_k", "svip", "specdecpp",
+                                                      "hf_assisted", "oracle"}
+    assert group["fit"] is not None and group["fit"]["n_rows"] == 8  # 4 engine methods x 2 prompts
+    assert {p.name.split("_")[0] for p in report["images"]} == {"pareto", "throughput"}
+    assert all(p.stat().st_size > 5000 for p in report["images"])
+    text = report["report"].read_text()
+    assert "| oracle |" in text and "Cost model (Eq. 2.1" in text
+    base = next(e for e in group["entries"] if e["method"] == "target_only")
+    assert base["speedup"] == pytest.approx(1.0) and base["verification_rate"] == pytest.approx(1.0)
+    assert not math.isnan(group["entries"][1]["discard_rate"])
+
+
+def test_report_cli(greedy_results, tmp_path, capsys):
+    out, _ = greedy_results
+    report_main([str(out), "--out", str(tmp_path / "cli")])
+    printed = capsys.readouterr().out
+    assert "| target_only | - | 2 |" in printed and (tmp_path / "cli" / "report.md").is_file()
+    with pytest.raises(SystemExit) as exc:
+        report_main([str(tmp_path / "none")])
+    assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
