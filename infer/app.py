@@ -127,8 +127,18 @@ def summarize(job: Job) -> dict:
             "tokens_per_s": sum(r["n_generated"] for r in timed) / wall if wall > 0 else None}
 
 
+def set_threads(cfg) -> None:
+    """``num_threads``: CPU threads for torch (null: torch's default)."""
+    n = cfg.get("num_threads")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_threads must be an integer >= 1 or null, got {n!r}")
+        torch.set_num_threads(n)
+
+
 def run(cfg) -> dict:
     """Benchmark ``cfg.method`` on ``cfg.pair`` over ``cfg.prompts``; returns a summary dict."""
+    set_threads(cfg)
     job = prepare(cfg)
     if not job.todo:
         log.info("%s is complete (%d rows); nothing to do", job.path, job.n_done)

@@ -23,7 +23,7 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
     for e in entries:
         swept = SWEPT.get(e["method"])
         rest = {k: v for k, v in e["settings"].items() if k != swept}
-        label = e["method"] + (f" {rest['head']}" if "head" in rest else "")
+        label = e["method"] + (f" {Path(str(rest['head'])).name}" if "head" in rest else "")
         if e["method"] == "hf_assisted":
             label = f"hf_assisted {e['settings']['mode']}"
         elif e["method"] == "svip" and (rest.get("c"), rest.get("max_candidates")) != (0.15, 40):

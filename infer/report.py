@@ -24,18 +24,13 @@ def _f(x, digits: int = 2, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
 
-def _settings(e: dict) -> str:
-    shown = {k: v for k, v in e["settings"].items() if k not in ("head_depth",)}
-    return " ".join(f"{k}={v}" for k, v in shown.items()) or "-"
-
-
 def group_table(group: dict) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for e in group["entries"]:
         speedup = (_f(e["speedup"], suffix="x") if e["timed"]
                    else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
         lines.append("| " + " | ".join([
-            e["method"], _settings(e), str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
+            e["method"], e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
             _f(e["predicted_tokens_per_s"]), _f(e["measured_over_predicted"]),
             _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
         ]) + " |")
@@ -76,7 +71,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path) -> dict:
                             "and the same pair, prompts and out.\n")
         sections += [f"![{p.stem}]({p.name})\n" for p in pngs]
     sections.append(
-        "Columns: tokens/s = total generated tokens / total wall time; speedup over target_only in the "
+        "Settings are the result-file tags (k4: K=4; h0.7: threshold 0.7; c: SVIP's c; min/max: candidate "
+        "bounds; n: num_assistant_tokens). Columns: tokens/s = total generated tokens / total wall time; speedup over target_only in the "
         "same table; Eq. 2.3 tokens/s = 1 / (t_draft + t_draft*discard + (t_target - t_draft)*verification) "
         "with the fitted costs; measured/Eq. 2.3 < 1 is time spent outside model forward passes "
         "(engine overhead); mean accepted = accepted candidates per round; discard rate = "

@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .app import execute, load_models, prepare, summarize
+from .app import execute, load_models, prepare, set_threads, summarize
 from .methods import METHODS
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ def expand_comparison(comparison) -> list[DictConfig]:
 
 def run(cfg) -> list[dict]:
     """Run every method of ``cfg.comparison``; return one summary per run."""
+    set_threads(cfg)
     jobs = []
     for method in expand_comparison(cfg.comparison):
         if method.name == "oracle" and float(cfg.sampling.temperature) != 0:

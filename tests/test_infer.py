@@ -294,7 +294,7 @@ def test_report_regression_and_prediction_from_synthetic_rows(tmp_path):
         1 / predicted_latency_per_token(t_d, t_t, 0.0, 24 / 86))
     text = report["report"].read_text()
     assert "t_draft = 10.000 ms, t_target = 50.000 ms, R^2 = 1.000" in text
-    assert "| fixed_k | k=4 | 4 |" in text
+    assert "| fixed_k | k4 | 4 |" in text
     for png in report["images"]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(report["summary"].read_text())[0]["fit"]["n_rows"] == 12
