@@ -91,7 +91,8 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
 def _check_out_dir(out: Path) -> dict | None:
     """The existing meta, or None for a new run; refuse a non-empty directory that is not ours."""
     existing = read_meta(out)
-    if existing is None and out.exists() and any(out.iterdir()):
+    # hidden names are temporary files of a process that is starting the same run
+    if existing is None and out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
         raise FileExistsError(f"out={str(out)!r} exists, is not empty and has no {META_FILE}: it is not a "
                               "data_gen output; choose a new or empty directory")
     return existing
