@@ -14,6 +14,10 @@ import types
 import pytest
 import torch
 
+# Tiny models are dominated by per-op overhead; extra threads only add contention (10-20x slower
+# on a loaded 2-core machine).
+torch.set_num_threads(1)
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

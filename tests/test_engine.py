@@ -1,0 +1,236 @@
+"""The engine is lossless: greedy equality, the target's distribution, caches equal a fresh prefill."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_lm
+from stats import chi_square_pvalue
+
+from specdecpp import (SVIP, AcceptanceHead, FixedK, SamplingConfig, SpecDecPP, SpeculativeDecoder,
+                       TargetOnly, warp)
+
+
+def noisy_copy(model, noise: float, seed: int):
+    """A draft that agrees with the target often but not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
+    return draft
+
+
+class ConstantHead(AcceptanceHead):
+    """A head predicting the same acceptance logit everywhere."""
+
+    def __init__(self, hidden_size, logit):
+        super().__init__(hidden_size, depth=0)
+        with torch.no_grad():
+            self.out.weight.zero_()
+            self.out.bias.fill_(logit)
+
+
+def policies(hidden):
+    return {
+        "target_only": TargetOnly(),
+        "fixed_k1": FixedK(1),
+        "fixed_k4": FixedK(4),
+        "svip": SVIP(threshold=0.35, max_candidates=6),
+        "specdecpp": SpecDecPP(AcceptanceHead(hidden, 2), threshold=0.5, max_candidates=5),
+        "specdecpp_h0": SpecDecPP(ConstantHead(hidden, 1.0), threshold=0.0),  # always one candidate
+    }
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    return noisy_copy(target, 0.4, seed=6), target
+
+
+PROMPTS = [[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]]
+
+
+@pytest.mark.parametrize("name", list(policies(32)))
+def test_greedy_equals_target_greedy(pair32, name):
+    draft, target = pair32
+    decoder = SpeculativeDecoder(draft, target, policies(32)[name], SamplingConfig(temperature=0))
+    accepted = 0
+    for prompt, n in itertools.product(PROMPTS, (1, 5, 23)):
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        out = decoder.generate(ids, max_new_tokens=n)
+        assert out.tokens.tolist() == ref.tolist(), (prompt, n)
+        assert out.stats.n_generated == n
+        accepted += sum(out.stats.accept_lengths)
+    if name != "target_only":
+        assert accepted > 0  # rounds with accepted candidates were exercised
+
+
+@pytest.mark.parametrize("name", ["fixed_k4", "svip", "specdecpp"])
+def test_greedy_stops_at_eos_like_the_target(pair32, name):
+    draft, target = pair32
+    decoder = SpeculativeDecoder(draft, target, policies(32)[name], SamplingConfig(temperature=0))
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        free = target.generate(ids, max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+        eos = free[7]  # a token the target emits mid-way: generation must end at its first occurrence
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        out = decoder.generate(ids, max_new_tokens=20, eos_token_id=eos)
+        assert out.tokens.tolist() == ref.tolist()
+        assert out.tokens[0, -1].item() == eos and out.stats.n_generated == free.index(eos) + 1
+
+
+def exact_distribution(target, prompt, n_tokens, sampling):
+    """P(first n_tokens generated) by enumeration with the target alone."""
+    vocab = target.config.vocab_size
+    dist = {}
+    for seq in itertools.product(range(vocab), repeat=n_tokens):
+        prob, ids = 1.0, list(prompt)
+        for tok in seq:
+            with torch.no_grad():
+                probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
+            prob *= float(probs[tok])
+            if prob == 0:
+                break
+            ids.append(tok)
+        if prob > 0:
+            dist[seq] = prob
+    return dist
+
+
+@pytest.fixture(scope="module")
+def pair6():
+    target = tiny_lm(5, 16, 2, seed=21, scale=0.8, heads=2)
+    return noisy_copy(target, 0.25, seed=22), target
+
+
+DIST_CASES = [
+    ("fixed_k3", SamplingConfig(temperature=1.0)),
+    ("fixed_k3", SamplingConfig(temperature=0.8, top_k=3)),
+    ("svip", SamplingConfig(temperature=1.0, top_p=0.9)),
+    ("specdecpp", SamplingConfig(temperature=1.0)),
+    ("specdecpp", SamplingConfig(temperature=1.0, top_k=2)),
+    ("target_only", SamplingConfig(temperature=1.0)),
+]
+
+
+@pytest.mark.parametrize("name,sampling", DIST_CASES)
+def test_sampled_output_has_target_distribution(pair6, name, sampling):
+    draft, target = pair6
+    policy = {"fixed_k3": FixedK(3), "svip": SVIP(threshold=0.4, max_candidates=4),
+              "specdecpp": SpecDecPP(AcceptanceHead(16, 1), threshold=0.6, max_candidates=4),
+              "target_only": TargetOnly()}[name]
+    prompt, n_tokens, n_samples = [1, 3], 3, 1500
+    expected = exact_distribution(target, prompt, n_tokens, sampling)
+    decoder = SpeculativeDecoder(draft, target, policy, sampling)
+    g = torch.Generator().manual_seed(1234)
+    seqs, accepted = [], 0
+    for _ in range(n_samples):
+        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, generator=g)
+        seqs.append(tuple(out.tokens[0, len(prompt):].tolist()))
+        accepted += sum(out.stats.accept_lengths)
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    if name != "target_only":
+        assert accepted > n_samples // 4  # the acceptance path is exercised, not only resampling
+
+
+def test_distribution_test_rejects_a_lossy_sampler(pair6):
+    """Negative control: sequences sampled from the draft alone fail the same test."""
+    draft, target = pair6
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(target, [1, 3], 3, sampling)
+    decoder = SpeculativeDecoder(target, draft, TargetOnly(), sampling)  # the draft alone, in the target's seat
+    g = torch.Generator().manual_seed(7)
+    seqs = [tuple(decoder.generate(torch.tensor([[1, 3]]), 3, generator=g).tokens[0, 2:].tolist())
+            for _ in range(1500)]
+    assert chi_square_pvalue(seqs, expected) < 1e-6
+
+
+def test_same_generator_seed_gives_same_output(pair32):
+    draft, target = pair32
+    decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=1.0, top_k=10))
+    runs = [decoder.generate(torch.tensor([[1, 2]]), 30, generator=torch.Generator().manual_seed(s))
+            for s in (0, 0, 1)]
+    assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
+    assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+    assert runs[0].tokens.tolist() != runs[2].tokens.tolist()
+
+
+def _cache_tensors(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)])
+def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
+    from specdecpp.engine import _new_cache
+
+    draft, target = pair32
+    decoder = SpeculativeDecoder(draft, target, FixedK(4), sampling)
+    out = decoder.generate(torch.tensor([[3, 1, 4]]), 40, generator=torch.Generator().manual_seed(3),
+                           return_caches=True)
+    tokens = out.tokens[0]
+    assert len(out.stats.accept_lengths) > 5 and min(out.stats.accept_lengths) < 4  # rollbacks happened
+    for name, model in (("target", target), ("draft", draft)):
+        cache = out.caches[name]
+        length = cache.get_seq_length()
+        assert length == len(tokens) - 1 if name == "target" else length <= len(tokens) - 1
+        fresh = _new_cache(model)
+        with torch.no_grad():
+            model(tokens[:length].unsqueeze(0), past_key_values=fresh, use_cache=True)
+        for (k1, v1), (k2, v2) in zip(_cache_tensors(cache), _cache_tensors(fresh)):
+            assert k1.shape == k2.shape
+            torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-4)
+
+
+def test_stats_are_consistent(pair32):
+    draft, target = pair32
+    decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=1.0))
+    out = decoder.generate(torch.tensor([[2, 5]]), 50, generator=torch.Generator().manual_seed(0))
+    s = out.stats
+    assert s.n_generated == 50 == out.tokens.shape[1] - 2
+    assert s.n_draft_calls + s.n_target_calls == s.n_generated + s.n_discarded  # Eq. 2.1 identity
+    assert sum(s.accept_lengths) + len(s.accept_lengths) == s.n_generated
+    assert s.n_target_calls == len(s.accept_lengths) and s.n_draft_calls == sum(s.candidate_lengths)
+    assert all(k <= 3 for k in s.candidate_lengths)
+    assert s.wall_time_s >= s.draft_time_s + s.target_time_s > 0
+
+
+def test_specdecpp_stops_where_the_head_says():
+    """Constant head s = sigmoid(a): stop at the first K with 1 - s^(K-1) > h (Algorithm 2)."""
+    target = tiny_lm(16, 32, 1, seed=8)
+    draft = copy.deepcopy(target)  # identical models: every candidate is accepted
+    for logit, h in ((1.5, 0.3), (1.5, 0.95), (4.0, 0.95)):
+        s = torch.sigmoid(torch.tensor(logit)).item()
+        # independent of the policy code: first K with 1 - s^(K-1) > h, else the cap of 20
+        expected_k = next((k for k in range(1, 21) if 1 - s ** (k - 1) > h), 20)
+        policy = SpecDecPP(ConstantHead(32, logit), threshold=h, max_candidates=20)
+        out = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=0)).generate(
+            torch.tensor([[1]]), 60)
+        assert out.stats.candidate_lengths[0] == expected_k
+        assert out.stats.accept_lengths[0] == expected_k
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.zeros((1, 0), dtype=torch.long), "empty"),
+    (torch.tensor([1, 2]), "shape"),
+    (torch.tensor([[1], [2]]), "shape"),
+])
+def test_bad_prompts_are_refused(pair32, bad, match):
+    decoder = SpeculativeDecoder(*pair32, FixedK(2), SamplingConfig())
+    with pytest.raises(ValueError, match=match):
+        decoder.generate(bad, 5)
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5])
+def test_bad_max_new_tokens_is_refused(pair32, n):
+    decoder = SpeculativeDecoder(*pair32, FixedK(2), SamplingConfig())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(torch.tensor([[1]]), n)
+
+
+def test_head_for_another_draft_is_refused(pair32):
+    with pytest.raises(ValueError, match="hidden_size 48"):
+        SpeculativeDecoder(*pair32, SpecDecPP(AcceptanceHead(48, 1)), SamplingConfig())

@@ -1,0 +1,96 @@
+import json
+import math
+
+import pytest
+import torch
+
+from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, TargetOnly
+
+
+def test_head_blocks_are_distinct_and_shaped_as_designed():
+    head = AcceptanceHead(16, depth=3)
+    assert len(head.blocks) == 3
+    ids = {id(b.linear.weight) for b in head.blocks}
+    assert len(ids) == 3
+    w = [b.linear.weight for b in head.blocks]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])
+    assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
+    x = torch.randn(5, 16)
+    manual = x
+    for b in head.blocks:  # x + SiLU(Linear(x)), then Linear(hidden, 1)
+        manual = manual + torch.nn.functional.silu(b.linear(manual))
+    torch.testing.assert_close(head(x), head.out(manual).squeeze(-1))
+    assert AcceptanceHead(16, depth=0)(x).shape == (5,)
+
+
+def test_head_save_load_round_trip(tmp_path):
+    head = AcceptanceHead(24, depth=2, draft="my/draft")
+    head.save_pretrained(tmp_path / "h", training={"w_rej": 6}, metrics={"val/KL": 0.5})
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["hidden_size"] == 24 and config["depth"] == 2 and config["draft"] == "my/draft"
+    assert config["training"] == {"w_rej": 6} and config["metrics"] == {"val/KL": 0.5}
+    assert (tmp_path / "h" / "model.safetensors").is_file()
+    loaded = AcceptanceHead.from_pretrained(tmp_path / "h")
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(loaded(x), head(x))
+    assert loaded.draft == "my/draft" and loaded.meta["training"] == {"w_rej": 6}
+
+
+def test_head_missing_path_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        AcceptanceHead.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        AcceptanceHead.from_pretrained(tmp_path / "empty")
+
+
+def test_head_hidden_size_mismatch():
+    head = AcceptanceHead(8, 1)
+    with pytest.raises(ValueError, match="size 8"):
+        head(torch.randn(2, 12))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SpecDecPP(AcceptanceHead(4, 0), threshold=1.5),
+    lambda: SpecDecPP(AcceptanceHead(4, 0), threshold=-0.1),
+    lambda: SpecDecPP(AcceptanceHead(4, 0), threshold=float("nan")),
+    lambda: SVIP(threshold=2.0),
+])
+def test_threshold_outside_unit_interval_is_refused(make):
+    with pytest.raises(ValueError, match="threshold must be in \\[0, 1\\]"):
+        make()
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: FixedK(0), "k must be"), (lambda: FixedK(2.5), "k must be"),
+    (lambda: SVIP(max_candidates=0), "max_candidates"),
+    (lambda: SpecDecPP(AcceptanceHead(4, 0), min_candidates=5, max_candidates=3), "min_candidates"),
+    (lambda: SpecDecPP("heads/x"), "AcceptanceHead"),
+])
+def test_bad_policy_settings_are_refused(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_svip_stops_when_sqrt_c_entropy_exceeds_threshold():
+    policy = SVIP(threshold=0.3, c=0.15)
+    policy.bind(None, temperature=1.0)
+    v = 1000
+    flat = torch.zeros(v)                      # H = ln(1000) = 6.9 nats: sqrt(0.15 * 6.9) = 1.02 > 0.3
+    peaked = torch.full((v,), -30.0)
+    peaked[0] = 0.0                            # H ~ 0
+    assert policy.should_stop(1, flat, None)
+    assert not policy.should_stop(1, peaked, None)
+    # exactly at the boundary H = (h^2)/c = 0.6 nats: two-token distribution with entropy 0.6
+    boundary = SVIP(threshold=math.sqrt(0.15 * 0.6) + 1e-3)
+    boundary.bind(None, 1.0)
+    p = 0.2807  # H(p, 1-p) ~= 0.5935 nats, just below 0.6
+    two = torch.full((v,), -1e9)
+    two[0], two[1] = math.log(p), math.log(1 - p)
+    assert not boundary.should_stop(1, two, None)
+
+
+def test_fixed_k_and_target_only():
+    assert [FixedK(3).should_stop(k, None, None) for k in (1, 2, 3)] == [False, False, True]
+    assert TargetOnly().max_candidates == 0
