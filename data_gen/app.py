@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -19,8 +18,16 @@ from specdecpp.models import load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig
 
-from .plan import (Shard, build_meta, check_resumable, load_split_prompts, owned_shards, plan_shards,
-                   settings_meta, shard_counts)
+from .plan import (
+    Shard,
+    build_meta,
+    check_resumable,
+    load_split_prompts,
+    owned_shards,
+    plan_shards,
+    settings_meta,
+    shard_counts,
+)
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".consolidate.lock"
@@ -79,7 +86,7 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
         responses = sample_responses(target, ids, sampling, max_new_tokens, gens, eos_token_id=eos,
                                      vocab=vocab, on_tokens=progress.add_tokens)
         labels = label_responses(draft, target, ids, responses, sampling, gens, vocab=vocab)
-        for i, response, lab in zip(batch, responses, labels):
+        for i, response, lab in zip(batch, responses, labels, strict=True):
             prompt = shard.prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
                        "target_ids": response, "draft_ids": lab.draft_ids.tolist(),

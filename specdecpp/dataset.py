@@ -20,7 +20,15 @@ import os
 import shutil
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, Features, Sequence, Value, concatenate_datasets, load_from_disk
+from datasets import (
+    Dataset,
+    DatasetDict,
+    Features,
+    Sequence,
+    Value,
+    concatenate_datasets,
+    load_from_disk,
+)
 
 FEATURES = Features({
     "id": Value("string"),

@@ -110,7 +110,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
         probs = warp(logits, sampling)
         tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
         keep, next_ids = [], []
-        for b, (i, token) in enumerate(zip(rows, tokens)):
+        for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
             responses[i].append(token)
             if token not in eos and len(responses[i]) < max_new_tokens:
                 keep.append(b)
@@ -137,7 +137,7 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
     predict response token 1..N (position i sees the prompt and X_<i)."""
     if any(len(r) == 0 for r in responses):
         raise ValueError("response_logits: every response needs at least one token")
-    seqs = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
+    seqs = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses, strict=True)]
     ids, mask, positions = left_pad(seqs, model.device)
     n_max = max(len(r) for r in responses)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
@@ -161,7 +161,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
     draft_logits = response_logits(draft, prompts, responses, vocab)
     target_logits = response_logits(target, prompts, responses, vocab)
     labels = []
-    for d_logits, t_logits, gen in zip(draft_logits, target_logits, generators):
+    for d_logits, t_logits, gen in zip(draft_logits, target_logits, generators, strict=True):
         q = warp(d_logits, sampling)
         y = sample(q, gen)
         p = warp(t_logits, sampling)

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 
 import data_gen.app
 from data_gen import run
-from specdecpp.dataset import (FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta)
+from specdecpp.dataset import FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta
 from specdecpp.labels import label_responses, left_pad, prompt_generator, sample_responses
 from specdecpp.models import load_model
 from specdecpp.prompts import encode_prompt
@@ -77,7 +77,7 @@ def assert_same_data(a, b, exact=True):
     for split in da:
         ra, rb = da[split].to_list(), db[split].to_list()
         assert [r["id"] for r in ra] == [r["id"] for r in rb]
-        for x, y in zip(ra, rb):
+        for x, y in zip(ra, rb, strict=True):
             for col in ("id", "prompt", "prompt_ids", "target_ids", "draft_ids"):
                 assert x[col] == y[col], (split, x["id"], col)
             for col in ("p_acc", "draft_entropy"):
