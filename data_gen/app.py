@@ -129,6 +129,32 @@ def _check_settings(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
 
 
+def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[Shard],
+                  sampling: SamplingConfig) -> tuple[int, int, float]:
+    """Load the pair, write (or check) the meta, then label and save each shard in turn.
+    Returns (prompts, target tokens, seconds) of the labelling."""
+    draft, target, tokenizer = load_pair(cfg.pair.draft, cfg.pair.target, device=cfg.pair.device,
+                                         dtype=cfg.pair.dtype)
+    vocab = shared_vocab(draft, target)
+    meta = build_meta(cfg, draft, target, vocab)
+    if existing is None:
+        write_meta(out, meta)
+    else:
+        check_resumable(str(out), existing, meta)
+        if existing.get("code_version") != meta["code_version"]:
+            log.warning("resuming %s written by code %s with code %s", out, existing.get("code_version"),
+                        meta["code_version"])
+    datasets.disable_progress_bars()
+    progress = _Progress(sum(len(s.prompts) for s in todo), enabled=cfg.progress)
+    for shard in todo:
+        rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
+                           max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
+                           vocab=vocab, progress=progress)
+        save_shard(out, shard.split, shard.index, rows)
+    progress.bar.close()
+    return progress.prompts, progress.tokens, time.perf_counter() - progress.start
+
+
 def run(cfg: DictConfig) -> DataGenResult:
     """Generate (or resume, or finish) the labelled dataset described by ``cfg``."""
     _check_settings(cfg)
@@ -149,37 +175,17 @@ def run(cfg: DictConfig) -> DataGenResult:
         rows = _consolidate_once(out, counts, existing)
         return DataGenResult(out, complete=rows is not None, rows=rows or {})
 
-    draft, target, tokenizer = load_pair(cfg.pair.draft, cfg.pair.target, device=cfg.pair.device,
-                                         dtype=cfg.pair.dtype)
-    vocab = shared_vocab(draft, target)
-    meta = build_meta(cfg, draft, target, vocab)
-    if existing is not None:
-        check_resumable(str(out), existing, meta)
-        if existing.get("code_version") != meta["code_version"]:
-            log.warning("resuming %s written by code %s with code %s", out, existing.get("code_version"),
-                        meta["code_version"])
-        meta = existing
-    else:
-        write_meta(out, meta)
-
     todo = [s for s in mine if not shard_done(out, s.split, s.index)]
     log.info("%s: %d shard(s) to label for process %d/%d", out, len(todo), cfg.shard.index, cfg.shard.count)
-    datasets.disable_progress_bars()
-    progress = _Progress(sum(len(s.prompts) for s in todo), enabled=cfg.progress)
-    for shard in todo:
-        rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
-                           max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
-                           vocab=vocab, progress=progress)
-        save_shard(out, shard.split, shard.index, rows)
-    progress.bar.close()
-    result = DataGenResult(out, complete=False, n_prompts=progress.prompts, n_tokens=progress.tokens,
-                           elapsed_s=time.perf_counter() - progress.start)
+    result = DataGenResult(out, complete=False)
+    if todo:
+        result.n_prompts, result.n_tokens, result.elapsed_s = _label_shards(cfg, out, existing, todo, sampling)
     pending = sum(not shard_done(out, s.split, s.index) for s in shards)
     if pending:
         log.info("%d shard(s) of other processes are not finished; the last process to finish "
                  "consolidates (or rerun with consolidate_only=true)", pending)
         return result
-    rows = _consolidate_once(out, counts, meta)
+    rows = _consolidate_once(out, counts, read_meta(out))
     result.complete, result.rows = rows is not None, rows or {}
     log.info("%s complete: %s rows, %.1f target tok/s", out, result.rows, result.tokens_per_s)
     return result
