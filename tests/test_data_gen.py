@@ -171,6 +171,10 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_pair, prompts_f
     with pytest.raises(DatasetError, match="did not finish: rerun the same command to resume"):
         load_labelled(out)
 
+    half_written = out / "shards" / "train" / "00001"  # as if the crash hit while saving train/1
+    half_written.mkdir(parents=True)
+    (half_written / "data-00000-of-00001.arrow").write_bytes(b"truncated")
+
     calls.clear()
     monkeypatch.setattr(data_gen.app, "label_responses", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     result = run(make_cfg(tiny_pair, prompts_file, out))
