@@ -28,6 +28,7 @@ from .plan import (
     settings_meta,
     shard_counts,
 )
+from .summary import write_summary
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".consolidate.lock"
@@ -106,7 +107,8 @@ def _check_out_dir(out: Path) -> dict | None:
 
 
 def _consolidate_once(out: Path, counts: dict[str, int], meta: dict) -> dict[str, int] | None:
-    """Consolidate unless another process holds the lock; return rows per split, or None."""
+    """Consolidate unless another process holds the lock, then summarise the labels;
+    return rows per split, or None."""
     lock = out / LOCK_FILE
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -119,6 +121,8 @@ def _consolidate_once(out: Path, counts: dict[str, int], meta: dict) -> dict[str
     finally:
         os.close(fd)
         lock.unlink(missing_ok=True)
+    write_summary(splits, out, f"{out.name}: draft {Path(str(meta.get('draft'))).name}, "
+                               f"target {Path(str(meta.get('target'))).name}")
     return {s: len(d) for s, d in splits.items()}
 
 

@@ -165,3 +165,23 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
     for split, ds in splits.items():
         _check_split(path, split, ds)
     return splits, meta
+
+
+def label_summary(splits: DatasetDict) -> dict[str, dict]:
+    """Per split: rows, labelled tokens, mean response length, mean p_acc (the draft's expected
+    acceptance rate on target text), shares of p_acc == 1 and == 0, mean draft entropy."""
+    import pyarrow.compute as pc
+
+    summary = {}
+    for name, ds in splits.items():
+        table = ds.with_format("arrow")[:]
+        p_acc, entropy = pc.list_flatten(table["p_acc"]), pc.list_flatten(table["draft_entropy"])
+        n = len(p_acc)
+        summary[name] = {
+            "rows": len(ds), "tokens": n, "mean_length": n / max(len(ds), 1),
+            "mean_p_acc": pc.mean(p_acc).as_py() if n else float("nan"),
+            "share_p_acc_1": pc.sum(pc.equal(p_acc, 1.0)).as_py() / n if n else float("nan"),
+            "share_p_acc_0": pc.sum(pc.equal(p_acc, 0.0)).as_py() / n if n else float("nan"),
+            "mean_draft_entropy": pc.mean(entropy).as_py() if n else float("nan"),
+        }
+    return summary

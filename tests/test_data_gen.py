@@ -145,6 +145,21 @@ def test_meta_describes_the_run(baseline, tiny_pair, prompts_file):
     assert not (baseline / "shards").exists()
 
 
+def test_summary_of_the_labels(baseline):
+    splits, _ = load_labelled(baseline)
+    summary = json.loads((baseline / "summary.json").read_text())
+    for split, ds in splits.items():
+        p_acc = [v for row in ds for v in row["p_acc"]]
+        entropy = [v for row in ds for v in row["draft_entropy"]]
+        s = summary[split]
+        assert (s["rows"], s["tokens"]) == (len(ds), len(p_acc))
+        assert s["mean_p_acc"] == pytest.approx(sum(p_acc) / len(p_acc))
+        assert s["share_p_acc_1"] == pytest.approx(sum(v == 1.0 for v in p_acc) / len(p_acc))
+        assert s["share_p_acc_0"] == pytest.approx(sum(v == 0.0 for v in p_acc) / len(p_acc))
+        assert s["mean_draft_entropy"] == pytest.approx(sum(entropy) / len(entropy))
+    assert (baseline / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_greedy_labels_are_zero_or_one(tiny_pair, prompts_file, models, tmp_path):
     out = tmp_path / "greedy"
     run(make_cfg(tiny_pair, prompts_file, out, "sampling=greedy", "limit={train:3,dev:1}"))
