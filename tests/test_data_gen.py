@@ -347,3 +347,37 @@ def test_command_line(tiny_pair, prompts_file, tmp_path):
     splits, meta = load_labelled(out)
     assert {s: len(d) for s, d in splits.items()} == {"train": 2}
     assert [len(r["p_acc"]) for r in splits["train"]] == [3, 3]
+
+
+def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, prompts_file, models, tmp_path):
+    """Draft = target gives q = p, so every label is exactly 1; greedy responses equal HF generate()."""
+    out = tmp_path / "self"
+    run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={tiny_pair.target}", "sampling=greedy",
+                 "batch_size=4", "max_new_tokens=6"))
+    splits, _ = load_labelled(out)
+    target = models[1]
+    for row in (r for ds in splits.values() for r in ds):
+        assert row["p_acc"] == [1.0] * len(row["target_ids"])
+        assert row["draft_ids"] == row["target_ids"]
+        reference = target.generate(torch.tensor([row["prompt_ids"]]), max_new_tokens=6, do_sample=False,
+                                    eos_token_id=tiny_pair.tokenizer.eos_token_id,
+                                    pad_token_id=tiny_pair.tokenizer.pad_token_id)
+        assert row["target_ids"] == reference[0, len(row["prompt_ids"]):].tolist()
+
+
+DEMO_TARGET = ROOT / ".cache" / "demo" / "target"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DEMO_TARGET / "config.json").is_file(), reason="run scripts/fetch_demo_target.py first")
+def test_real_model_self_draft(tmp_path):
+    """SmolLM2-135M-Instruct as draft and target on bundled prompts: chat template, real vocabulary."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("data_gen", overrides=[f"pair.draft={DEMO_TARGET}", f"pair.target={DEMO_TARGET}",
+                                             "pair.device=cpu", f"out={tmp_path / 'smol'}", "limit=2",
+                                             "splits=[test]", "max_new_tokens=8", "batch_size=2", "progress=false"])
+    assert run(cfg).complete
+    splits, meta = load_labelled(tmp_path / "smol")
+    assert meta["vocab_size"] >= 49152 and len(splits["test"]) == 2
+    for row in splits["test"]:
+        assert row["p_acc"] == [1.0] * len(row["target_ids"]) and len(row["target_ids"]) >= 1
