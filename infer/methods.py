@@ -6,6 +6,7 @@ A runner has ``timed`` (whether its times are measurements) and
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,15 @@ def _count(name: str, key: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"method {name}: method.{key} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def head_fingerprint(head: AcceptanceHead) -> str:
+    """A short hash of the head's weights: a retrained head in the same directory is another run."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def _num(x: float) -> str:
@@ -117,8 +127,8 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
             raise ValueError(f"method specdecpp: method.min_candidates ({lo}) > method.max_candidates ({hi})")
         head = load_checked_head(m, draft_ref)
         head_name = Path(str(m.get("head")).rstrip("/")).name
-        settings = {"head": str(m.get("head")), "head_depth": head.depth, "threshold": h,
-                    "min_candidates": lo, "max_candidates": hi}
+        settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
+                    "threshold": h, "min_candidates": lo, "max_candidates": hi}
         return MethodSpec(name, settings, f"{head_name}_h{_num(h)}_min{lo}_max{hi}", head)
     if name == "hf_assisted":
         mode = m.get("mode")

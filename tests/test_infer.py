@@ -181,6 +181,8 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
         app.run(make_cfg(*base, "method=fixed_k", "method.k=0"))
     with pytest.raises(MissingConfigException, match="(?s)method/nope.*fixed_k.*specdecpp"):
         make_cfg(*base, "method=nope")
+    with pytest.raises(Exception, match="pair.draft"):  # pair=custom needs the models named
+        app.run(make_cfg(*[o for o in base if not o.startswith("pair.")], "method=target_only"))
     with pytest.raises(ValueError, match="comparison.nope"):
         sweep.expand_comparison({"nope": {}})
 
