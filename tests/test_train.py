@@ -188,3 +188,275 @@ def test_soft_auroc_equals_auroc_of_the_expanded_hard_labels():
     assert rejection_auroc(logits, soft).item() == pytest.approx(reference.item(), abs=1e-6)
     count, sum_prob, sum_label = calibration_bins(torch.tensor([0.05, 0.06, 0.95]), torch.tensor([0.0, 0.5, 1.0]), 10)
     assert expected_calibration_error(count, sum_prob, sum_label).item() == pytest.approx((0.39 + 0.05) / 3)
+
+
+# -- features: cached == on the fly -------------------------------------------------------------
+def data_module(splits, draft, tiny_pair, tmp_path, cache: bool, batch_size: int = 4) -> HeadDataModule:
+    return HeadDataModule(splits, train_split="train", val_split="dev", draft=draft, draft_ref=tiny_pair.draft,
+                          batch_size=batch_size, num_workers=0, mix_ratio=0.15, mix_seed=7, seed=0,
+                          cache_features=cache, cache_dir=str(tmp_path / "cache"), cache_dtype="float32",
+                          feature_batch_size=3)
+
+
+def head_module(draft, remix: bool = False, depth: int = 2) -> AcceptanceHeadModule:
+    torch.manual_seed(0)
+    return AcceptanceHeadModule(AcceptanceHead(32, depth), optimizer=torch.optim.Adam, w_rej=6.0,
+                                mix_ratio=0.15, mix_seed=7, remix_each_epoch=remix, draft=draft)
+
+
+def test_cached_and_on_the_fly_features_give_the_same_batch_loss(tiny_dataset, tiny_pair, draft, tmp_path):
+    from datasets import load_from_disk
+
+    splits = load_from_disk(str(tiny_dataset))
+    module = head_module(draft)
+    cached = data_module(splits, draft, tiny_pair, tmp_path, cache=True).loader("train")
+    raw = data_module(splits, draft, tiny_pair, tmp_path, cache=False).loader("train")
+    n_batches = 0
+    for cached_batch, raw_batch in zip(cached, raw):
+        hidden, labels = module.features(raw_batch, epoch=0)
+        torch.testing.assert_close(cached_batch["hidden"], hidden, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cached_batch["labels"], labels)
+        loss_cached, _, _ = module.model_step(cached_batch)
+        loss_raw, _, _ = module.model_step(raw_batch)
+        assert loss_cached.item() == pytest.approx(loss_raw.item(), rel=1e-5)
+        n_batches += 1
+    assert n_batches == 6
+    # a new epoch's mixing (remix_each_epoch) gives other inputs, hence other features
+    other_hidden, other_labels = module.features(next(iter(raw)), epoch=1)
+    first = next(iter(cached))
+    assert other_labels.shape != first["labels"].shape or not torch.equal(other_labels, first["labels"])
+
+
+def test_cache_is_reused_and_an_interrupted_build_resumes(tiny_dataset, tiny_pair, draft, tmp_path, monkeypatch):
+    from datasets import load_from_disk
+
+    import train.cache
+
+    split = load_from_disk(str(tiny_dataset))["train"]  # 24 prompts, chunks of 5
+    calls = []
+    real = train.cache.mixed_features
+
+    def failing_after_two_chunks(draft_model, rows, *args):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append([r["row"] for r in rows])
+        return real(draft_model, rows, *args)
+
+    monkeypatch.setattr(train.cache, "mixed_features", failing_after_two_chunks)
+    with pytest.raises(KeyboardInterrupt):
+        feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=5)
+    assert calls == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    calls.clear()
+    monkeypatch.setattr(train.cache, "mixed_features", lambda *a: (calls.append([r["row"] for r in a[1]]), real(*a))[1])
+    resumed = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=5)
+    assert [row for chunk in calls for row in chunk] == list(range(10, 24))  # no row computed twice
+    fresh = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path / "fresh", 0.15, 7, batch_size=24)
+    np.testing.assert_allclose(resumed.features, fresh.features, atol=1e-5)
+    np.testing.assert_array_equal(resumed.labels, fresh.labels)
+    calls.clear()
+    again = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=5)
+    assert calls == [] and again.directory == resumed.directory  # complete cache: the draft does not run
+    other = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.3, 7, batch_size=24)
+    assert other.directory != resumed.directory  # another mixing ratio is another cache
+    kept = sum(int((~mixing_mask(len(x), 0.15, 7, 0, j)).sum()) for j, x in enumerate(split["target_ids"]))
+    assert resumed.features.shape == (kept, 32) and len(resumed) == 24
+
+
+# -- the Hydra app --------------------------------------------------------------------------------
+def sweep_jobs(pattern: str) -> list[list[str]]:
+    """The jobs `python -m train -m '+experiment=glob(...)'` launches (Hydra's basic sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        overrides = parser.parse_overrides([f"+experiment=glob({pattern})", "trainer=smoke"])
+        return BasicSweeper.split_arguments(overrides, max_batch_size=None)[0]
+
+
+def test_every_experiment_config_runs(tiny_dataset, tiny_pair, tmp_path):
+    """The glob sweep expands to the paper's 20 heads; each composes and trains a few steps."""
+    jobs = sweep_jobs("wrej*")
+    names = sorted(job[0].split("=")[1] for job in jobs)
+    assert names == sorted(f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5))
+    for job in jobs:
+        name = job[0].split("=")[1]
+        out = tmp_path / name
+        cfg = train_cfg([*job, *base_overrides(tiny_pair, tiny_dataset, tmp_path, "callbacks=none"), f"out={out}"])
+        assert cfg.experiment_name == name
+        result = run(cfg)
+        head = AcceptanceHead.from_pretrained(out)
+        w, d = name[4:].split("_d")
+        assert (head.depth, head.meta["training"]["w_rej"], head.meta["training"]["w_acc"]) == (int(d), float(w), 1.0)
+        assert result["global_step"] == 2
+        assert set(head.meta["metrics"]) == {"train", "dev", "test"}
+
+
+def learnable_dataset(directory: Path, tiny_pair, draft, mix_seed: int) -> Path:
+    """Labels P_i = sigmoid(w . e_i) of the draft's own features under the fixed mixing: a linear
+    head can learn them exactly; a constant cannot."""
+    splits = {"train": random_rows(48, tiny_pair.vocab, 11), "dev": random_rows(16, tiny_pair.vocab, 12)}
+    w = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    for rows in splits.values():
+        batch = [{"row": j, "prompt_ids": torch.tensor(rows["prompt_ids"][j]),
+                  "target_ids": torch.tensor(rows["target_ids"][j]), "draft_ids": torch.tensor(rows["draft_ids"][j]),
+                  "p_acc": torch.tensor(rows["p_acc"][j])} for j in range(len(rows["id"]))]
+        hidden, _ = mixed_features(draft, batch, 0.15, mix_seed, 0)
+        scale = 2.5 / torch.cat(hidden).matmul(w).std()
+        for j, h in enumerate(hidden):
+            keep = (~mixing_mask(len(rows["target_ids"][j]), 0.15, mix_seed, 0, j)).nonzero().squeeze(-1)
+            labels = torch.tensor(rows["p_acc"][j])
+            labels[keep] = torch.sigmoid(scale * h.matmul(w))
+            rows["p_acc"][j] = labels.tolist()
+    return save_dataset(directory, splits, tiny_pair.draft, 32, tiny_pair.vocab)
+
+
+def test_head_learns_labels_that_depend_on_the_hidden_state_and_round_trips(tiny_pair, draft, tmp_path):
+    data = learnable_dataset(tmp_path / "data", tiny_pair, draft, mix_seed=0)
+    cfg = train_cfg([*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"),
+                     "+experiment=wrej1_d0", "trainer.max_epochs=25", "data.batch_size=8", "optimizer.lr=0.05"])
+    result = run(cfg)
+    for split in ("train", "dev"):
+        metrics = result["metrics"][split]
+        assert metrics["KL"] < 0.05 * metrics["KL_const"], metrics
+        assert metrics["AUROC"] > 0.85
+    # save/load round trip: the saved head is the trained head, its config says how it was made
+    out = Path(cfg.out)
+    loaded = AcceptanceHead.from_pretrained(out)
+    x = torch.randn(10, 32)
+    torch.testing.assert_close(loaded(x), result["module"].head.cpu()(x))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["draft"], config["depth"], config["hidden_size"], config["target"]) == (tiny_pair.draft, 0, 32, "tiny-target")
+    training = config["training"]
+    assert (training["dataset"], training["w_rej"], training["w_acc"], training["mix_ratio"], training["seed"]) == \
+        (str(data), 1.0, 1.0, 0.15, 0)
+    assert config["metrics"]["dev"]["KL"] == pytest.approx(result["metrics"]["dev"]["KL"])
+    assert training["global_step"] == 25 * 6
+    assert (out / "calibration.png").stat().st_size > 10_000
+    loaded.check_draft(draft)
+
+
+def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pair, tmp_path, monkeypatch):
+    """Crash at step 5 with checkpoints every 2 steps; the same command resumes at step 4 mid-epoch
+    and trains on exactly the prompts an uninterrupted run would (raw rows show which)."""
+    def overrides(out):
+        return [*base_overrides(tiny_pair, tiny_dataset, tmp_path, "trainer=cpu", "trainer.max_epochs=2"),
+                "+experiment=wrej3_d1", "callbacks.checkpoint.every_n_train_steps=2", "~callbacks.progress_bar",
+                "data.cache_features=false", f"out={out}"]
+
+    seen = []
+    real_step = AcceptanceHeadModule.training_step
+
+    def recording_step(self, batch, batch_idx):
+        if self.global_step == crash_at:
+            raise RuntimeError("simulated crash")
+        seen.append((self.global_step, tuple(batch["row"])))
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(AcceptanceHeadModule, "training_step", recording_step)
+    crash_at = -1
+    reference = run(train_cfg(overrides(tmp_path / "reference")))
+    uninterrupted, seen = seen, []
+    assert [step for step, _ in uninterrupted] == list(range(12))  # 24 prompts / 4 per batch x 2 epochs
+
+    crash_at = 5
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(train_cfg(overrides(tmp_path / "head")))
+    last = tmp_path / "head" / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    assert not (tmp_path / "head" / "model.safetensors").exists()
+
+    crash_at, before = -1, seen[:4]
+    seen = []
+    result = run(train_cfg(overrides(tmp_path / "head")))  # the same command again
+    assert [step for step, _ in seen] == list(range(4, 12))
+    assert before + seen == uninterrupted  # same prompts in the same order: none lost, none repeated
+    assert result["global_step"] == 12
+    assert AcceptanceHead.from_pretrained(tmp_path / "head").meta["training"]["global_step"] == 12
+    torch.testing.assert_close(result["module"].head.state_dict(), reference["module"].head.state_dict())
+
+    with pytest.raises(ValueError, match="checkpoint of a different run.*w_rej"):
+        run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
+
+
+# -- bad input --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ("loss.w_rej=0", "w_rej must be > 0"),
+    ("loss.w_rej=-3", "w_rej must be > 0"),
+    ("data.remix_each_epoch=true", "set one of them to false"),
+    ("data.mix_ratio=1.5", r"mix_ratio must be in \[0, 1\)"),
+])
+def test_bad_settings_fail_before_anything_is_written(tiny_dataset, tiny_pair, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        run(train_cfg([*base_overrides(tiny_pair, tiny_dataset, tmp_path), override]))
+    assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
+
+
+def corrupt(rows: dict, column: str, value) -> dict:
+    rows = {k: [list(v) if isinstance(v, list) else v for v in vs] for k, vs in rows.items()}
+    rows[column][1][2] = value
+    return rows
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty_split", "could not read the dataset|split 'train' .* is empty"),
+    ("no_response_tokens", "split 'dev' .* has no response tokens"),
+    ("nan", "NaN or outside"),
+    ("above_one", "NaN or outside"),
+    ("token_out_of_vocab", "outside the draft's vocabulary"),
+    ("other_draft", "does not match the configured draft.*allow_draft_mismatch"),
+    ("missing", "does not exist"),
+])
+def test_bad_datasets_get_clear_errors(tiny_pair, tmp_path, case, message):
+    good = random_rows(4, tiny_pair.vocab, 0)
+    splits = {"train": good, "dev": good}
+    draft, hidden = tiny_pair.draft, 32
+    if case == "empty_split":
+        splits["train"] = {k: [] for k in COLUMNS}
+    elif case == "no_response_tokens":
+        splits["dev"] = {k: [[] if k in ("target_ids", "draft_ids", "p_acc", "draft_entropy") else v
+                             for v in vs] for k, vs in good.items()}
+    elif case == "nan":
+        splits["train"] = corrupt(good, "p_acc", float("nan"))
+    elif case == "above_one":
+        splits["dev"] = corrupt(good, "p_acc", 1.5)
+    elif case == "token_out_of_vocab":
+        splits["train"] = corrupt(good, "draft_ids", tiny_pair.vocab + 5)
+    elif case == "other_draft":
+        draft, hidden = "someone/other-draft", 64
+    data = tmp_path / "data"
+    if case != "missing":
+        if case in ("empty_split", "no_response_tokens"):  # empty lists still needs the column types
+            from datasets import Features, List, Value
+
+            types = {"id": Value("string"), "prompt": Value("string"), "p_acc": List(Value("float32")),
+                     "draft_entropy": List(Value("float32"))} | {c: List(Value("int32")) for c in
+                                                                 ("prompt_ids", "target_ids", "draft_ids")}
+            DatasetDict({name: Dataset.from_dict(rows, features=Features(types))
+                         for name, rows in splits.items()}).save_to_disk(str(data))
+            (data / "specdecpp_meta.json").write_text(json.dumps({"draft": draft, "draft_hidden_size": hidden}))
+        else:
+            save_dataset(data, splits, draft, hidden, tiny_pair.vocab)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        run(train_cfg(base_overrides(tiny_pair, data, tmp_path)))
+    assert not (tmp_path / "head").exists()
+
+
+def test_draft_mismatch_can_be_overridden_for_a_renamed_draft(tiny_pair):
+    meta = {"draft": "/somewhere/else/draft", "draft_hidden_size": 32}
+    with pytest.raises(ValueError, match="made with draft '/somewhere/else/draft'"):
+        check_draft_matches(meta, tiny_pair.draft, 32, "DIR", allow_mismatch=False)
+    check_draft_matches(meta, tiny_pair.draft, 32, "DIR", allow_mismatch=True)
+    check_draft_matches({"draft": tiny_pair.draft + "/", "draft_hidden_size": 32}, tiny_pair.draft, 32, "DIR", False)
+
+
+def test_learning_rate_schedule_is_warmup_then_cosine(draft):
+    from types import SimpleNamespace
+
+    from transformers import get_cosine_schedule_with_warmup
+
+    module = head_module(draft)
+    module._trainer = SimpleNamespace(estimated_stepping_batches=100)
+    reference = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=1.0), 3, 100).lr_lambdas[0]
+    assert [module.lr_factor(s) for s in range(101)] == pytest.approx([reference(s) for s in range(101)])

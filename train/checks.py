@@ -52,7 +52,9 @@ def load_dataset_dir(path: str | os.PathLike):
     try:
         splits = load_from_disk(str(directory))
     except Exception as exc:
-        raise ValueError(f"could not read the dataset in {str(path)!r} with datasets.load_from_disk: {exc}") from exc
+        raise ValueError(f"could not read the dataset in {str(path)!r} with datasets.load_from_disk "
+                         f"({type(exc).__name__}: {exc}); an empty split cannot be read back: regenerate "
+                         "the dataset with python -m data_gen") from exc
     if not isinstance(splits, DatasetDict):
         raise ValueError(f"{str(path)!r} holds a single Dataset; data_gen writes a DatasetDict with splits train/dev/test")
     return splits, json.loads(meta_file.read_text())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .cache import feature_cache
 
@@ -49,6 +49,50 @@ def collate_raw(items: list[dict]) -> dict:
     return {key: [i[key] for i in items] for key in ["row", *RAW_COLUMNS]}
 
 
+class EpochShuffle(Sampler[int]):
+    """A fresh permutation per epoch, drawn from (seed, epoch), so a resumed run sees the same
+    order; ``skip`` drops the first items of one given epoch (mid-epoch resume)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.skip_epoch, self.skip = -1, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before every epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
+        skip = self.skip if self.epoch == self.skip_epoch else 0
+        self.skip_epoch, self.skip = -1, 0
+        return iter(order[skip:].tolist())
+
+
+class ResumableLoader(DataLoader):
+    """Training loader whose position Lightning saves in checkpoints (``state_dict``) and restores
+    on resume (``load_state_dict``): an interrupted epoch continues with the prompts it had not
+    reached, none skipped or repeated. The position counts batches handed out; Lightning does not
+    fetch ahead from a loader of known length, so that is the number of batches trained on."""
+
+    def __init__(self, dataset: Dataset, *, seed: int, **kwargs) -> None:
+        super().__init__(dataset, sampler=EpochShuffle(len(dataset), seed), **kwargs)
+        self.served = 0
+
+    def __iter__(self):
+        self.served = self.sampler.skip // self.batch_size if self.sampler.epoch == self.sampler.skip_epoch else 0
+        for batch in super().__iter__():
+            self.served += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches_done": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.skip_epoch, self.sampler.skip = state["epoch"], state["batches_done"] * self.batch_size
+
+
 class HeadDataModule(L.LightningDataModule):
     """Train/validation loaders (and a loader per split for the final evaluation)."""
 
@@ -77,14 +121,18 @@ class HeadDataModule(L.LightningDataModule):
                                 if self.cache_features else RawRows(split))
         return self._sets[name]
 
-    def loader(self, name: str, shuffle: bool = False) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(self.dataset(name), batch_size=self.batch_size, shuffle=shuffle, generator=generator,
-                          num_workers=self.num_workers,
-                          collate_fn=collate_cached if self.cache_features else collate_raw)
+    def loader(self, name: str) -> DataLoader:
+        """Prompts of split ``name`` in dataset order (validation, final evaluation)."""
+        return DataLoader(self.dataset(name), batch_size=self.batch_size, num_workers=self.num_workers,
+                          collate_fn=self.collate)
+
+    @property
+    def collate(self):
+        return collate_cached if self.cache_features else collate_raw
 
     def train_dataloader(self) -> DataLoader:
-        return self.loader(self.train_split, shuffle=True)
+        return ResumableLoader(self.dataset(self.train_split), seed=self.seed, batch_size=self.batch_size,
+                               num_workers=self.num_workers, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:
         return self.loader(self.val_split) if self.val_split is not None else []

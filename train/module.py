@@ -8,7 +8,6 @@ from collections.abc import Callable
 import lightning as L
 import torch
 from torchmetrics import MinMetric
-from transformers import get_cosine_schedule_with_warmup
 
 from specdecpp.head import AcceptanceHead
 from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, weighted_bce
@@ -105,7 +104,19 @@ class AcceptanceHeadModule(L.LightningModule):
     # -- optimisation --------------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.head.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warmup over ``warmup_ratio`` of the steps, then cosine decay to 0 (as
+        transformers' cosine schedule). The step total is asked for lazily: asking Lightning while
+        optimizers are configured loads the train loader before a checkpoint's loader position
+        is restored, and a resumed run would restart its epoch."""
+        if step == 0:
+            return 0.0 if self.hparams.warmup_ratio > 0 else 1.0
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = math.ceil(self.hparams.warmup_ratio * total)
-        scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        if step < warmup:
+            return step / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
