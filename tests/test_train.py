@@ -13,6 +13,7 @@ from datasets import Dataset, DatasetDict
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from specdecpp.dataset import FEATURES
 from specdecpp.head import AcceptanceHead
 from specdecpp.mixing import (binary_entropy, binary_kl, calibration_bins, draft_features,
                               expected_calibration_error, mixed_example, mixed_features, mixing_mask,
@@ -59,8 +60,9 @@ def random_rows(n: int, vocab: int, seed: int, max_len: int = 12) -> dict:
 
 
 def save_dataset(directory: Path, splits: dict[str, dict], draft: str, hidden: int, vocab: int) -> Path:
-    DatasetDict({name: Dataset.from_dict(rows) for name, rows in splits.items()}).save_to_disk(str(directory))
-    meta = {"draft": draft, "target": "tiny-target", "draft_hidden_size": hidden, "vocab_size": vocab,
+    DatasetDict({name: Dataset.from_dict(rows, features=FEATURES) for name, rows in splits.items()}
+                ).save_to_disk(str(directory))
+    meta = {"complete": True, "draft": draft, "target": "tiny-target", "draft_hidden_size": hidden, "vocab_size": vocab,
             "sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0}, "seed": 0,
             "prompts": {"source": "synthetic", "split": "train"}, "max_new_tokens": 12,
             "code_version": "test", "created": "2026-01-01T00:00:00"}
@@ -402,11 +404,13 @@ def corrupt(rows: dict, column: str, value) -> dict:
 @pytest.mark.parametrize("case, message", [
     ("empty_split", "could not read the dataset|split 'train' .* is empty"),
     ("no_response_tokens", "split 'dev' .* has no response tokens"),
-    ("nan", "NaN or outside"),
-    ("above_one", "NaN or outside"),
+    ("nan", "split 'train': p_acc has non-finite values"),
+    ("above_one", r"split 'dev': p_acc must lie in \[0, 1\]"),
+    ("lengths_differ", "split 'train' row 1 .*: draft_ids has 3 entries but target_ids has"),
+    ("unfinished", "data_gen did not finish"),
     ("token_out_of_vocab", "outside the draft's vocabulary"),
     ("other_draft", "does not match the configured draft.*allow_draft_mismatch"),
-    ("missing", "does not exist"),
+    ("missing", "directory not found; run data_gen first"),
 ])
 def test_bad_datasets_get_clear_errors(tiny_pair, tmp_path, case, message):
     good = random_rows(4, tiny_pair.vocab, 0)
@@ -423,21 +427,16 @@ def test_bad_datasets_get_clear_errors(tiny_pair, tmp_path, case, message):
         splits["dev"] = corrupt(good, "p_acc", 1.5)
     elif case == "token_out_of_vocab":
         splits["train"] = corrupt(good, "draft_ids", tiny_pair.vocab + 5)
+    elif case == "lengths_differ":
+        splits["train"] = {**good, "draft_ids": [v if j != 1 else [5, 6, 7] for j, v in enumerate(good["draft_ids"])]}
     elif case == "other_draft":
         draft, hidden = "someone/other-draft", 64
     data = tmp_path / "data"
     if case != "missing":
-        if case in ("empty_split", "no_response_tokens"):  # empty lists still needs the column types
-            from datasets import Features, List, Value
-
-            types = {"id": Value("string"), "prompt": Value("string"), "p_acc": List(Value("float32")),
-                     "draft_entropy": List(Value("float32"))} | {c: List(Value("int32")) for c in
-                                                                 ("prompt_ids", "target_ids", "draft_ids")}
-            DatasetDict({name: Dataset.from_dict(rows, features=Features(types))
-                         for name, rows in splits.items()}).save_to_disk(str(data))
-            (data / "specdecpp_meta.json").write_text(json.dumps({"draft": draft, "draft_hidden_size": hidden}))
-        else:
-            save_dataset(data, splits, draft, hidden, tiny_pair.vocab)
+        save_dataset(data, splits, draft, hidden, tiny_pair.vocab)
+        if case == "unfinished":
+            meta = json.loads((data / "specdecpp_meta.json").read_text())
+            (data / "specdecpp_meta.json").write_text(json.dumps({**meta, "complete": False}))
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         run(train_cfg(base_overrides(tiny_pair, data, tmp_path)))
     assert not (tmp_path / "head").exists()

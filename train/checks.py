@@ -5,15 +5,12 @@ Every failure is a ValueError/FileNotFoundError that names the input and what to
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pyarrow.compute as pc
 
-COLUMNS = ("id", "prompt", "prompt_ids", "target_ids", "draft_ids", "p_acc", "draft_entropy")
-META_FILE = "specdecpp_meta.json"
+from specdecpp.dataset import DatasetError, load_labelled
 
 
 def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, depth: int,
@@ -36,28 +33,17 @@ def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, 
                          "a new one each epoch: set one of them to false")
 
 
-def load_dataset_dir(path: str | os.PathLike):
-    """Read a data_gen dataset directory: (DatasetDict, meta dict)."""
-    from datasets import DatasetDict, load_from_disk
-
+def load_dataset_dir(path):
+    """Read and validate a data_gen dataset directory (schema, lengths, labels): (DatasetDict, meta)."""
     if path is None or str(path) in ("", "???"):
         raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/alpaca")
-    directory = Path(path)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"dataset directory {str(path)!r} does not exist: run `python -m data_gen` "
-                                "first or fix data.path")
-    meta_file = directory / META_FILE
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"{meta_file} is missing: {str(path)!r} is not a data_gen dataset directory")
     try:
-        splits = load_from_disk(str(directory))
-    except Exception as exc:
-        raise ValueError(f"could not read the dataset in {str(path)!r} with datasets.load_from_disk "
-                         f"({type(exc).__name__}: {exc}); an empty split cannot be read back: regenerate "
-                         "the dataset with python -m data_gen") from exc
-    if not isinstance(splits, DatasetDict):
-        raise ValueError(f"{str(path)!r} holds a single Dataset; data_gen writes a DatasetDict with splits train/dev/test")
-    return splits, json.loads(meta_file.read_text())
+        return load_labelled(path)
+    except DatasetError:
+        raise
+    except Exception as exc:  # datasets fails with e.g. IndexError on a split saved with no rows
+        raise ValueError(f"could not read the dataset in {str(path)!r} ({type(exc).__name__}: {exc}); an empty "
+                         "split cannot be read back: regenerate the dataset with python -m data_gen") from exc
 
 
 def arrow_column(split, name: str):
@@ -66,26 +52,12 @@ def arrow_column(split, name: str):
 
 
 def check_split(split, name: str, path: str, vocab_size: int) -> None:
-    """Columns present, one label per response token, labels finite and in [0, 1], ids in vocab."""
+    """What load_labelled leaves to the trainer: rows and response tokens exist, ids fit the draft."""
     where = f"split {name!r} of dataset {path!r}"
-    missing = [c for c in COLUMNS if c not in split.column_names]
-    if missing:
-        raise ValueError(f"{where} lacks columns {missing}; expected {list(COLUMNS)} (regenerate with python -m data_gen)")
     if len(split) == 0:
         raise ValueError(f"{where} is empty: no prompts to train on; regenerate it with more prompts")
-    lengths = {c: pc.list_value_length(arrow_column(split, c)).to_numpy(zero_copy_only=False)
-               for c in ("target_ids", "draft_ids", "p_acc")}
-    bad = np.nonzero((lengths["target_ids"] != lengths["draft_ids"]) | (lengths["target_ids"] != lengths["p_acc"]))[0]
-    if len(bad):
-        raise ValueError(f"{where}: row {int(bad[0])} has target_ids/draft_ids/p_acc of different lengths "
-                         f"({', '.join(str(int(lengths[c][bad[0]])) for c in lengths)})")
-    if lengths["p_acc"].sum() == 0:
+    if pc.sum(pc.list_value_length(arrow_column(split, "target_ids"))).as_py() == 0:
         raise ValueError(f"{where} has no response tokens at all (every target_ids is empty)")
-    p = pc.list_flatten(arrow_column(split, "p_acc")).to_numpy(zero_copy_only=False).astype(np.float64)
-    bad = np.nonzero(~np.isfinite(p) | (p < 0) | (p > 1))[0]
-    if len(bad):
-        raise ValueError(f"{where}: p_acc holds {len(bad)} labels that are NaN or outside [0, 1] "
-                         f"(first: {p[bad[0]]!r}); labels are min(1, p/q): regenerate the dataset")
     for column in ("prompt_ids", "target_ids", "draft_ids"):
         ids = pc.list_flatten(arrow_column(split, column)).to_numpy(zero_copy_only=False)
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
