@@ -14,7 +14,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from .summary import SWEPT  # noqa: E402
 
 STYLE = {"fixed_k": ("tab:blue", "o"), "svip": ("tab:green", "^"), "specdecpp": ("tab:red", "s"),
-         "hf_assisted": ("tab:purple", "D"), "target_only": ("black", "x"), "oracle": ("gold", "*")}
+         "hf_assisted constant": ("tab:purple", "D"), "hf_assisted heuristic": ("tab:brown", "P"),
+         "hf_assisted confidence": ("tab:pink", "v"), "target_only": ("black", "x"), "oracle": ("gold", "*")}
+HF_LINES = {"hf_assisted constant": "--", "hf_assisted heuristic": "-.", "hf_assisted confidence": (0, (5, 1, 1, 1))}
+
+
+def _style(label: str, method: str) -> tuple[str, str]:
+    return STYLE.get(label, STYLE.get(method, ("gray", ".")))
 
 
 def series(entries: list[dict]) -> dict[str, list[dict]]:
@@ -45,7 +51,7 @@ def pareto_plot(group: dict, path: Path) -> Path:
     """Discard rate against verification rate; lower-left is better (both cost time)."""
     fig, ax = plt.subplots(figsize=(6.5, 5))
     for label, items in series(group["entries"]).items():
-        color, marker = STYLE.get(items[0]["method"], ("gray", "."))
+        color, marker = _style(label, items[0]["method"])
         xs = [e["verification_rate"] for e in items]
         ys = [e["discard_rate"] for e in items]
         ax.plot(xs, ys, marker=marker, color=color, label=label, linestyle="-" if len(items) > 1 else "none",
@@ -70,7 +76,7 @@ def throughput_plot(group: dict, path: Path) -> Path:
     fig, (ax_h, ax_k) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for label, items in series(group["entries"]).items():
         method = items[0]["method"]
-        color, marker = STYLE.get(method, ("gray", "."))
+        color, marker = _style(label, method)
         items = [e for e in items if e["tokens_per_s"] is not None]
         if not items:
             continue
@@ -82,8 +88,7 @@ def throughput_plot(group: dict, path: Path) -> Path:
                       marker=marker, color=color, label=label)
         else:
             for ax in (ax_h, ax_k):
-                ax.axhline(items[0]["tokens_per_s"], color=color, label=label,
-                           linestyle="--" if method == "hf_assisted" else ":")
+                ax.axhline(items[0]["tokens_per_s"], color=color, label=label, linestyle=HF_LINES.get(label, ":"))
     ax_h.set_xlabel("threshold h")
     ax_k.set_xlabel("candidate length K")
     ax_h.set_ylabel("tokens / s (measured)")
