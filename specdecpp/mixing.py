@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
 
 

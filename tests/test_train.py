@@ -15,9 +15,17 @@ from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp.dataset import FEATURES
 from specdecpp.head import AcceptanceHead
-from specdecpp.mixing import (binary_entropy, binary_kl, calibration_bins, draft_features,
-                              expected_calibration_error, mixed_example, mixed_features, mixing_mask,
-                              rejection_auroc, weighted_bce)
+from specdecpp.mixing import (
+    binary_entropy,
+    binary_kl,
+    calibration_bins,
+    expected_calibration_error,
+    mixed_example,
+    mixed_features,
+    mixing_mask,
+    rejection_auroc,
+    weighted_bce,
+)
 from specdecpp.models import load_model
 from train import run
 from train.cache import feature_cache
@@ -123,7 +131,7 @@ def test_draft_features_are_the_engines_hidden_state_at_each_candidate(draft):
     rows = [{"row": j, **{k: torch.tensor(v[j]) for k, v in random_rows(3, 320, 9).items()
                           if k in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}} for j in range(3)]
     hidden, labels = mixed_features(draft, rows, ratio=0.3, seed=1, epoch=0)
-    for r, h in zip(rows, hidden):
+    for r, h in zip(rows, hidden, strict=True):
         ids, positions, _ = mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"],
                                           mixing_mask(len(r["target_ids"]), 0.3, 1, 0, r["row"]))
         assert h.shape == (len(positions), 32)
@@ -137,7 +145,7 @@ def test_weighted_bce_matches_hand_computation_and_authors_two_class_form():
     p = torch.tensor([1.0, 0.2, 0.7, 0.0])
     w_rej = 6.0
     q = [1 / (1 + math.exp(-v)) for v in logits.tolist()]
-    num = sum(-pi * math.log(qi) - w_rej * (1 - pi) * math.log(1 - qi) for pi, qi in zip(p.tolist(), q))
+    num = sum(-pi * math.log(qi) - w_rej * (1 - pi) * math.log(1 - qi) for pi, qi in zip(p.tolist(), q, strict=True))
     den = w_rej * sum(1 - pi for pi in p.tolist()) + sum(p.tolist())
     assert weighted_bce(logits, p, w_rej).item() == pytest.approx(num / den, rel=1e-6)
     # the authors' formulation: 2-class CE with class weights [w_rej, 1], soft labels, same normaliser
@@ -214,7 +222,7 @@ def test_cached_and_on_the_fly_features_give_the_same_batch_loss(tiny_dataset, t
     cached = data_module(splits, draft, tiny_pair, tmp_path, cache=True).loader("train")
     raw = data_module(splits, draft, tiny_pair, tmp_path, cache=False).loader("train")
     n_batches = 0
-    for cached_batch, raw_batch in zip(cached, raw):
+    for cached_batch, raw_batch in zip(cached, raw, strict=True):
         hidden, labels = module.features(raw_batch, epoch=0)
         torch.testing.assert_close(cached_batch["hidden"], hidden, atol=1e-5, rtol=1e-5)
         assert torch.equal(cached_batch["labels"], labels)

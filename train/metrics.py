@@ -8,8 +8,13 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric, MetricCollection
 
-from specdecpp.mixing import (binary_entropy, binary_kl, calibration_bins, expected_calibration_error,
-                              rejection_auroc)
+from specdecpp.mixing import (
+    binary_entropy,
+    binary_kl,
+    calibration_bins,
+    expected_calibration_error,
+    rejection_auroc,
+)
 
 
 class BinaryKL(Metric):

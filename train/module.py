@@ -54,7 +54,7 @@ class AcceptanceHeadModule(L.LightningModule):
             raise RuntimeError("raw batches need the draft model: pass draft= to AcceptanceHeadModule")
         if draft.device != self.device:
             draft.to(self.device)
-        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         hidden, labels = mixed_features(draft, rows, self.hparams.mix_ratio, self.hparams.mix_seed, epoch)
         return torch.cat(hidden), torch.cat(labels).to(self.device)
 
@@ -95,7 +95,7 @@ class AcceptanceHeadModule(L.LightningModule):
         self.eval_metrics[dataloader_idx].update(logits, labels)
 
     def on_test_epoch_end(self) -> None:
-        for name, metrics in zip(self.eval_names, self.eval_metrics):
+        for name, metrics in zip(self.eval_names, self.eval_metrics, strict=True):
             values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}
             values["positions"] = int(metrics["KL"].count)
             self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
