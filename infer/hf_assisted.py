@@ -26,6 +26,13 @@ from specdecpp.engine import RunStats
 from specdecpp.sampling import SamplingConfig
 
 
+# Logits processors a checkpoint's generation_config.json could switch on (transformers fills
+# every unset key from it): set to their no-op values, so HF samples from the same warped
+# distribution as our engine.
+NEUTRAL = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
+
+
 class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -90,7 +97,7 @@ class HFAssistedRunner:
 
         s = self.sampling
         pad = eos_token_id if isinstance(eos_token_id, int) else 0
-        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
+        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
                   pad_token_id=pad, do_sample=not s.greedy)
         if not s.greedy:
             kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
