@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, SpeculativeDecoder, TargetOnly
-from specdecpp.engine import RunStats
 from specdecpp.sampling import SamplingConfig
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted", "oracle")
@@ -183,5 +182,4 @@ def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig):
     return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling))
 
 
-__all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "RunStats", "build_runner",
-           "resolve_method"]
+__all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "build_runner", "resolve_method"]

@@ -19,13 +19,12 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a result file. A truncated last line (a run killed mid-write) is dropped from the
-    file; any other unreadable line is an error naming the file and line."""
+    """Rows of a result file. A cut last line (a run killed mid-write) is ignored; any other
+    unreadable line is an error naming the file and line. The file is not modified."""
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
-    lines = text.split("\n")
+    lines = path.read_text().split("\n")
     rows = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -33,12 +32,28 @@ def read_rows(path: Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:  # no trailing newline: the write was interrupted
-                path.write_text("\n".join(lines[:i]) + ("\n" if i else ""))
+            if i == len(lines) - 1:  # no newline after it: the write was interrupted
                 break
             raise ValueError(f"result file {path} line {i + 1} is not valid JSON ({exc}); "
                              "fix or delete that file") from exc
     return rows
+
+
+def repair_tail(path: Path) -> None:
+    """Make the file end with a complete line before appending: drop a cut last line, or add the
+    newline a complete last row is missing."""
+    path = Path(path)
+    if not path.exists():
+        return
+    text = path.read_text()
+    if not text or text.endswith("\n"):
+        return
+    head, _, last = text.rpartition("\n")
+    try:
+        json.loads(last)
+        path.write_text(text + "\n")
+    except json.JSONDecodeError:
+        path.write_text(head + "\n" if head else "")
 
 
 def check_resumable(path: Path, rows: list[dict], run: dict) -> None:
@@ -59,6 +74,7 @@ class ResultWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_tail(self.path)
 
     def append(self, row: dict) -> None:
         with self.path.open("a") as f:

@@ -18,7 +18,7 @@ import infer.app as app
 from infer import sweep
 from infer.report import build_report
 from infer.report import main as report_main
-from infer.results import prompt_seed, read_rows
+from infer.results import ResultWriter, prompt_seed, read_rows
 from specdecpp import AcceptanceHead
 from specdecpp.metrics import fit_cost_model, greedy_oracle, predicted_latency_per_token
 
@@ -139,6 +139,21 @@ def test_resume_keeps_rows_and_redoes_only_missing(setup):
     with pytest.raises(ValueError, match="max_new_tokens"):
         app.prepare(bad)
     assert path.read_text() == before
+
+
+def test_result_file_tail_repair(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}')  # complete row, newline lost
+    assert read_rows(path) == [{"a": 1}, {"a": 2}] and path.read_text().endswith("}")  # reading changes nothing
+    ResultWriter(path).append({"a": 3})
+    assert read_rows(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
+    path.write_text('{"a": 1}\n{"a": 2')  # cut mid-row
+    assert read_rows(path) == [{"a": 1}]
+    ResultWriter(path).append({"a": 3})
+    assert path.read_text() == '{"a": 1}\n{"a": 3}\n'
+    path.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')  # damage inside the file is an error
+    with pytest.raises(ValueError, match="line 2"):
+        read_rows(path)
 
 
 def test_prompt_seed_depends_on_seed_and_id_only():
