@@ -205,11 +205,11 @@ def materialise_draft(target_dir: Path, out: Path, artifact: Path = DRAFT_ARTIFA
 
 def demo_draft_path(artifact: Path = DRAFT_ARTIFACT) -> Path:
     """The materialised draft directory; rebuilt whenever the shipped artifact changes."""
+    draft_config(artifact)  # clear error when the artifact is missing
     out = cache_dir() / "draft"
     stamp = out / _STAMP
     if stamp.is_file() and json.loads(stamp.read_text()).get("artifact_sha256") == _artifact_digest(artifact):
         return out
-    draft_config(artifact)  # clear error when the artifact is missing
     return materialise_draft(demo_target_path(), out, artifact)
 
 
