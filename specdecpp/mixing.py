@@ -48,10 +48,11 @@ def mixed_example(prompt_ids, target_ids, draft_ids, p_acc, take_target: torch.T
     """(input_ids = x + Z, feature positions into input_ids, labels at those positions)."""
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     x, y = torch.as_tensor(target_ids, dtype=torch.long), torch.as_tensor(draft_ids, dtype=torch.long)
+    take_target = take_target.to(x.device)
     z = mix_tokens(x, y, take_target)
     keep = (~take_target).nonzero().squeeze(-1)
     positions = len(prompt) + keep  # Z_{i+1} (0-based i) sits at index len(prompt) + i
-    labels = torch.as_tensor(p_acc, dtype=torch.float32)[keep]
+    labels = torch.as_tensor(p_acc, dtype=torch.float32).to(x.device)[keep]
     return torch.cat([prompt, z]), positions, labels
 
 

@@ -390,6 +390,25 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pai
         run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
 
 
+def test_remix_each_epoch_draws_a_new_mixing_per_epoch_and_validates_on_the_fixed_one(
+        tiny_dataset, tiny_pair, tmp_path, monkeypatch):
+    import train.module
+
+    epochs = []
+    real = train.module.mixed_features
+
+    def recording(draft_model, rows, ratio, seed, epoch):
+        epochs.append((torch.is_grad_enabled(), epoch))
+        return real(draft_model, rows, ratio, seed, epoch)
+
+    monkeypatch.setattr(train.module, "mixed_features", recording)
+    cfg = train_cfg([*base_overrides(tiny_pair, tiny_dataset, tmp_path, "trainer=smoke", "callbacks=none"),
+                     "data.cache_features=false", "data.remix_each_epoch=true", "trainer.max_epochs=3",
+                     "trainer.limit_train_batches=1", "trainer.limit_test_batches=0"])
+    run(cfg)
+    assert epochs == [(True, 0), (False, 0), (True, 1), (False, 0), (True, 2), (False, 0)]  # train, validate
+
+
 # -- bad input --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, message", [
     ("loss.w_rej=0", "w_rej must be > 0"),

@@ -72,6 +72,8 @@ def run(cfg: DictConfig) -> dict:
         remix_each_epoch=data.remix_each_epoch, draft=None if data.cache_features else draft)
 
     loggers = _instantiate_all(cfg.get("logger"))
+    for logger in loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     callbacks = _instantiate_all(cfg.get("callbacks"))
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
