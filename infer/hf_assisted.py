@@ -25,7 +25,6 @@ import torch
 from specdecpp.engine import RunStats
 from specdecpp.sampling import SamplingConfig
 
-
 # Logits processors a checkpoint's generation_config.json could switch on (transformers fills
 # every unset key from it): set to their no-op values, so HF samples from the same warped
 # distribution as our engine.

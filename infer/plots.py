@@ -56,7 +56,7 @@ def pareto_plot(group: dict, path: Path) -> Path:
         ys = [e["discard_rate"] for e in items]
         ax.plot(xs, ys, marker=marker, color=color, label=label, linestyle="-" if len(items) > 1 else "none",
                 markersize=10 if items[0]["method"] == "oracle" else 6)
-        for e, x, y in zip(items, xs, ys):
+        for e, x, y in zip(items, xs, ys, strict=True):
             if _point_label(e):
                 ax.annotate(_point_label(e), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("verification rate  N_target / N")

@@ -93,5 +93,5 @@ def summarize_group(rows: list[dict]) -> dict:
 
 def summarize_results(rows: list[dict]) -> list[dict]:
     """One summary per (pair, prompts, sampling) group, as plain data."""
-    return [{**dict(zip(GROUP_KEYS, key)), **summarize_group(group)}
+    return [{**dict(zip(GROUP_KEYS, key, strict=True)), **summarize_group(group)}
             for key, group in group_rows(rows).items()]

@@ -34,7 +34,7 @@ def expand_comparison(comparison) -> list[DictConfig]:
             raise ValueError(f"comparison.{name}: an empty grid {grid}")
         base = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
         for point in itertools.product(*grid.values()):
-            configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point))))
+            configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point, strict=True))))
     return configs
 
 

@@ -104,8 +104,8 @@ def test_self_draft_accepts_everything(setup):
     loop (checks the hook and streamer counting), greedy and sampled."""
     target = setup.pair.target
     for sampling in ("greedy", "paper"):
-        for overrides, k in ((["method=fixed_k", "method.k=2"], 2),
-                             (["method=hf_assisted", "method.mode=constant", "method.num_assistant_tokens=2"], 2)):
+        for overrides in (["method=fixed_k", "method.k=2"],
+                          ["method=hf_assisted", "method.mode=constant", "method.num_assistant_tokens=2"]):
             cfg = make_cfg(*setup.base, *overrides, f"pair.draft={target}", f"sampling={sampling}",
                            "prompts.limit=1", f"out={setup.root}/self/{sampling}", "warmup_tokens=0")
             (row,) = read_rows(Path(app.run(cfg)["path"]))
