@@ -486,3 +486,24 @@ def test_learning_rate_schedule_is_warmup_then_cosine(draft):
     module._trainer = SimpleNamespace(estimated_stepping_batches=100)
     reference = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=1.0), 3, 100).lr_lambdas[0]
     assert [module.lr_factor(s) for s in range(101)] == pytest.approx([reference(s) for s in range(101)])
+
+
+def test_trains_on_a_real_data_gen_output(tiny_pair, tmp_path):
+    """The contract with data_gen: its output directory trains as is, and the head records it."""
+    from data_gen import run as generate
+
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["Write a short poem about the sea.", "What is 12 times 7?", "def add(a, b):", "Explain binary search."]
+    prompts.write_text("".join(json.dumps({"id": f"p{j}", "split": "train" if j < 3 else "dev", "prompt": t}) + "\n"
+                               for j, t in enumerate(texts)))
+    data = tmp_path / "data"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        generate(compose("data_gen", overrides=[
+            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "pair.device=cpu", "prompts=jsonl",
+            f"prompts.path={prompts}", "splits=[train,dev]", f"out={data}", "max_new_tokens=8", "progress=false"]))
+    result = run(train_cfg([*base_overrides(tiny_pair, data, tmp_path, "trainer=smoke", "callbacks=none"),
+                            "+experiment=wrej6_d3"]))
+    head = AcceptanceHead.from_pretrained(result["out"])
+    assert head.meta["target"] == tiny_pair.target and head.draft == tiny_pair.draft
+    assert set(result["metrics"]) == {"train", "dev"} and result["metrics"]["train"]["positions"] > 0
