@@ -422,6 +422,14 @@ def test_bad_settings_fail_before_anything_is_written(tiny_dataset, tiny_pair, t
     assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
 
 
+def test_missing_draft_or_dataset_path_is_named(tmp_path):
+    with pytest.raises(ValueError, match="pair.draft is not set"):
+        run(train_cfg(["data.path=somewhere", f"out={tmp_path / 'head'}"]))
+    with pytest.raises(ValueError, match="data.path is not set"):
+        run(train_cfg(["pair.draft=somewhere", f"out={tmp_path / 'head'}"]))
+    assert not (tmp_path / "head").exists()
+
+
 def corrupt(rows: dict, column: str, value) -> dict:
     rows = {k: [list(v) if isinstance(v, list) else v for v in vs] for k, vs in rows.items()}
     rows[column][1][2] = value

@@ -50,8 +50,11 @@ def run(cfg: DictConfig) -> dict:
     data, loss = cfg.data, cfg.loss
     check_settings(loss.w_rej, loss.w_acc, data.mix_ratio, data.mix_seed, cfg.head.depth, data.batch_size,
                    data.cache_features, data.remix_each_epoch)
+    if OmegaConf.is_missing(cfg.pair, "draft"):
+        raise ValueError("pair.draft is not set: pass pair=demo, or pair=custom pair.draft=PATH (the draft that "
+                         "labelled the dataset)")
     out = Path(cfg.out)
-    splits, meta = load_dataset_dir(data.path)
+    splits, meta = load_dataset_dir(None if OmegaConf.is_missing(data, "path") else data.path)
     L.seed_everything(cfg.seed, workers=True)
     draft = load_model(cfg.pair.draft, device=cfg.pair.device, dtype=cfg.pair.dtype)
     hidden_size = int(draft.config.hidden_size)

@@ -35,8 +35,8 @@ def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, 
 
 def load_dataset_dir(path):
     """Read and validate a data_gen dataset directory (schema, lengths, labels): (DatasetDict, meta)."""
-    if path is None or str(path) in ("", "???"):
-        raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/alpaca")
+    if path is None or str(path) == "":
+        raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/bundled")
     try:
         return load_labelled(path)
     except DatasetError:
