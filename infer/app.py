@@ -86,9 +86,10 @@ def load_models(pair: dict):
     return _LOADED[key]
 
 
-def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, timed: bool,
-             device: torch.device, dtype: torch.dtype) -> dict:
+def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
+             timed: bool, device: torch.device, dtype: torch.dtype) -> dict:
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
+    times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "timed": timed,
@@ -112,8 +113,8 @@ def execute(job: Job, models) -> dict:
     writer = ResultWriter(job.path)
     bar = tqdm(encoded, desc=f"{job.spec.name} {job.spec.tag}", disable=not job.progress, unit="prompt")
     for prompt, ids in bar:
-        output_ids, stats = runner.generate(ids, job.max_new_tokens, prompt_seed(seed, prompt.id), eos)
-        writer.append(make_row(job, prompt, ids.shape[1], output_ids, stats, runner.timed,
+        output_ids, stats, extra = runner.generate(ids, job.max_new_tokens, prompt_seed(seed, prompt.id), eos)
+        writer.append(make_row(job, prompt, ids.shape[1], output_ids, stats, extra, runner.timed,
                                target.device, target.dtype))
     return summarize(job)
 

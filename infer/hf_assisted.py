@@ -18,51 +18,18 @@ configured values (transformers otherwise carries the heuristic's length over be
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from specdecpp.engine import RunStats
 from specdecpp.sampling import SamplingConfig
+
+from .timing import Clock, ForwardMeter
 
 # Logits processors a checkpoint's generation_config.json could switch on (transformers fills
 # every unset key from it): set to their no-op values, so HF samples from the same warped
 # distribution as our engine.
 NEUTRAL = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
-
-
-class _Clock:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
-class _ForwardMeter:
-    """Counts and times the forward passes of one model through hooks."""
-
-    def __init__(self, model, clock: _Clock, on_call=None) -> None:
-        self.calls, self.seconds, self._start = 0, 0.0, 0.0
-        self.clock, self.on_call = clock, on_call
-        self.handles = [model.register_forward_pre_hook(self._pre),
-                        model.register_forward_hook(self._post)]
-
-    def _pre(self, module, args):
-        if self.on_call is not None:
-            self.on_call()
-        self._start = self.clock.now()
-
-    def _post(self, module, args, output):
-        self.seconds += self.clock.now() - self._start
-        self.calls += 1
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 class _RoundStreamer:
@@ -89,7 +56,7 @@ class HFAssistedRunner:
             "num_assistant_tokens_schedule": "heuristic" if mode == "heuristic" else "constant",
             "assistant_confidence_threshold": confidence_threshold if mode == "confidence" else 0.0,
         }
-        self.clock = _Clock(target.device)
+        self.clock = Clock(target.device)
 
     def _generation_config(self, max_new_tokens: int, eos_token_id):
         from transformers import GenerationConfig
@@ -108,7 +75,7 @@ class HFAssistedRunner:
             setattr(self.draft.generation_config, key, value)
         config = self._generation_config(max_new_tokens, eos_token_id)
         streamer = _RoundStreamer()
-        draft_meter = _ForwardMeter(self.draft, self.clock)
+        draft_meter = ForwardMeter(self.draft, self.clock)
         candidate_lengths: list[int] = []
         seen = [0]
 
@@ -116,17 +83,13 @@ class HFAssistedRunner:
             candidate_lengths.append(draft_meter.calls - seen[0])
             seen[0] = draft_meter.calls
 
-        target_meter = _ForwardMeter(self.target, self.clock, on_call=round_started)
         torch.manual_seed(seed)  # transformers samples from the global generator
-        try:
+        with draft_meter, ForwardMeter(self.target, self.clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
                                        assistant_model=self.draft, generation_config=config,
                                        streamer=streamer)
             wall = self.clock.now() - t0
-        finally:
-            draft_meter.remove()
-            target_meter.remove()
         output_ids = out[0, prompt_ids.shape[1]:].tolist()
         accept_lengths = [n - 1 for n in streamer.puts[1:]]
         stats = RunStats(
@@ -135,4 +98,4 @@ class HFAssistedRunner:
             n_discarded=sum(candidate_lengths) - sum(accept_lengths),
             accept_lengths=accept_lengths, candidate_lengths=candidate_lengths,
             draft_time_s=draft_meter.seconds, target_time_s=target_meter.seconds, wall_time_s=wall)
-        return output_ids, stats
+        return output_ids, stats, {"forward_time_s": draft_meter.seconds + target_meter.seconds}

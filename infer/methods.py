@@ -1,7 +1,9 @@
 """Stopping methods from config: check them before any model loads, then build a runner.
 
 A runner has ``timed`` (whether its times are measurements) and
-``generate(prompt_ids, max_new_tokens, seed, eos_token_id) -> (output_ids, RunStats)``.
+``generate(prompt_ids, max_new_tokens, seed, eos_token_id) -> (output_ids, RunStats, extra)``,
+``extra`` holding ``forward_time_s``: the time inside the two models' forward passes, measured
+by the same hooks for every runner (wall time minus it is the decoding loop's own overhead).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, SpeculativeDecoder, TargetOnly
 from specdecpp.sampling import SamplingConfig
+
+from .timing import Clock, ForwardMeter
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted", "oracle")
 HF_MODES = ("constant", "heuristic", "confidence")
@@ -152,11 +156,13 @@ class EngineRunner:
 
     def __init__(self, decoder: SpeculativeDecoder) -> None:
         self.decoder = decoder
+        self.clock = Clock(decoder.device)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
-        out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
-                                    eos_token_id=eos_token_id)
-        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats
+        with ForwardMeter(self.decoder.draft, self.clock) as d, ForwardMeter(self.decoder.target, self.clock) as t:
+            out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
+                                        eos_token_id=eos_token_id)
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": d.seconds + t.seconds}
 
 
 def _policy(spec: MethodSpec):

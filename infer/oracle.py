@@ -36,4 +36,4 @@ class OracleRunner:
         prompt_len = prompt_ids.shape[1]
         target_ids = out.tokens[0, prompt_len:].tolist()
         predictions = draft_greedy_predictions(self.draft, out.tokens, prompt_len, self.vocab)
-        return target_ids, greedy_oracle(target_ids, predictions)
+        return target_ids, greedy_oracle(target_ids, predictions), {}

@@ -54,11 +54,14 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     vr = sum(r["n_target"] for r in rows) / n if n else math.nan
     pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if fit else None
     measured = n / wall if timed and wall else None
+    forward = [r.get("forward_time_s") for r in rows]
+    outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
     return {
         "method": first["method"], "tag": first["tag"], "settings": first["settings"],
         "n_prompts": len(rows), "n_generated": n, "timed": timed,
         "tokens_per_s": measured, "predicted_tokens_per_s": pred,
         "measured_over_predicted": measured / pred if measured and pred else None,
+        "outside_forward_share": outside,
         "mean_accept_length": sum(rounds) / len(rounds) if rounds and first["method"] != "target_only" else None,
         "discard_rate": dr, "verification_rate": vr,
         "draft_time_s": sum(r["draft_time_s"] for r in rows) if timed else None,

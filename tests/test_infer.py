@@ -83,9 +83,10 @@ def test_every_method_writes_complete_rows(greedy_results):
             assert r["n_discarded"] == sum(r["candidate_lengths"]) - sum(r["accept_lengths"]), name
             assert r["n_draft"] + r["n_target"] == r["n_generated"] + r["n_discarded"], name  # Eq. 2.1 identity
             if name == "oracle":
-                assert r["wall_time_s"] is None and r["n_discarded"] == 0
+                assert r["wall_time_s"] is None and r["forward_time_s"] is None and r["n_discarded"] == 0
             else:
                 assert r["wall_time_s"] > 0 and r["target_time_s"] > 0
+                assert 0 < r["forward_time_s"] < r["wall_time_s"], name
     assert all(r["n_draft"] == 0 for r in results["target_only"])
     assert all(max(r["candidate_lengths"]) <= 3 for r in results["fixed_k"])
     assert all(r["candidate_lengths"][0] == 3 for r in results["hf_constant"])
