@@ -45,6 +45,18 @@ def _resume_checkpoint(callbacks: list, settings: dict) -> str | None:
     return str(last)
 
 
+def _training_record(cfg: DictConfig, meta: dict, trainer) -> dict:
+    """How the head was made, for its config.json."""
+    data, loss = cfg.data, cfg.loss
+    return {"dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
+            "depth": int(cfg.head.depth), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
+            "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
+            "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
+            "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
+            "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
+            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed")}}
+
+
 def run(cfg: DictConfig) -> dict:
     """Train, evaluate on every split, save the head to ``cfg.out``; return a summary dict."""
     data, loss = cfg.data, cfg.loss
@@ -93,13 +105,7 @@ def run(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_calibration(results, out / "calibration.png", title=f"{cfg.experiment_name} (D={cfg.head.depth}, "
                                                                       f"w_rej={loss.w_rej})")
-    training = {"dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
-                "depth": int(cfg.head.depth), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
-                "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
-                "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
-                "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
-                "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
-                "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed")}}
+    training = _training_record(cfg, meta, trainer)
     head.save_pretrained(out, training=training, metrics=metrics, target=meta.get("target"))
     (out / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
     OmegaConf.save(cfg, out / "train_config.yaml")
