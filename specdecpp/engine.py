@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import output_vocab_size
+from .models import new_cache, output_vocab_size
 from .policies import StopPolicy
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
@@ -58,21 +58,12 @@ class GenerateOutput:
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
-
-
 class _Runner:
     """One model and its KV cache. ``length`` tokens are cached; rollback = crop."""
 
     def __init__(self, model, vocab: int, want_hidden: bool) -> None:
         self.model, self.vocab, self.want_hidden = model, vocab, want_hidden
-        self.cache = _new_cache(model)
+        self.cache = new_cache(model)
 
     @property
     def length(self) -> int:

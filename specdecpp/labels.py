@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import output_vocab_size
+from .models import new_cache, output_vocab_size
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
 
@@ -73,15 +73,6 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
-
-
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
@@ -101,7 +92,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     vocab = vocab or output_vocab_size(target)
     eos = _eos_set(eos_token_id)
     ids, mask, positions = left_pad(prompts, device)
-    cache = _new_cache(target)
+    cache = new_cache(target)
     responses: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # batch position -> prompt index
     logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,

@@ -77,6 +77,16 @@ def load_model(path: str, device: str | torch.device = "auto", dtype: str | torc
     return model
 
 
+def new_cache(model):
+    """An empty KV cache for ``model`` (transformers' DynamicCache)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
 def output_vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 

@@ -8,8 +8,17 @@ import torch
 from conftest import tiny_lm
 from stats import chi_square_pvalue
 
-from specdecpp import (SVIP, AcceptanceHead, FixedK, SamplingConfig, SpecDecPP, SpeculativeDecoder,
-                       TargetOnly, warp)
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+    warp,
+)
+from specdecpp.models import new_cache
 
 
 def noisy_copy(model, noise: float, seed: int):
@@ -164,8 +173,6 @@ def _cache_tensors(cache):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)])
 def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
-    from specdecpp.engine import _new_cache
-
     draft, target = pair32
     decoder = SpeculativeDecoder(draft, target, FixedK(4), sampling)
     out = decoder.generate(torch.tensor([[3, 1, 4]]), 40, generator=torch.Generator().manual_seed(3),
@@ -176,10 +183,10 @@ def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
         cache = out.caches[name]
         length = cache.get_seq_length()
         assert length == len(tokens) - 1 if name == "target" else length <= len(tokens) - 1
-        fresh = _new_cache(model)
+        fresh = new_cache(model)
         with torch.no_grad():
             model(tokens[:length].unsqueeze(0), past_key_values=fresh, use_cache=True)
-        for (k1, v1), (k2, v2) in zip(_cache_tensors(cache), _cache_tensors(fresh)):
+        for (k1, v1), (k2, v2) in zip(_cache_tensors(cache), _cache_tensors(fresh), strict=True):
             assert k1.shape == k2.shape
             torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-4)
