@@ -2,7 +2,8 @@
 draft recomputed at every step (the authors' pipeline), on the same data and machine.
 
     python scripts/bench_train_sweep.py                       # a random small draft and dataset
-    python scripts/bench_train_sweep.py --draft demo/draft --data data/demo/alpaca --epochs 3
+    python scripts/bench_train_sweep.py --draft .cache/demo/draft      # a real draft, random data
+    python scripts/bench_train_sweep.py --draft .cache/demo/draft --data data/demo/bundled
 
 Each head runs through ``train.run`` exactly as ``python -m train +experiment=NAME`` would
 (trainer=cpu, no logger, no callbacks). Writes reports/bench_train_sweep.{json,png} and prints
@@ -120,7 +121,7 @@ def report(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", help="draft model (HF dir, .gguf or hub id); default: a random small Llama")
-    parser.add_argument("--data", help="data_gen dataset made with --draft; default: random data")
+    parser.add_argument("--data", help="data_gen dataset made with --draft; default: random data for the draft")
     parser.add_argument("--prompts", type=int, default=48, help="training prompts of the random dataset")
     parser.add_argument("--length", type=int, default=128, help="response tokens per random prompt")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random draft")
@@ -137,13 +138,15 @@ def main() -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)  # a fresh cache: its build is part of the timing
     work.mkdir(parents=True)
-    if (args.draft is None) != (args.data is None):
-        parser.error("give both --draft and --data (a dataset made with that draft), or neither")
+    if args.data is not None and args.draft is None:
+        parser.error("--data needs --draft (the draft that labelled it)")
     draft = args.draft or build_draft(work / "draft", args.vocab, args.hidden, args.layers)
-    if args.data is None:
-        data = build_dataset(work / "data", draft, args.hidden, args.vocab, args.prompts, args.length)
-    else:
-        data = args.data
+    data = args.data
+    if data is None:
+        from specdecpp.models import load_model
+
+        config = load_model(draft, "cpu").config
+        data = build_dataset(work / "data", draft, config.hidden_size, config.vocab_size, args.prompts, args.length)
     results = {"setup": {**vars(args), "draft": draft, "data": data}}
     for cached in (True, False):
         results["cached" if cached else "recomputed"] = sweep(draft, data, work, cached, args.epochs, args.batch_size)
