@@ -11,7 +11,8 @@ generate: the target samples whole conversations (it writes the user turn, then 
 label: the target's top logits on existing text (Python standard library source): more tokens
     per CPU-minute than sampling, less like chat answers.
 train: the draft's layers and its two embedding projections are trained with KL(p || q), p the
-    target's top-k-50 distribution, on the shards available (generate may still be running); each
+    target's top-k-50 distribution, q normalised by a sampled softmax (the batch's teacher tokens
+    plus uniformly drawn others), on the shards available (generate may still be running); each
     step takes its rows from one shard, a text shard with probability text_share.
     Checkpoints every few steps and resumes from the last one; keeps the best by held-out acceptance.
 export: writes the best checkpoint as the shipped artifact (layers in float16, projections float32).
@@ -172,11 +173,15 @@ class ProjectedDraft(torch.nn.Module):
         self.input_projection = torch.nn.Parameter(input_projection.clone())
         self.output_projection = torch.nn.Parameter(output_projection.clone())
 
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states [B, T, d] and the output matrix [V, d]."""
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, T, d]; logits are ``hidden @ output_matrix().T``."""
         x = F.embedding(ids, self.target_embeddings) @ self.input_projection
-        hidden = self.body(inputs_embeds=x).last_hidden_state
-        return hidden, self.target_embeddings @ self.output_projection
+        return self.body(inputs_embeds=x).last_hidden_state
+
+    def output_matrix(self, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Output-layer rows [V, d], or only those of ``token_ids``."""
+        rows = self.target_embeddings if token_ids is None else self.target_embeddings[token_ids]
+        return rows @ self.output_projection
 
     def artifact_tensors(self) -> dict[str, torch.Tensor]:
         layers = {f"model.{k}": v.detach().to(torch.float16).contiguous()
@@ -197,7 +202,7 @@ def top_eigenvectors(second_moment: torch.Tensor, d: int) -> torch.Tensor:
 
 def initial_draft(recipe: dict, target, shard: dict) -> ProjectedDraft:
     """P_in: PCA of the target's embedding rows. P_out: PCA of the target's final hidden states
-    (what its output layer reads); the draft's final norm starts at their scale along each axis."""
+    (what its output layer reads). The draft's final norm starts small: near-uniform first guesses."""
     d = recipe["draft"]["hidden_size"]
     embeddings = target.get_input_embeddings().weight.detach().float()
     rows = shard["tokens"][: max(1, recipe["train"]["hidden_samples"] // shard["tokens"].shape[1] + 1)].long()
@@ -208,26 +213,43 @@ def initial_draft(recipe: dict, target, shard: dict) -> ProjectedDraft:
     torch.manual_seed(recipe["seed"])
     draft = ProjectedDraft(draft_llama_config(recipe, target.config), embeddings, p_in, p_out)
     with torch.no_grad():
-        draft.body.norm.weight.copy_((hidden @ p_out).pow(2).mean(0).sqrt())
+        row_norm = (embeddings @ p_out).pow(2).sum(-1).mean().sqrt()
+        draft.body.norm.weight.fill_(1 / row_norm.item())
     return draft
 
 
 # ---------------------------------------------------------------- train
 
-def teacher_and_student(draft: ProjectedDraft, batch: dict, chunk: int = 1024):
-    """Per generated position: the teacher's top-k-50 probabilities on its saved ids, and the
-    draft's log-probabilities (full vocabulary) and top-k-50 probabilities on those ids."""
+def positions(draft: ProjectedDraft, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft hidden states at the generated positions [N, d], the teacher's top-k-50 probabilities
+    p [N, 50] and the token ids they belong to [N, 50] (saved ids are sorted by logit)."""
     ids, start = batch["tokens"].long(), batch["prompt_len"]
-    hidden, out_matrix = draft(ids[:, :-1])
-    hidden = hidden[:, start - 1:].reshape(-1, hidden.shape[-1])
-    teacher_ids = batch["topk_ids"].long().reshape(hidden.shape[0], -1)
-    p = warp(batch["topk_logits"].float().reshape(hidden.shape[0], -1), TEACHER)
-    logq, q = [], []
-    for lo in range(0, hidden.shape[0], chunk):
-        logits = hidden[lo:lo + chunk] @ out_matrix.T
-        logq.append(logits.log_softmax(-1).gather(-1, teacher_ids[lo:lo + chunk]))
-        q.append(warp(logits.detach(), TEACHER).gather(-1, teacher_ids[lo:lo + chunk]))
-    return p, torch.cat(logq), torch.cat(q)
+    hidden = draft(ids[:, :-1])[:, start - 1:].reshape(-1, draft.body.config.hidden_size)
+    logits = batch["topk_logits"].float().reshape(hidden.shape[0], -1)
+    teacher_ids = batch["topk_ids"].long().reshape(hidden.shape[0], -1)[:, :TEACHER.top_k]
+    return hidden, warp(logits, TEACHER)[:, :TEACHER.top_k], teacher_ids
+
+
+def sampled_logq(draft: ProjectedDraft, hidden: torch.Tensor, teacher_ids: torch.Tensor, negatives: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """log q at the teacher's ids, normalised over the batch's teacher ids plus ``negatives``
+    uniformly drawn other tokens standing in for the rest of the vocabulary (sampled softmax)."""
+    vocab = draft.target_embeddings.shape[0]
+    support = torch.unique(teacher_ids)
+    others = torch.randint(vocab, (negatives,), generator=generator)
+    others = others[~torch.isin(others, support)]
+    support_logits = hidden @ draft.output_matrix(support).T
+    other_logits = hidden @ draft.output_matrix(others).T + math.log((vocab - len(support)) / len(others))
+    log_z = torch.logsumexp(torch.cat([support_logits, other_logits], dim=-1), dim=-1, keepdim=True)
+    return support_logits.gather(-1, torch.searchsorted(support, teacher_ids)) - log_z
+
+
+def draft_topk_probs(draft: ProjectedDraft, hidden: torch.Tensor, teacher_ids: torch.Tensor,
+                     chunk: int = 1024) -> torch.Tensor:
+    """The draft's top-k-50 probabilities (full vocabulary) at the teacher's ids."""
+    out_matrix = draft.output_matrix()
+    return torch.cat([warp(h @ out_matrix.T, TEACHER).gather(-1, ids)
+                      for h, ids in zip(hidden.split(chunk), teacher_ids.split(chunk), strict=True)])
 
 
 def kl_loss(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -248,8 +270,8 @@ def acceptance(draft: ProjectedDraft, shard: dict, rows: int) -> float:
     """Mean per-position sum_v min(p(v), q(v)) at temperature 1, top-k 50."""
     batch = {"tokens": shard["tokens"][:rows], "topk_logits": shard["topk_logits"][:rows],
              "topk_ids": shard["topk_ids"][:rows], "prompt_len": shard["prompt_len"]}
-    p, _, q = teacher_and_student(draft, batch)
-    return torch.minimum(p, q).sum(-1).mean().item()
+    hidden, p, teacher_ids = positions(draft, batch)
+    return torch.minimum(p, draft_topk_probs(draft, hidden, teacher_ids)).sum(-1).mean().item()
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -303,8 +325,9 @@ def train(recipe: dict, work: Path) -> None:
         rng = np.random.default_rng([recipe["seed"], step])
         pool = text_shards if text_shards and rng.random() < tr["text_share"] else train_shards
         batch = make_batch(pool[rng.integers(len(pool))], rng, tr["batch_size"])
-        p, logq, _ = teacher_and_student(draft, batch)
-        loss = kl_loss(p, logq)
+        hidden, p, teacher_ids = positions(draft, batch)
+        generator = torch.Generator().manual_seed(int(rng.integers(2**62)))
+        loss = kl_loss(p, sampled_logq(draft, hidden, teacher_ids, tr["negatives"], generator))
         optim.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
