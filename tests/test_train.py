@@ -270,6 +270,11 @@ def test_cache_is_reused_and_an_interrupted_build_resumes(tiny_dataset, tiny_pai
     assert other.directory != resumed.directory  # another mixing ratio is another cache
     kept = sum(int((~mixing_mask(len(x), 0.15, 7, 0, j)).sum()) for j, x in enumerate(split["target_ids"]))
     assert resumed.features.shape == (kept, 32) and len(resumed) == 24
+    import pickle
+
+    shipped = pickle.loads(pickle.dumps(resumed))  # as sent to DataLoader workers: the memory maps reopen
+    assert isinstance(shipped.features, np.memmap) and len(pickle.dumps(resumed)) < 1000
+    assert all(torch.equal(a, b) for a, b in zip(shipped.row(3), resumed.row(3), strict=True))
 
 
 # -- the Hydra app --------------------------------------------------------------------------------

@@ -52,6 +52,12 @@ class FeatureCache:
         self.labels = np.load(self.directory / "labels.npy", mmap_mode="r")
         self.offsets = np.load(self.directory / "offsets.npy")
 
+    def __getstate__(self) -> dict:  # worker processes reopen the memory maps instead of copying them
+        return {"directory": self.directory}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["directory"])
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
