@@ -277,6 +277,29 @@ def test_cache_is_reused_and_an_interrupted_build_resumes(tiny_dataset, tiny_pai
     assert all(torch.equal(a, b) for a, b in zip(shipped.row(3), resumed.row(3), strict=True))
 
 
+def test_two_jobs_building_one_cache_at_once_run_the_draft_once(tiny_dataset, tiny_pair, draft, tmp_path,
+                                                                monkeypatch):
+    """A parallel sweep launcher: the second job waits on the build lock, then reads the cache."""
+    import threading
+
+    from datasets import load_from_disk
+
+    import train.cache
+
+    split = load_from_disk(str(tiny_dataset))["train"]
+    rows, real = [], train.cache.mixed_features
+    monkeypatch.setattr(train.cache, "mixed_features", lambda *a: (rows.extend(r["row"] for r in a[1]), real(*a))[1])
+    caches = []
+    jobs = [threading.Thread(target=lambda: caches.append(
+        feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=4))) for _ in range(2)]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    assert sorted(rows) == list(range(24))
+    assert len(caches) == 2 and np.array_equal(caches[0].features, caches[1].features)
+
+
 # -- the Hydra app --------------------------------------------------------------------------------
 def sweep_jobs(pattern: str) -> list[list[str]]:
     """The jobs `python -m train -m '+experiment=glob(...)'` launches (Hydra's basic sweeper)."""

@@ -10,11 +10,13 @@ every head of a sweep can train on them without running the draft again. Layout 
 
 The key hashes the split's fingerprint, the draft (name and a weight fingerprint), the mixing ratio
 and seed and the storage dtype, so a change to any of them builds a new cache. An interrupted
-build resumes at the last finished chunk.
+build resumes at the last finished chunk; a job that finds another building the same cache (a
+parallel sweep launcher) waits for it (``build.lock``, POSIX file locking).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -83,10 +85,19 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
             "mix_seed": int(mix_seed), "dtype": dtype}
     key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cache_dir) / f"{split_name}-{key}"
-    state_file, progress_file = directory / "cache.json", directory / "progress.json"
-    if state_file.is_file() and json.loads(state_file.read_text()).get("complete"):
-        return FeatureCache(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a parallel sweep job building this cache: wait for it
+        state_file = directory / "cache.json"
+        if not (state_file.is_file() and json.loads(state_file.read_text()).get("complete")):
+            _build(split, split_name, draft, directory, {**info, "key": key}, batch_size)
+    return FeatureCache(directory)
 
+
+def _build(split, split_name: str, draft, directory: Path, info: dict, batch_size: int) -> None:
+    """Write the features chunk by chunk, recording progress; continue a build that was cut off."""
+    mix_ratio, mix_seed = info["mix_ratio"], info["mix_seed"]
+    state_file, progress_file = directory / "cache.json", directory / "progress.json"
     n_tokens = pc.list_value_length(arrow_column(split, "target_ids")).to_numpy(zero_copy_only=False)
     kept = [int((~mixing_mask(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j)).sum())
             for j, n in enumerate(n_tokens)]
@@ -94,13 +105,13 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
     shape = (int(offsets[-1]), int(draft.config.hidden_size))
     resume = state_file.is_file() and progress_file.is_file()
     done = json.loads(progress_file.read_text())["rows_done"] if resume else 0
-    directory.mkdir(parents=True, exist_ok=True)
     mode = "r+" if resume else "w+"
-    features = np.lib.format.open_memmap(directory / "features.npy", mode=mode, dtype=DTYPES[dtype], shape=shape)
+    features = np.lib.format.open_memmap(directory / "features.npy", mode=mode, dtype=DTYPES[info["dtype"]],
+                                         shape=shape)
     labels = np.lib.format.open_memmap(directory / "labels.npy", mode=mode, dtype=np.float32, shape=shape[:1])
     if not resume:
         np.save(directory / "offsets.npy", offsets)
-        _write_json(state_file, {**info, "key": key, "positions": shape[0], "complete": False})
+        _write_json(state_file, {**info, "positions": shape[0], "complete": False})
         _write_json(progress_file, {"rows_done": 0})
 
     rows = split.select_columns(["prompt_ids", "target_ids", "draft_ids", "p_acc"]).with_format("torch")
@@ -118,5 +129,4 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
             _write_json(progress_file, {"rows_done": stop})
             bar.update(stop - start)
     del features, labels
-    _write_json(state_file, {**info, "key": key, "positions": shape[0], "complete": True})
-    return FeatureCache(directory)
+    _write_json(state_file, {**info, "positions": shape[0], "complete": True})
