@@ -543,3 +543,21 @@ def test_trains_on_a_real_data_gen_output(tiny_pair, tmp_path):
     head = AcceptanceHead.from_pretrained(result["out"])
     assert head.meta["target"] == tiny_pair.target and head.draft == tiny_pair.draft
     assert set(result["metrics"]) == {"train", "dev"} and result["metrics"]["train"]["positions"] > 0
+
+
+def test_command_line(tiny_dataset, tiny_pair, tmp_path):
+    """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli_head"
+    command = [sys.executable, "-m", "train", "+experiment=wrej6_d3", f"data.path={tiny_dataset}", f"out={out}",
+               f"pair.draft={tiny_pair.draft}", "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={tmp_path / 'hydra'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CONF.parent)}
+    done = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    head = AcceptanceHead.from_pretrained(out)
+    assert (head.depth, head.meta["training"]["w_rej"]) == (3, 6.0)
+    assert (out / "logs" / "csv").is_dir() and (out / "ckpt" / "last.ckpt").is_file()
