@@ -142,6 +142,17 @@ def test_resume_keeps_rows_and_redoes_only_missing(setup):
     assert path.read_text() == before
 
 
+def test_retrained_head_in_same_directory_is_another_run(setup, tmp_path):
+    head = tmp_path / "head"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(head)
+    common = [*setup.base, "method=specdecpp", f"method.head={head}", "max_new_tokens=2", "prompts.limit=1",
+              "warmup_tokens=0", f"out={tmp_path}/out"]
+    assert app.run(make_cfg(*common))["rows"] == 1
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(head)  # new weights
+    with pytest.raises(ValueError, match="different settings"):
+        app.prepare(make_cfg(*common))
+
+
 def test_result_file_tail_repair(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}')  # complete row, newline lost
