@@ -63,15 +63,9 @@ def _num(x: float) -> str:
 
 def draft_hidden_size(draft_ref: str) -> int | None:
     """The draft's hidden size from its config alone (no weights are loaded)."""
-    from transformers import AutoConfig
+    from specdecpp.models import load_config
 
-    from specdecpp.models import _source
-
-    src, kw = _source(draft_ref)
-    try:
-        config = AutoConfig.from_pretrained(src, **kw)
-    except OSError as exc:
-        raise FileNotFoundError(f"could not read the config of draft {draft_ref!r}: {exc}") from exc
+    config = load_config(draft_ref)
     size = getattr(config, "hidden_size", None)
     return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
 

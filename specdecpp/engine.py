@@ -19,7 +19,8 @@ from .verify import verify
 class RunStats:
     """What one ``generate`` call did. ``accept_lengths[r]`` is the number of draft candidates
     accepted in round r (the round also emits one target token); ``candidate_lengths[r]`` is the
-    number K of candidates drafted in round r. Eq. 2.1 of the paper: N_draft + N_target = N + N_discarded."""
+    number K of candidates drafted in round r. N_draft + N_target = N + N_discarded holds exactly
+    (paper, Section 2): a round that ends on EOS counts the tokens after the EOS as discarded."""
 
     n_generated: int = 0
     n_target_calls: int = 0
@@ -169,13 +170,14 @@ class SpeculativeDecoder:
 
             new = seq[n : n + n_acc + 1].tolist()
             hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
-            n += len(new) if hit_eos is None else hit_eos + 1
+            kept = len(new) if hit_eos is None else hit_eos + 1
+            n += kept
             target.rollback(n - 1)
             draft.rollback(min(draft.length, n - 1))
 
             stats.n_draft_calls += k
             stats.n_target_calls += 1
-            stats.n_discarded += k - n_acc
+            stats.n_discarded += k + 1 - kept  # k - n_acc, plus tokens cut after an EOS
             stats.accept_lengths.append(n_acc)
             stats.candidate_lengths.append(k)
             stats.draft_time_s += t1 - t0

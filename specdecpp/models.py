@@ -50,6 +50,17 @@ def _source(path: str) -> tuple[str, dict]:
     return str(path), {}
 
 
+def load_config(path: str):
+    """The model's transformers config alone (no weights): for checks before anything loads."""
+    from transformers import AutoConfig
+
+    src, kw = _source(path)
+    try:
+        return AutoConfig.from_pretrained(src, **kw)
+    except OSError as exc:
+        raise FileNotFoundError(f"could not read the config of model {str(path)!r}: {exc}") from exc
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

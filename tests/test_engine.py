@@ -89,6 +89,8 @@ def test_greedy_stops_at_eos_like_the_target(pair32, name):
         out = decoder.generate(ids, max_new_tokens=20, eos_token_id=eos)
         assert out.tokens.tolist() == ref.tolist()
         assert out.tokens[0, -1].item() == eos and out.stats.n_generated == free.index(eos) + 1
+        s = out.stats
+        assert s.n_draft_calls + s.n_target_calls == s.n_generated + s.n_discarded
 
 
 def exact_distribution(target, prompt, n_tokens, sampling):
