@@ -313,6 +313,12 @@ def sweep_jobs(pattern: str) -> list[list[str]]:
         return BasicSweeper.split_arguments(overrides, max_batch_size=None)[0]
 
 
+def test_small_data_preset_combines_with_a_head():
+    cfg = train_cfg(["+experiment=[wrej6_d3,small_data]"])
+    assert (cfg.experiment_name, cfg.head.depth, cfg.loss.w_rej) == ("wrej6_d3", 3, 6)
+    assert (cfg.optimizer.lr, cfg.trainer.max_epochs, cfg.data.batch_size) == (3e-3, 30, 8)
+
+
 def test_every_experiment_config_runs(tiny_dataset, tiny_pair, tmp_path):
     """The glob sweep expands to the paper's 20 heads; each composes and trains a few steps."""
     jobs = sweep_jobs("wrej*")
