@@ -317,6 +317,7 @@ def test_small_data_preset_combines_with_a_head():
     cfg = train_cfg(["+experiment=[wrej6_d3,small_data]"])
     assert (cfg.experiment_name, cfg.head.depth, cfg.loss.w_rej) == ("wrej6_d3", 3, 6)
     assert (cfg.optimizer.lr, cfg.trainer.max_epochs, cfg.data.batch_size) == (3e-3, 30, 8)
+    assert cfg.callbacks.early_stopping.monitor == "val/loss" and "checkpoint" in cfg.callbacks
 
 
 def test_every_experiment_config_runs(tiny_dataset, tiny_pair, tmp_path):
