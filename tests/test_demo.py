@@ -1,0 +1,222 @@
+"""The demo pair: the shipped draft artifact, its materialisation, the distillation and measurement
+scripts; on the real pair (slow): the dequantised target, the draft's acceptance, the demo pipeline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdecpp import demo
+from specdecpp.models import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fake_target(tmp_path, tiny_pair):
+    """A directory with the tiny tokenizer and a random embedding matrix of the real target's width."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair.target, target)
+    vocab = len(load_tokenizer(str(target)))
+    torch.manual_seed(0)
+    save_file({"model.embed_tokens.weight": torch.randn(vocab, 576)}, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.fixture
+def demo_cache(tmp_path, monkeypatch, fake_target):
+    """SPECDECPP_CACHE in tmp_path, with the fake target already materialised there."""
+    monkeypatch.setenv("SPECDECPP_CACHE", str(tmp_path / "cache"))
+    target = demo.cache_dir() / "target"
+    shutil.copytree(fake_target, target)
+    (target / demo._STAMP).write_text("{}")
+    return demo.cache_dir()
+
+
+def test_artifact_is_small_and_records_its_recipe():
+    files = list(demo.DRAFT_ARTIFACT.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 20e6
+    cfg = demo.draft_config()
+    assert cfg["target"]["hub_id"] == demo.TARGET_HUB_ID
+    assert cfg["recipe"]["draft"]["hidden_size"] == cfg["llama_config"]["hidden_size"]
+    assert cfg["trained"]["train_tokens"] > 0
+
+
+def test_artifact_rebuilds_a_draft_with_projected_embeddings(fake_target):
+    model = demo.load_draft_artifact(fake_target)
+    cfg = demo.draft_config()
+    width = cfg["llama_config"]["hidden_size"]
+    vocab = len(load_tokenizer(str(fake_target)))
+    assert model.model.embed_tokens.weight.shape == (vocab, width)
+    assert model.lm_head.weight.shape == (vocab, width)
+    assert len(model.model.layers) == cfg["llama_config"]["num_hidden_layers"]
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, vocab) and torch.isfinite(logits).all()
+
+
+def test_artifact_for_another_target_width_is_refused(tmp_path, fake_target):
+    save_file({"model.embed_tokens.weight": torch.randn(10, 64)}, str(fake_target / "model.safetensors"))
+    with pytest.raises(ValueError, match="another target"):
+        demo.load_draft_artifact(fake_target)
+
+
+def test_missing_artifact_names_the_file_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="build_demo_draft.py"):
+        demo.draft_config(tmp_path / "nowhere")
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECPP_CACHE", str(tmp_path))
+    assert demo.cache_dir() == tmp_path / "demo"
+    monkeypatch.delenv("SPECDECPP_CACHE")
+    assert demo.cache_dir() == REPO / ".cache" / "demo"
+
+
+def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache):
+    from transformers import AutoModelForCausalLM
+
+    from specdecpp.models import check_tokenizers
+
+    draft_dir = demo.demo_draft_path()
+    assert draft_dir == demo_cache / "draft"
+    check_tokenizers(load_tokenizer(str(draft_dir)), load_tokenizer(str(demo_cache / "target")))
+    hf = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    rebuilt = demo.load_draft_artifact(demo_cache / "target")
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, rebuilt(ids).logits)
+
+
+def test_draft_is_rematerialised_only_when_the_artifact_changes(demo_cache, tmp_path):
+    artifact = tmp_path / "artifact"
+    shutil.copytree(demo.DRAFT_ARTIFACT, artifact)
+    weights = demo.demo_draft_path(artifact) / "model.safetensors"
+    first = weights.stat().st_mtime_ns
+    assert demo.demo_draft_path(artifact) / "model.safetensors" == weights
+    assert weights.stat().st_mtime_ns == first
+    cfg = json.loads((artifact / demo.ARTIFACT_CONFIG).read_text())
+    cfg["note"] = "changed"
+    (artifact / demo.ARTIFACT_CONFIG).write_text(json.dumps(cfg))
+    demo.demo_draft_path(artifact)
+    assert json.loads((demo_cache / "draft" / demo._STAMP).read_text())["artifact_sha256"] == \
+        demo._artifact_digest(artifact)
+
+
+def test_distillation_draft_exports_to_the_same_model(tmp_path):
+    build = load_script("build_demo_draft")
+    llama = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    embeddings = torch.randn(50, 48)
+    draft = build.ProjectedDraft(llama, embeddings, torch.randn(48, 32) / 7, torch.randn(48, 32) / 7)
+    tensors = draft.artifact_tensors()
+    projections = [tensors.pop(k) for k in (demo.INPUT_PROJECTION, demo.OUTPUT_PROJECTION)]
+    hf = demo.new_draft_model(llama, *projections, embeddings)
+    hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, draft(ids) @ draft.output_matrix().T, atol=5e-3, rtol=1e-3)
+
+
+def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
+    build = load_script("build_demo_draft")
+    llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    draft = build.ProjectedDraft(llama, torch.randn(30, 24), torch.randn(24, 16), torch.randn(24, 16))
+    hidden = torch.randn(5, 16)
+    teacher_ids = torch.stack([torch.randperm(30)[:4] for _ in range(5)])
+    full = (hidden @ draft.output_matrix().T).log_softmax(-1).gather(-1, teacher_ids)
+    sampled = build.sampled_logq(draft, hidden, teacher_ids, 100_000, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sampled, full, atol=2e-2, rtol=0)
+
+
+def test_kl_loss_is_zero_only_for_the_teacher():
+    build = load_script("build_demo_draft")
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    assert build.kl_loss(p, torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]]))).abs() < 1e-6
+    assert build.kl_loss(p, torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25]]))) > 0.05
+
+
+def test_eq_2_3_fixed_k_speedup():
+    measure = load_script("measure_pair")
+    assert measure.fixed_k_speedup(0.0, 0.2, 3) == pytest.approx(1 / 1.6)
+    assert measure.fixed_k_speedup(0.5, 0.2, 2) == pytest.approx(1.75 / 1.4)
+    assert measure.fixed_k_speedup(1.0, 0.0, 4) == pytest.approx(5.0)
+
+
+def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny_models):
+    measure = load_script("measure_pair")
+    draft, target = tiny_models
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    assert torch.allclose(measure.position_acceptance(target, target, ids, 2), torch.ones(4))
+    alpha = measure.position_acceptance(draft, target, ids, 2)
+    assert alpha.shape == (4,) and (alpha < 1).all() and (alpha > 0).all()
+
+
+# ---------------------------------------------------------------- the real pair (CI fetches the target)
+
+@pytest.fixture(scope="module")
+def real_pair():
+    from specdecpp import load_pair
+
+    return load_pair(str(demo.demo_draft_path()), str(demo.demo_target_path()), device="cpu", dtype="float32")
+
+
+@pytest.mark.slow
+def test_dequantised_target_answers_sensibly(real_pair):
+    _, target, tokenizer = real_pair
+    from specdecpp.prompts import encode_prompt
+
+    ids = torch.tensor([encode_prompt(tokenizer, "What is the capital of France? Answer briefly.")])
+    out = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.slow
+def test_demo_draft_acceptance_is_above_a_floor(real_pair):
+    """A few held-out positions; the full measurement is scripts/measure_pair.py (docs/demo.md)."""
+    measure = load_script("measure_pair")
+    from specdecpp.prompts import encode_prompt, load_prompts
+
+    draft, target, tokenizer = real_pair
+    alphas = []
+    for i, prompt in enumerate(load_prompts("bundled", "test", limit=3)):
+        prompt_ids = encode_prompt(tokenizer, prompt.prompt)
+        ids = measure.sample_response(target, prompt_ids, 48, tokenizer.eos_token_id, seed=i)
+        alphas.append(measure.position_acceptance(draft, target, ids, len(prompt_ids)))
+    assert torch.cat(alphas).mean() > 0.3
+
+
+@pytest.mark.slow
+def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
+    """make demo's stages on the real pair: data_gen, train, infer for every method, report."""
+    env = {**os.environ, "SPECDECPP_CACHE": str(demo.cache_dir().parent)}
+    sizes = ["DEMO_TRAIN_PROMPTS=4", "DEMO_DEV_PROMPTS=2", "DEMO_LABEL_TOKENS=16", "DEMO_TEST_PROMPTS=2",
+             "DEMO_HUMANEVAL_PROMPTS=1", "DEMO_TOKENS=12", "DEMO_THREADS=2"]
+    for name in ("Makefile", "conf", "specdecpp", "data_gen", "train", "infer", "demo", "scripts"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    subprocess.run(["make", "--no-print-directory", "demo-report", f"PYTHON={sys.executable}", *sizes],
+                   cwd=tmp_path, env=env, check=True)
+    report = (tmp_path / "reports" / "demo" / "report.md").read_text()
+    for method in ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted"):
+        assert method in report
+    assert len(list((tmp_path / "reports" / "demo").glob("*.png"))) >= 2
