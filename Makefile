@@ -1,5 +1,6 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
 # make test: the test suite.
+# Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
 #   make demo DEMO_TRAIN_PROMPTS=230 DEMO_TEST_PROMPTS=70 DEMO_HUMANEVAL_PROMPTS=164 DEMO_TOKENS=256
 PYTHON ?= python
@@ -22,7 +23,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
-.PHONY: install demo-pair demo-data demo-head demo-infer demo-report demo test
+.PHONY: install demo-pair demo-data demo-head demo-infer demo-report demo demo-clean test
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -52,6 +53,9 @@ demo-report: demo-infer
 demo: install
 	@start=$$(date +%s); $(MAKE) --no-print-directory demo-report && \
 		echo "make demo: $$(( $$(date +%s) - start )) s; report in reports/demo/"
+
+demo-clean:  # forget the demo's products (data_gen refuses changed sizes over an existing dataset)
+	rm -rf data/demo heads/demo results/demo reports/demo
 
 test: install
 	$(PYTHON) -m pytest
