@@ -102,13 +102,15 @@ def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta
     if missing:
         raise DatasetError(f"{directory}: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}); "
                            "run the remaining shard processes (or the same command) first")
-    splits = DatasetDict({
-        split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in range(n)])
-        if n else rows_to_dataset([])
-        for split, n in shard_counts.items()
-    })
+    joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in range(n)])
+              for split, n in shard_counts.items() if n}
+    # a split without rows is left out: `datasets` cannot save and reload an empty split
+    splits = DatasetDict({split: ds for split, ds in joined.items() if len(ds)})
+    if not splits:
+        raise DatasetError(f"{directory}: no prompt produced a row; check the prompt source and limits")
     splits.save_to_disk(str(directory))
-    write_meta(directory, {**meta, "complete": True, "rows": {s: len(d) for s, d in splits.items()}})
+    rows = {split: len(joined[split]) if split in joined else 0 for split in shard_counts}
+    write_meta(directory, {**meta, "complete": True, "rows": rows})
     shutil.rmtree(directory / SHARDS_DIR, ignore_errors=True)
     return load_from_disk(str(directory))
 
@@ -129,7 +131,7 @@ def _check_split(path: Path, split: str, ds: Dataset) -> None:
             raise _fail(path, f"split {split!r} column {name!r} has type {ds.features[name]}, expected {feature}")
     if len(ds) == 0:
         return
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    table = ds.with_format("arrow")[:]  # respects a selection / indices mapping
     lengths = {c: pc.list_value_length(table.column(c)) for c in TOKEN_COLUMNS}
     for c in TOKEN_COLUMNS[1:]:
         unequal = pc.not_equal(lengths[c], lengths["target_ids"])
@@ -158,6 +160,8 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
         raise _fail(path, RESUME_HINT)
     try:
         splits = load_from_disk(str(path))
+    except IndexError as exc:  # what `datasets` raises for a split saved with no rows
+        raise _fail(path, "a split has no rows and cannot be read back; regenerate it with more prompts") from exc
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise _fail(path, f"the data files are missing or corrupt ({exc}); delete the directory and rerun data_gen") from exc
     if not isinstance(splits, DatasetDict):

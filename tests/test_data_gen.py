@@ -381,3 +381,16 @@ def test_real_model_self_draft(tmp_path):
     assert meta["vocab_size"] >= 49152 and len(splits["test"]) == 2
     for row in splits["test"]:
         assert row["p_acc"] == [1.0] * len(row["target_ids"]) and len(row["target_ids"]) >= 1
+
+
+def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
+    """`datasets` cannot reload an empty split: it is left out and recorded as 0 rows."""
+    from specdecpp.dataset import consolidate, save_shard
+
+    row = {"id": "a", "prompt": "hi", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [3, 5],
+           "p_acc": [1.0, 0.25], "draft_entropy": [0.5, 0.7]}
+    save_shard(tmp_path, "train", 0, [row])
+    consolidate(tmp_path, {"train": 1, "dev": 0}, {"draft": "d"})  # dev: no prompts, no shards
+    splits, meta = load_labelled(tmp_path)
+    assert list(splits) == ["train"] and splits["train"][0]["p_acc"] == [1.0, 0.25]
+    assert meta["rows"] == {"train": 1, "dev": 0} and meta["complete"]

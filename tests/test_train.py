@@ -472,7 +472,7 @@ def corrupt(rows: dict, column: str, value) -> dict:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("empty_split", "could not read the dataset|split 'train' .* is empty"),
+    ("empty_split", "a split has no rows|split 'train' .* is empty"),
     ("no_response_tokens", "split 'dev' .* has no response tokens"),
     ("nan", "split 'train': p_acc has non-finite values"),
     ("above_one", r"split 'dev': p_acc must lie in \[0, 1\]"),
