@@ -40,9 +40,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from specdecpp.demo import (ARTIFACT_CONFIG, ARTIFACT_WEIGHTS, DRAFT_ARTIFACT, INPUT_PROJECTION,
-                            OUTPUT_PROJECTION, REPO_ROOT, TARGET_GGUF, TARGET_HUB_ID, TARGET_WHEEL,
-                            cache_dir, demo_target_path)
+from specdecpp.demo import (
+    ARTIFACT_CONFIG,
+    ARTIFACT_WEIGHTS,
+    DRAFT_ARTIFACT,
+    INPUT_PROJECTION,
+    OUTPUT_PROJECTION,
+    REPO_ROOT,
+    TARGET_GGUF,
+    TARGET_HUB_ID,
+    TARGET_WHEEL,
+    cache_dir,
+    demo_target_path,
+)
 from specdecpp.sampling import SamplingConfig, warp
 
 TEACHER = SamplingConfig(temperature=1.0, top_k=50)
@@ -226,7 +236,7 @@ def positions(draft: ProjectedDraft, batch: dict) -> tuple[torch.Tensor, torch.T
     ids, start = batch["tokens"].long(), batch["prompt_len"]
     hidden = draft(ids[:, :-1])[:, start - 1:].reshape(-1, draft.body.config.hidden_size)
     logits = batch["topk_logits"].float().reshape(hidden.shape[0], -1)
-    teacher_ids = batch["topk_ids"].long().reshape(hidden.shape[0], -1)[:, :TEACHER.top_k]
+    teacher_ids = batch["topk_ids"].long().reshape(hidden.shape[0], -1)[:, :TEACHER.top_k].contiguous()
     return hidden, warp(logits, TEACHER)[:, :TEACHER.top_k], teacher_ids
 
 

@@ -150,12 +150,6 @@ def new_draft_model(llama_config: dict, input_projection: torch.Tensor, output_p
     return model
 
 
-def layer_state(model) -> dict[str, torch.Tensor]:
-    """The draft's own trained weights (everything but the two embedding matrices)."""
-    return {k: v for k, v in model.state_dict().items()
-            if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-
-
 def _target_embeddings(target_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 
