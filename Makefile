@@ -14,7 +14,7 @@ DEMO_LABEL_TOKENS ?= 96       # response length for data_gen
 DEMO_TEST_PROMPTS ?= 8        # bundled test prompts decoded by every method
 DEMO_HUMANEVAL_PROMPTS ?= 4   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
-DEMO_THREADS ?= 2             # torch CPU threads
+DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
 DEMO_HEAD := heads/demo/wrej6_d3
 
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' \
