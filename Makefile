@@ -11,14 +11,14 @@ export WANDB_MODE ?= offline
 DEMO_TRAIN_PROMPTS ?= 40      # bundled train prompts labelled by data_gen
 DEMO_DEV_PROMPTS ?= 8         # bundled dev prompts (the head's validation set)
 DEMO_LABEL_TOKENS ?= 96       # response length for data_gen
-DEMO_TEST_PROMPTS ?= 8        # bundled test prompts decoded by every method
-DEMO_HUMANEVAL_PROMPTS ?= 4   # HumanEval prompts decoded by every method
+DEMO_TEST_PROMPTS ?= 6        # bundled test prompts decoded by every method
+DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
 DEMO_HEAD := heads/demo/wrej6_d3
 
-DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' \
-	'comparison.svip.threshold=[0.3,0.4,0.5]' \
+DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
+	'comparison.svip.threshold=[0.3,0.5]' \
 	comparison.specdecpp.head=$(DEMO_HEAD) 'comparison.specdecpp.threshold=[0.3,0.5,0.7,0.9]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
