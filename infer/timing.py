@@ -1,22 +1,8 @@
-"""Clocks and forward-pass meters shared by the runners."""
+"""Forward-pass meters shared by the runners (the clock is the engine's own)."""
 
 from __future__ import annotations
 
-import time
-
-import torch
-
-
-class Clock:
-    """perf_counter, after synchronising CUDA so that queued kernels are counted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+from specdecpp.engine import Clock
 
 
 class ForwardMeter:

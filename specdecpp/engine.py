@@ -92,7 +92,9 @@ def _device_generator(generator: torch.Generator | None, device: torch.device):
     return torch.Generator(device).manual_seed(seed)
 
 
-class _Clock:
+class Clock:
+    """perf_counter, after synchronising CUDA so that queued kernels are counted."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
@@ -136,7 +138,7 @@ class SpeculativeDecoder:
         eos = ({eos_token_id} if isinstance(eos_token_id, int)
                else set(eos_token_id) if eos_token_id is not None else set())
         gen = _device_generator(generator, self.device)
-        cfg, policy, clock = self.sampling, self.policy, _Clock(self.device)
+        cfg, policy, clock = self.sampling, self.policy, Clock(self.device)
         draft = _Runner(self.draft, self.vocab, want_hidden=True)
         target = _Runner(self.target, self.vocab, want_hidden=False)
         stats = RunStats()
