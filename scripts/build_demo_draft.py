@@ -284,7 +284,13 @@ def acceptance(draft: ProjectedDraft, shard: dict, rows: int) -> float:
     return torch.minimum(p, draft_topk_probs(draft, hidden, teacher_ids)).sum(-1).mean().item()
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
+def lr_factor(step: int, warmup: int, total: int, restarts: list[int] | tuple[int, ...] = ()) -> float:
+    """Linear warm-up then cosine decay to 0.1; each step in `restarts` begins a new such cycle
+    (a warm restart: how a finished run is continued for more steps, reproducibly from the recipe)."""
+    bounds = sorted({0, *restarts, total})
+    start = max(b for b in bounds if b <= step) if step < total else bounds[-2]
+    end = min((b for b in bounds if b > start), default=total)
+    step, total = step - start, end - start
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -331,7 +337,7 @@ def train(recipe: dict, work: Path) -> None:
                     pool.append(read_shard(path))
                     loaded.add(path)
         for group, base in zip(optim.param_groups, (tr["lr"], tr["projection_lr"]), strict=True):
-            group["lr"] = base * lr_factor(step, tr["warmup_steps"], tr["steps"])
+            group["lr"] = base * lr_factor(step, tr["warmup_steps"], tr["steps"], tr.get("restarts", ()))
         rng = np.random.default_rng([recipe["seed"], step])
         pool = text_shards if text_shards and rng.random() < tr["text_share"] else train_shards
         batch = make_batch(pool[rng.integers(len(pool))], rng, tr["batch_size"])

@@ -154,6 +154,17 @@ def test_kl_loss_is_zero_only_for_the_teacher():
     assert build.kl_loss(p, torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25]]))) > 0.05
 
 
+def test_distillation_schedule_warm_restart_repeats_the_cycle():
+    build = load_script("build_demo_draft")
+    one = [build.lr_factor(s, 10, 100) for s in range(100)]
+    assert one[0] == pytest.approx(0.1) and one[9] == 1.0 and one[99] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(one[9:], one[10:], strict=False))  # cosine decays monotonically
+    restarted = [build.lr_factor(s, 10, 250, [100]) for s in range(250)]
+    assert restarted[:100] == one  # the first cycle is the run being continued, unchanged
+    second = [build.lr_factor(s, 10, 150) for s in range(150)]
+    assert restarted[100:] == second  # the continuation is a fresh warm-up + cosine over its own length
+
+
 def test_eq_2_3_fixed_k_speedup():
     measure = load_script("measure_pair")
     assert measure.fixed_k_speedup(0.0, 0.2, 3) == pytest.approx(1 / 1.6)
