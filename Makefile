@@ -16,6 +16,7 @@ DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
 DEMO_HEAD := heads/demo/wrej6_d3
+DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.svip.threshold=[0.3,0.5]' \
@@ -38,7 +39,7 @@ demo-data: demo-pair
 		max_new_tokens=$(strip $(DEMO_LABEL_TOKENS))
 
 demo-head: demo-data
-	$(PYTHON) -m train +experiment=wrej6_d3 pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
+	$(PYTHON) -m train '+experiment=[wrej6_d3,$(DEMO_HEAD_PRESET)]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=cpu logger=none
 
 demo-infer: demo-head
