@@ -39,7 +39,7 @@ demo-data: demo-pair
 		max_new_tokens=$(strip $(DEMO_LABEL_TOKENS))
 
 demo-head: demo-data
-	$(PYTHON) -m train '+experiment=[wrej6_d3,$(DEMO_HEAD_PRESET)]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
+	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=cpu logger=none
 
 demo-infer: demo-head

@@ -212,7 +212,7 @@ def test_demo_draft_acceptance_is_above_a_floor(real_pair):
         prompt_ids = encode_prompt(tokenizer, prompt.prompt)
         ids = measure.sample_response(target, prompt_ids, 48, tokenizer.eos_token_id, seed=i)
         alphas.append(measure.position_acceptance(draft, target, ids, len(prompt_ids)))
-    assert torch.cat(alphas).mean() > 0.15  # docs/demo.md: 0.26 on 10 bundled test prompts
+    assert torch.cat(alphas).mean() > 0.2  # docs/demo.md: 0.34 on 10 bundled test prompts
 
 
 @pytest.mark.slow
