@@ -288,8 +288,8 @@ def lr_factor(step: int, warmup: int, total: int, restarts: list[int] | tuple[in
     """Linear warm-up then cosine decay to 0.1; each step in `restarts` begins a new such cycle
     (a warm restart: how a finished run is continued for more steps, reproducibly from the recipe)."""
     bounds = sorted({0, *restarts, total})
-    start = max(b for b in bounds if b <= step) if step < total else bounds[-2]
-    end = min((b for b in bounds if b > start), default=total)
+    start = max(b for b in bounds[:-1] if b <= step)
+    end = min(b for b in bounds if b > start)
     step, total = step - start, end - start
     if step < warmup:
         return (step + 1) / warmup
