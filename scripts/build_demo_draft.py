@@ -4,6 +4,14 @@
     python scripts/build_demo_draft.py label
     python scripts/build_demo_draft.py train
     python scripts/build_demo_draft.py export
+    python scripts/build_demo_draft.py vocab
+
+vocab: ranks the vocabulary by the target's expected token counts on the generated conversations
+    (the sum of the teacher's temperature-1, top-k-50 probabilities over every position of every
+    conversation shard but the held-out shard 0) and writes the draft's reduced output vocabulary
+    (the top ``vocab.size`` tokens plus every special token) to demo/draft/output_vocab.json.
+    The draft's q is zero outside it, so decoding stays lossless; its output layer shrinks from
+    49,152 rows to ``vocab.size``.
 
 generate: the target samples whole conversations (it writes the user turn, then answers) at
     temperature 1, top-k 50; every generated position keeps the target's top logits as the teacher.
@@ -42,6 +50,7 @@ from tqdm import tqdm
 
 from specdecpp.demo import (
     ARTIFACT_CONFIG,
+    ARTIFACT_VOCAB,
     ARTIFACT_WEIGHTS,
     DRAFT_ARTIFACT,
     INPUT_PROJECTION,
@@ -228,6 +237,63 @@ def initial_draft(recipe: dict, target, shard: dict) -> ProjectedDraft:
     return draft
 
 
+# ---------------------------------------------------------------- continuing an earlier build
+
+def artifact_from_git(rev: str, path: str) -> tuple[dict, dict]:
+    """(draft_config.json, tensors) of a shipped draft artifact as committed at ``rev``."""
+    import io
+    import subprocess
+
+    from safetensors.torch import load as load_safetensors
+
+    def show(name: str) -> bytes:
+        proc = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:{path}/{name}"], capture_output=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"init: cannot read {path}/{name} at git revision {rev!r} "
+                             f"({proc.stderr.decode().strip()}); a full git clone is needed")
+        return proc.stdout
+
+    config = json.load(io.BytesIO(show(ARTIFACT_CONFIG)))
+    return config, load_safetensors(show(ARTIFACT_WEIGHTS))
+
+
+def draft_from_artifact(recipe: dict, target) -> ProjectedDraft:
+    """The draft of an earlier build (``init.git_rev``), to continue its distillation."""
+    config, tensors = artifact_from_git(recipe["init"]["git_rev"], recipe["init"]["path"])
+    if config["llama_config"]["hidden_size"] != recipe["draft"]["hidden_size"]:
+        raise SystemExit("init: the earlier artifact's shape differs from the recipe's draft")
+    embeddings = target.get_input_embeddings().weight.detach().float()
+    draft = ProjectedDraft(draft_llama_config(recipe, target.config), embeddings,
+                           tensors.pop(INPUT_PROJECTION).float(), tensors.pop(OUTPUT_PROJECTION).float())
+    body = {k.removeprefix("model."): v.float() for k, v in tensors.items()}
+    missing, unexpected = draft.body.load_state_dict(body, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
+        raise SystemExit(f"init: artifact does not fit the draft: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return draft
+
+
+def output_vocab_ids(recipe: dict) -> torch.Tensor | None:
+    """The reduced output vocabulary the draft is trained for (``train.output_vocab``), or None."""
+    if not recipe["train"].get("output_vocab"):
+        return None
+    path = DRAFT_ARTIFACT / ARTIFACT_VOCAB
+    if not path.is_file():
+        raise SystemExit(f"train.output_vocab is set but {path} does not exist: run `vocab` first")
+    return torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
+
+
+def reduced_logq(draft: ProjectedDraft, hidden: torch.Tensor, teacher_ids: torch.Tensor,
+                 vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log q over the reduced vocabulary (exact softmax over it) at the teacher's ids, and a mask
+    of the teacher ids that lie inside it (q is zero outside: those carry no gradient)."""
+    where = torch.full((draft.target_embeddings.shape[0],), -1, dtype=torch.long)
+    where[vocab_ids] = torch.arange(len(vocab_ids))
+    index = where[teacher_ids]
+    inside = index >= 0
+    logq = torch.log_softmax(hidden @ draft.output_matrix(vocab_ids).T, dim=-1)
+    return torch.where(inside, logq.gather(-1, index.clamp_min(0)), torch.zeros_like(index, dtype=logq.dtype)), inside
+
+
 # ---------------------------------------------------------------- train
 
 def positions(draft: ProjectedDraft, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,11 +321,17 @@ def sampled_logq(draft: ProjectedDraft, hidden: torch.Tensor, teacher_ids: torch
 
 
 def draft_topk_probs(draft: ProjectedDraft, hidden: torch.Tensor, teacher_ids: torch.Tensor,
-                     chunk: int = 1024) -> torch.Tensor:
-    """The draft's top-k-50 probabilities (full vocabulary) at the teacher's ids."""
+                     chunk: int = 1024, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The draft's top-k-50 probabilities at the teacher's ids (full vocabulary, or only
+    ``vocab_ids`` with every other token at -inf, as the reduced output layer computes them)."""
     out_matrix = draft.output_matrix()
-    return torch.cat([warp(h @ out_matrix.T, TEACHER).gather(-1, ids)
-                      for h, ids in zip(hidden.split(chunk), teacher_ids.split(chunk), strict=True)])
+    out = []
+    for h, ids in zip(hidden.split(chunk), teacher_ids.split(chunk), strict=True):
+        logits = h @ out_matrix.T
+        if vocab_ids is not None:
+            logits = torch.full_like(logits, float("-inf")).index_copy_(-1, vocab_ids, logits[:, vocab_ids])
+        out.append(warp(logits, TEACHER).gather(-1, ids))
+    return torch.cat(out)
 
 
 def kl_loss(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -276,12 +348,13 @@ def make_batch(shard: dict, rng: np.random.Generator, batch_size: int) -> dict:
 
 
 @torch.no_grad()
-def acceptance(draft: ProjectedDraft, shard: dict, rows: int) -> float:
+def acceptance(draft: ProjectedDraft, shard: dict, rows: int, vocab_ids: torch.Tensor | None = None) -> float:
     """Mean per-position sum_v min(p(v), q(v)) at temperature 1, top-k 50."""
     batch = {"tokens": shard["tokens"][:rows], "topk_logits": shard["topk_logits"][:rows],
              "topk_ids": shard["topk_ids"][:rows], "prompt_len": shard["prompt_len"]}
     hidden, p, teacher_ids = positions(draft, batch)
-    return torch.minimum(p, draft_topk_probs(draft, hidden, teacher_ids)).sum(-1).mean().item()
+    q = draft_topk_probs(draft, hidden, teacher_ids, vocab_ids=vocab_ids)
+    return torch.minimum(p, q).sum(-1).mean().item()
 
 
 def lr_factor(step: int, warmup: int, total: int, restarts: list[int] | tuple[int, ...] = ()) -> float:
@@ -312,8 +385,10 @@ def train(recipe: dict, work: Path) -> None:
     val_shard = read_shard(shard_paths()[0])
     ckpt_path, best_path = work / "checkpoint.pt", work / "best.pt"
     target, _ = load_target()
-    draft = initial_draft(recipe, target, read_shard(shard_paths()[1]))
+    draft = (draft_from_artifact(recipe, target) if recipe.get("init")
+             else initial_draft(recipe, target, read_shard(shard_paths()[1])))
     del target
+    vocab_ids = output_vocab_ids(recipe)
     groups = [{"params": [p for n, p in draft.named_parameters() if "projection" not in n], "lr": tr["lr"]},
               {"params": [draft.input_projection, draft.output_projection], "lr": tr["projection_lr"]}]
     optim = torch.optim.AdamW(groups, weight_decay=tr["weight_decay"])
@@ -325,7 +400,7 @@ def train(recipe: dict, work: Path) -> None:
         state = ckpt["state"]
         print(f"resumed from {ckpt_path} at step {state['step']}")
     elif not state["history"]:
-        state["history"].append({"step": 0, "val_acceptance": acceptance(draft, val_shard, tr["eval_rows"])})
+        state["history"].append({"step": 0, "val_acceptance": acceptance(draft, val_shard, tr["eval_rows"], vocab_ids)})
         print(f"step 0: held-out acceptance {state['history'][-1]['val_acceptance']:.4f}", flush=True)
     train_shards, text_shards, loaded = [], [], set()
     bar = tqdm(total=tr["steps"], initial=state["step"], desc="distill")
@@ -343,7 +418,11 @@ def train(recipe: dict, work: Path) -> None:
         batch = make_batch(pool[rng.integers(len(pool))], rng, tr["batch_size"])
         hidden, p, teacher_ids = positions(draft, batch)
         generator = torch.Generator().manual_seed(int(rng.integers(2**62)))
-        loss = kl_loss(p, sampled_logq(draft, hidden, teacher_ids, tr["negatives"], generator))
+        if vocab_ids is None:
+            loss = kl_loss(p, sampled_logq(draft, hidden, teacher_ids, tr["negatives"], generator))
+        else:  # teacher mass outside the draft's vocabulary cannot be matched: left out
+            logq, inside = reduced_logq(draft, hidden, teacher_ids, vocab_ids)
+            loss = kl_loss(p * inside, logq)
         optim.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -352,7 +431,7 @@ def train(recipe: dict, work: Path) -> None:
         bar.update(1)
         bar.set_postfix(kl=f"{loss.item():.3f}", shards=len(train_shards), text=len(text_shards))
         if step % tr["eval_every"] == 0 or step == tr["steps"]:
-            acc = acceptance(draft, val_shard, tr["eval_rows"])
+            acc = acceptance(draft, val_shard, tr["eval_rows"], vocab_ids)
             state["history"].append({"step": step, "kl": loss.item(), "val_acceptance": acc,
                                      "train_shards": len(train_shards), "text_shards": len(text_shards)})
             tqdm.write(f"step {step}: kl {loss.item():.4f} held-out acceptance {acc:.4f} "
@@ -397,9 +476,55 @@ def export(recipe: dict, work: Path, config_path: Path, out: Path) -> None:
           f"held-out acceptance {meta['trained']['held_out_acceptance']:.4f}")
 
 
+# ---------------------------------------------------------------- vocab
+
+def token_mass(shards: list[Path], vocab_size: int) -> tuple[torch.Tensor, int]:
+    """Sum over every generated position of the teacher's warped probabilities, per token id."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    positions = 0
+    for path in shards:
+        shard = read_shard(path)
+        logits = shard["topk_logits"].float().reshape(-1, shard["topk_logits"].shape[-1])
+        ids = shard["topk_ids"].long().reshape(logits.shape)
+        p = warp(logits, TEACHER)  # top-k 50 of the saved top-64: the teacher's sampled distribution
+        mass.index_add_(0, ids.reshape(-1), p.reshape(-1).double())
+        positions += logits.shape[0]
+    return mass, positions
+
+
+def build_vocab(recipe: dict, work: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    size = recipe["vocab"]["size"]
+    shards = sorted((work / "shards").glob("[0-9]*.safetensors"))[1:]  # shard 0 is held out
+    if len(shards) < recipe["vocab"]["min_shards"]:
+        raise SystemExit(f"vocab: {len(shards)} conversation shards in {work / 'shards'} (besides the held-out "
+                         f"shard 0); the recipe wants at least {recipe['vocab']['min_shards']}: run `generate` first")
+    tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
+    vocab_size = len(tokenizer)
+    mass, positions = token_mass(shards, vocab_size)
+    special = sorted({int(t) for t in tokenizer.all_special_ids})
+    ranked = [t for t in torch.argsort(mass, descending=True, stable=True).tolist() if t not in special]
+    keep = sorted(special + ranked[: size - len(special)])
+    covered = float(mass[keep].sum() / mass.sum())
+    info = {"size": len(keep), "vocab_size": vocab_size, "special_tokens": special,
+            "ranked_on": f"teacher (target T=1, top-k 50) expected counts over {positions} positions of "
+                         f"{len(shards)} generated conversation shards (shard 0 held out)",
+            "shards": [p.name for p in shards], "positions": positions,
+            "teacher_mass_covered_on_ranking_data": covered}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ARTIFACT_VOCAB).write_text(json.dumps({**info, "token_ids": keep}))
+    held_out = sorted((work / "shards").glob("[0-9]*.safetensors"))[:1]
+    held_mass, _ = token_mass(held_out, vocab_size)
+    info["teacher_mass_covered_on_held_out_shard"] = float(held_mass[keep].sum() / held_mass.sum())
+    (out / ARTIFACT_VOCAB).write_text(json.dumps({**info, "token_ids": keep}))
+    print(f"wrote {out / ARTIFACT_VOCAB}: {len(keep)} of {vocab_size} tokens, teacher mass covered "
+          f"{covered:.4f} on the ranking data, {info['teacher_mass_covered_on_held_out_shard']:.4f} on held-out shard 0")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["generate", "label", "train", "export"])
+    parser.add_argument("stage", choices=["generate", "label", "train", "export", "vocab"])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "distill" / "default.yaml")
     parser.add_argument("--out", type=Path, default=DRAFT_ARTIFACT, help="export: artifact directory")
     args = parser.parse_args()
@@ -413,6 +538,8 @@ def main() -> None:
         label(recipe, work)
     elif args.stage == "train":
         train(recipe, work)
+    elif args.stage == "vocab":
+        build_vocab(recipe, work, args.out)
     else:
         export(recipe, work, args.config, args.out)
 

@@ -8,7 +8,12 @@ acceptance: the target samples a response to each held-out prompt (temperature 1
     (temperature 1, top-k 50) target and draft distributions given the same prefix; the mean of
     alpha_i is the expected acceptance of one drafted token.
 cost ratio: median time of one forward pass of one token with a KV cache, batch 1, draft over
-    target, measured alternately so that machine load affects both alike.
+    target, measured alternately so that machine load affects both alike; in the same loop the
+    target's cost of scoring n = 2..8 tokens at once (a verification of n - 1 candidates).
+coverage: for a draft with a reduced output vocabulary, the target's probability mass inside the
+    draft's token set (the draft's q is zero outside it).
+--costs-out FILE: t_draft, t_target and target_by_width as JSON, for
+    `python -m infer.potential DATA --costs FILE`.
 Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
     (1 - alpha) tokens per round at cost K r + 1 target passes: speedup = tokens / cost.
 """
@@ -25,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
+from specdecpp.models import ReducedOutput, output_vocab_size
 from specdecpp.prompts import encode_prompt, load_prompts
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -46,32 +52,42 @@ def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
     return ids
 
 
-def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """alpha_i = sum_v min(p_i(v), q_i(v)) at each response position i."""
+def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha_i = sum_v min(p_i(v), q_i(v)) at each response position i, and the target's mass
+    p_i(S) on the draft's output set S (1 for a full-vocabulary draft)."""
     with torch.no_grad():
         p = warp(target(ids[:, :-1]).logits[0, prompt_len - 1:], SAMPLING)
         q = warp(draft(ids[:, :-1]).logits[0, prompt_len - 1:, : p.shape[-1]], SAMPLING)
-    return torch.minimum(p, q).sum(-1)
+    layer = draft.get_output_embeddings()
+    covered = p[:, layer.token_ids].sum(-1) if isinstance(layer, ReducedOutput) else torch.ones(p.shape[0])
+    return torch.minimum(p, q).sum(-1), covered
 
 
-def step_times(models: dict, context: torch.Tensor, steps: int) -> dict[str, float]:
-    """Median seconds of one cached single-token forward pass per model, measured alternately."""
+def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
+               ) -> dict[str, dict[int, float]]:
+    """Median seconds of one cached forward pass of n tokens per model (n = 1 and ``widths[name]``),
+    batch 1, every (model, n) measured in turn in each step so machine load affects all alike."""
     from transformers import DynamicCache
 
-    caches, times = {}, {name: [] for name in models}
-    token = context[:, -1:]
+    widths = widths or {}
+    jobs = [(name, n) for name in models for n in [1, *[w for w in widths.get(name, []) if w != 1]]]
+    caches, times = {}, {job: [] for job in jobs}
     with torch.no_grad():
         for name, model in models.items():
             caches[name] = DynamicCache(config=model.config)
-            model(context[:, :-1], past_key_values=caches[name], use_cache=True)
-        for i in range(steps + 5):
-            for name, model in models.items():
+            model(context[:, :-9], past_key_values=caches[name], use_cache=True)
+        for i in range(steps + 3):
+            for name, n in jobs:
+                tokens = context[:, -9 : -9 + n]
                 start = time.perf_counter()
-                model(token, past_key_values=caches[name], use_cache=True)
-                if i >= 5:  # warm-up steps are not timed
-                    times[name].append(time.perf_counter() - start)
-                caches[name].crop(-1)
-    return {name: statistics.median(t) for name, t in times.items()}
+                models[name](tokens, past_key_values=caches[name], use_cache=True)
+                if i >= 3:  # warm-up steps are not timed
+                    times[(name, n)].append(time.perf_counter() - start)
+                caches[name].crop(-n)
+    out: dict[str, dict[int, float]] = {}
+    for (name, n), t in times.items():
+        out.setdefault(name, {})[n] = statistics.median(t)
+    return out
 
 
 def fixed_k_speedup(alpha: float, cost_ratio: float, k: int) -> float:
@@ -87,19 +103,22 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     for source in sources:
         split = "test"
         prompts = load_prompts(source, split=split, limit=limit)
-        alphas, n_tokens = [], 0
+        alphas, covers, n_tokens = [], [], 0
         for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance on {source}/{split}")):
             prompt_ids = encode_prompt(tokenizer, prompt.prompt)
             ids = sample_response(target, prompt_ids, max_new_tokens, tokenizer.eos_token_id, seed + i)
-            alpha = position_acceptance(draft, target, ids, len(prompt_ids))
+            alpha, covered = position_acceptance(draft, target, ids, len(prompt_ids))
             alphas.append(alpha)
+            covers.append(covered)
             n_tokens += alpha.numel()
         alpha = torch.cat(alphas)
         per_source[source] = {"split": split, "prompts": len(prompts), "positions": n_tokens,
-                              "acceptance": alpha.mean().item(),
+                              "acceptance": alpha.mean().item(), "target_mass_covered": torch.cat(covers).mean().item(),
                               "acceptance_per_prompt_std": torch.stack([a.mean() for a in alphas]).std().item()}
-    context = torch.tensor([encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt)])
-    times = step_times({"draft": draft, "target": target}, context, timing_steps)
+    context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
+                              64, None, seed)  # a prompt and 64 response tokens: a mid-generation cache
+    timed = step_times({"draft": draft, "target": target}, context, timing_steps, {"target": list(range(2, 9))})
+    times = {name: t[1] for name, t in timed.items()}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
         s["positions"] for s in per_source.values())
@@ -109,20 +128,30 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
+            "target_by_width_s": timed["target"], "draft_output_vocab": output_vocab_info(draft),
             "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k]}
 
 
+def output_vocab_info(draft) -> dict:
+    layer = draft.get_output_embeddings()
+    scored = int(layer.token_ids.numel()) if isinstance(layer, ReducedOutput) else int(layer.weight.shape[0])
+    return {"scored_tokens": scored, "vocab_size": output_vocab_size(draft)}
+
+
 def table(result: dict) -> str:
-    rows = [("source", "prompts", "positions", "acceptance")]
-    rows += [(name, str(s["prompts"]), str(s["positions"]), f"{s['acceptance']:.3f}")
+    rows = [("source", "prompts", "positions", "acceptance", "target mass in draft vocabulary")]
+    rows += [(name, str(s["prompts"]), str(s["positions"]), f"{s['acceptance']:.3f}", f"{s['target_mass_covered']:.4f}")
              for name, s in result["per_source"].items()]
     rows.append(("all", "", str(sum(s["positions"] for s in result["per_source"].values())),
-                 f"{result['acceptance']:.3f}"))
+                 f"{result['acceptance']:.3f}", ""))
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     lines += ["", f"draft step {result['draft_step_s'] * 1e3:.1f} ms, target step "
               f"{result['target_step_s'] * 1e3:.1f} ms, cost ratio {result['cost_ratio']:.3f} "
-              f"({result['threads']} threads)",
+              f"({result['threads']} threads; draft scores {result['draft_output_vocab']['scored_tokens']} of "
+              f"{result['draft_output_vocab']['vocab_size']} tokens)",
+              "target cost of scoring n tokens after a cached prefix (ms): " + ", ".join(
+                  f"n={n}: {t * 1e3:.1f}" for n, t in sorted(result["target_by_width_s"].items())),
               "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
@@ -141,6 +170,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("reports/demo/pair.json"))
+    parser.add_argument("--costs-out", type=Path, help="also write t_draft, t_target, target_by_width "
+                        "(JSON for python -m infer.potential --costs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.draft is None or args.target is None:
@@ -152,6 +183,11 @@ def main() -> None:
                      args.timing_steps, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    if args.costs_out:
+        args.costs_out.parent.mkdir(parents=True, exist_ok=True)
+        args.costs_out.write_text(json.dumps({"t_draft": result["draft_step_s"], "t_target": result["target_step_s"],
+                                              "target_by_width": result["target_by_width_s"],
+                                              "measured_by": "scripts/measure_pair.py", "threads": result["threads"]}, indent=1))
     print(table(result))
     print(f"\nwritten to {args.out}")
 

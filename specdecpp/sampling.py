@@ -89,7 +89,8 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """
     t = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits.float() / t, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()  # tokens at -inf (a reduced output vocabulary) contribute 0, not nan
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 
 
 def distribution_entropy(probs: torch.Tensor) -> torch.Tensor:
