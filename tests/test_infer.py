@@ -353,3 +353,45 @@ def test_report_cli(greedy_results, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         report_main([str(tmp_path / "none")])
     assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_report_intervals_width_costs_and_fit_warning(tmp_path):
+    from infer.summary import paired_speedup_ci, width_latency
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(30):  # K=2 rounds: 10 rounds, 20 drafts, 25 tokens per prompt; noisy walls
+        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 25, 25, 25 * 0.05 * rng.uniform(0.5, 1.5)))
+        rows[-1]["candidate_lengths"] = [0] * 25  # target-only rounds verify no candidate
+        r = _row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, 25, 0.4 * rng.uniform(0.5, 1.5))
+        r["candidate_lengths"] = [2] * 10
+        rows.append(r)
+    base = [r for r in rows if r["tag"] == "base"]
+    k2 = [r for r in rows if r["tag"] == "k2"]
+    lo, hi = paired_speedup_ci(k2, base)
+    point = (sum(r["n_generated"] for r in k2) / sum(r["wall_time_s"] for r in k2)) / (
+        sum(r["n_generated"] for r in base) / sum(r["wall_time_s"] for r in base))
+    assert lo < point < hi and hi - lo > 0.05
+    assert paired_speedup_ci(base, base) == pytest.approx((1.0, 1.0))  # a method against itself
+    assert paired_speedup_ci(k2[:1], base[:1]) is None  # one prompt: no interval
+    # t_target(n): 1 -> 50 ms, 3 -> 80 ms; per prompt 20 drafts x 10 ms + 10 verifications of 3 tokens
+    costs = {"t_draft": 0.01, "target_by_width": {"1": 0.05, "2": 0.07, "4": 0.09}}
+    assert width_latency(k2, costs) == pytest.approx((20 * 0.01 + 10 * 0.08) / 25)
+    assert width_latency(base, costs) == pytest.approx(0.05)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report(res.parent, tmp_path / "report", costs=path)
+    (group,) = report["groups"]
+    entries = {e["tag"]: e for e in group["entries"]}
+    assert entries["k2"]["speedup_width_predicted"] == pytest.approx(0.05 / ((20 * 0.01 + 10 * 0.08) / 25))
+    assert entries["k2"]["speedup_ci95"] == pytest.approx((lo, hi))
+    assert group["fit"]["r2"] < 0.9 and group["fit_warning"]  # noisy walls: the warning is printed
+    text = report["report"].read_text()
+    assert "Warning: R^2" in text and f"[{lo:.2f}, {hi:.2f}]" in text
+    with pytest.raises(ValueError, match="target_by_width"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"t_draft": 0.01}))
+        build_report(res.parent, tmp_path / "r2", costs=bad)
