@@ -119,6 +119,41 @@ def execute(job: Job, models) -> dict:
     return summarize(job)
 
 
+def execute_interleaved(jobs: list[Job], models) -> list[dict]:
+    """Decode prompt by prompt, every job's method on a prompt before the next prompt, so a drift
+    in machine load touches every method alike (the comparison is then paired in time as well as
+    in prompts). Rows are appended to each job's own file as they finish (resumable)."""
+    draft, target, tokenizer = models
+    runners = [build_runner(job.spec, draft, target, job.sampling) for job in jobs]
+    writers = [ResultWriter(job.path) for job in jobs]
+    eos = tokenizer.eos_token_id
+    order: dict[str, Prompt] = {}
+    for job in jobs:
+        for q in job.todo:
+            order.setdefault(q.id, q)
+    encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
+    warm = max((job.warmup_tokens for job in jobs), default=0)
+    if encoded and warm > 0:  # untimed, unrecorded: one warm-up per runner
+        first = next(iter(encoded.values()))
+        for job, runner in zip(jobs, runners, strict=True):
+            if runner.timed and job.todo:
+                runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
+    todo = [{q.id for q in job.todo} for job in jobs]
+    total = sum(len(t) for t in todo)
+    with tqdm(total=total, desc=f"{len(jobs)} methods, interleaved", disable=not jobs or not jobs[0].progress,
+              unit="run") as bar:
+        for pid, ids in encoded.items():
+            for job, runner, writer, ids_todo in zip(jobs, runners, writers, todo, strict=True):
+                if pid not in ids_todo:
+                    continue
+                output_ids, stats, extra = runner.generate(ids, job.max_new_tokens,
+                                                           prompt_seed(job.run_keys["seed"], pid), eos)
+                writer.append(make_row(job, order[pid], ids.shape[1], output_ids, stats, extra, runner.timed,
+                                       target.device, target.dtype))
+                bar.update(1)
+    return [summarize(job) for job in jobs]
+
+
 def summarize(job: Job) -> dict:
     rows = read_rows(job.path)
     timed = [r for r in rows if r.get("timed")]

@@ -3,6 +3,8 @@
 Every entry of ``cfg.comparison`` (method -> settings; a list is a grid) becomes one run with the
 same pair, prompts, sampling and seeds. All runs are checked first, then the models are loaded
 once and shared. Each run writes its own result file, resumable like ``python -m infer``.
+``interleave=true`` runs every method on a prompt before the next prompt (load drift on a shared
+machine then touches all methods alike; what `make bench` uses).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .app import execute, load_models, prepare, set_threads, summarize
+from .app import execute, execute_interleaved, load_models, prepare, set_threads, summarize
 from .methods import METHODS
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,10 @@ def run(cfg) -> list[dict]:
         with open_dict(sub):
             sub.method = method
         jobs.append(prepare(sub))  # every check before any model loads
+    if cfg.get("interleave") and jobs:
+        pending = [job for job in jobs if job.todo]
+        by_path = {job.path: s for job, s in zip(pending, execute_interleaved(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}
+        return [by_path.get(job.path) or summarize(job) for job in jobs]
     summaries = []
     for job in jobs:
         if not job.todo:

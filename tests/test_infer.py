@@ -230,6 +230,25 @@ def test_sweep_loads_models_once(setup, monkeypatch):
     assert sweep.run(paper) == []  # the oracle needs greedy decoding: skipped
 
 
+def test_interleaved_sweep_equals_the_sequential_one_and_runs_prompt_by_prompt(setup, monkeypatch):
+    common = [*setup.base, "sampling=greedy", "max_new_tokens=4", "~comparison.svip", "~comparison.specdecpp",
+              "~comparison.hf_assisted", "~comparison.oracle", "comparison.fixed_k.k=[1,3]"]
+    seq = sweep.run(make_cfg(*common, f"out={setup.root}/seq/${{method.name}}"))
+    calls = []
+    real = app.make_row
+    monkeypatch.setattr(app, "make_row", lambda job, prompt, *a: calls.append((prompt.id, job.spec.tag)) or real(job, prompt, *a))
+    inter = sweep.run(make_cfg(*common, "interleave=true", f"out={setup.root}/inter/${{method.name}}"))
+    assert [(s["method"], s["tag"], s["rows"]) for s in inter] == [(s["method"], s["tag"], s["rows"]) for s in seq]
+    # every method on the first prompt before any method on the second
+    assert [tag for _, tag in calls[:3]] == ["base", "k1", "k3"] and len({p for p, _ in calls[:3]}) == 1
+    for a, b in zip(seq, inter, strict=True):  # the same outputs and counts, row for row
+        ra, rb = read_rows(Path(a["path"])), read_rows(Path(b["path"]))
+        assert [(r["prompt_id"], r["output_ids"], r["n_draft"]) for r in ra] == \
+            [(r["prompt_id"], r["output_ids"], r["n_draft"]) for r in rb]
+    again = sweep.run(make_cfg(*common, "interleave=true", f"out={setup.root}/inter/${{method.name}}"))
+    assert [s["rows"] for s in again] == [s["rows"] for s in inter]  # resumed: nothing redone
+
+
 def test_multirun_two_thresholds_writes_two_files(setup, tmp_path):
     out = tmp_path / "multirun"
     cmd = [sys.executable, "-m", "infer", "-m", *setup.base, "method=specdecpp", f"method.head={setup.head}",
