@@ -3,7 +3,7 @@
 "Can a learned stop predictor pay off on my pair?", answered from a data_gen dataset alone, before
 any decoding: replays speculative rounds along each labelled response with Bernoulli(P_i)
 acceptances (``specdecpp.potential``) for fixed K 1..10, the informed Algorithm 2 (a perfect head
-with the real head's one-candidate lag), trained heads (``--head``, run on the draft's features
+with the real head's one-candidate lag), the same perfect head without the lag, trained heads (``--head``, run on the draft's features
 of the same data), SVIP from the stored draft entropy and the hindsight oracle. Speedups by
 Eq. 2.3 at the cost ratio, with 95% bootstrap intervals over prompts, and with the measured
 width-dependent target cost when ``--costs`` has one. Writes potential.md, potential.json and
@@ -120,6 +120,7 @@ def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref:
 def policies(max_k: int, thresholds, svip_thresholds, heads: list[str]) -> list[pt.Policy]:
     out = [pt.fixed_k(k) for k in range(1, max_k + 1)]
     out += [pt.informed(h) for h in thresholds]
+    out += [pt.informed_lag_free(h) for h in thresholds]
     for name in heads:
         out += [pt.head_rule(name, h) for h in thresholds]
     out += [pt.svip(h) for h in svip_thresholds]
@@ -166,7 +167,8 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     families: dict[str, list[dict]] = {}
     for r in records:
         families.setdefault(r["name"], []).append(r)
-    colors = {"fixed_k": "tab:blue", "informed": "black", "svip": "tab:green", "oracle": "gold"}
+    colors = {"fixed_k": "tab:blue", "informed": "black", "informed_lag_free": "tab:gray", "svip": "tab:green",
+              "oracle": "gold"}
     for i, (name, recs) in enumerate(families.items()):
         color = colors.get(name, plt.cm.tab10((i + 3) % 10))
         xs, ys = [r["discard_rate"] for r in recs], [r["verification_rate"] for r in recs]

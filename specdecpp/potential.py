@@ -18,6 +18,8 @@ that started at s; ``ctx`` holds the row's arrays. Built in:
 - :func:`informed`: Algorithm 2 with a perfect head: stop when 1 - prod_{i<k} P_{s+i-1} > h, the
   same one-candidate lag as the real head (candidate k is drafted before its own acceptance
   estimate exists), at least ``min_candidates`` candidates;
+- :func:`informed_lag_free`: the same perfect head without the lag (stop when 1 - prod_{i<=k} P > h),
+  the ceiling of a lag-free head;
 - :func:`head_rule`: the same rule with a trained head's predictions P_hat_i instead of P_i;
 - :func:`svip`: stop when sqrt(c * H(q_i)) > h at the candidate just drafted (no lag);
 - :func:`oracle`: hindsight: drafts exactly the candidates that will be accepted (no discards).
@@ -97,11 +99,11 @@ def _threshold(name: str, h: float) -> float:
     return float(h)
 
 
-def _algorithm2(column: str, h: float, min_candidates: int) -> StopRule:
+def _algorithm2(column: str, h: float, min_candidates: int, lag: int = 1) -> StopRule:
     def rule(s: int, k: int, ctx: dict) -> bool:
-        if k < 2 or k < min_candidates:  # the product over i < k is empty at k = 1
+        if k - lag < 1 or k < min_candidates:  # the product over i <= k - lag is empty
             return False
-        return 1.0 - float(np.prod(ctx[column][s : s + k - 1])) > h
+        return 1.0 - float(np.prod(ctx[column][s : s + k - lag])) > h
     return rule
 
 
@@ -109,6 +111,13 @@ def informed(threshold: float, min_candidates: int = 1, max_candidates: int = 20
     """Algorithm 2 with a perfect head: it knows every P_i (with the real head's lag)."""
     h = _threshold("informed", threshold)
     return Policy("informed", {"threshold": h}, _algorithm2("p_acc", h, min_candidates), max_candidates)
+
+
+def informed_lag_free(threshold: float, min_candidates: int = 1, max_candidates: int = 20) -> Policy:
+    """A perfect head without the lag: after drafting y_k it already knows P_k (what a head that
+    scores y_k from the state right after sampling it could learn), so it may stop at K = 1."""
+    h = _threshold("informed_lag_free", threshold)
+    return Policy("informed_lag_free", {"threshold": h}, _algorithm2("p_acc", h, min_candidates, lag=0), max_candidates)
 
 
 def head_rule(name: str, threshold: float, min_candidates: int = 1, max_candidates: int = 20) -> Policy:

@@ -50,6 +50,9 @@ def test_rounds_replayed_by_hand():
     # s=3: K=5 (P_6 = 0 seen at k=5), 3 accepted; s=7: K=2 (capped), 2 accepted
     inf = res["informed threshold=0.5"][0]
     assert (inf.rounds, inf.drafted, inf.discarded) == (3, 11, 4)
+    # without the lag the perfect head stops right at the rejected candidate: one discard per rejection
+    free = pt.simulate([row], [pt.informed_lag_free(0.5)], seeds=[0])["informed_lag_free threshold=0.5"][0]
+    assert (free.rounds, free.drafted, free.discarded) == (3, 9, 2)
     for c in (k2, orc, inf):
         assert c.drafted + c.rounds == c.tokens + c.discarded
 
