@@ -1,5 +1,8 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
 # make test: the test suite.
+# make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md).
+# make bench: the benchmark of docs/benchmarks.md (resumable; about 90 minutes on 2 cores).
+# make reference-heads: rebuild demo/heads/ (data_gen on 200 prompts, the 20-head sweep, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
 #   make demo DEMO_TRAIN_PROMPTS=230 DEMO_TEST_PROMPTS=70 DEMO_HUMANEVAL_PROMPTS=164 DEMO_TOKENS=256
@@ -18,13 +21,16 @@ DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhe
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
+# The two reference heads chosen on the dev split by the potential analysis (demo/heads/selection.json).
+REF_HEADS := $(shell $(PYTHON) -c "import json; print(','.join('demo/heads/' + h['name'] for h in json.load(open('demo/heads/selection.json'))['heads']))" 2>/dev/null)
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.svip.threshold=[0.3,0.5]' \
-	comparison.specdecpp.head=$(DEMO_HEAD) 'comparison.specdecpp.threshold=[0.3,0.5,0.7,0.9]' \
+	'comparison.specdecpp.head=[$(DEMO_HEAD),$(REF_HEADS)]' 'comparison.specdecpp.threshold=[0.5,0.8]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
-.PHONY: install demo-pair demo-data demo-head demo-infer demo-report demo demo-clean test
+.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
+	potential bench bench-costs bench-run bench-report reference-heads
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -42,21 +48,72 @@ demo-head: demo-data
 	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=cpu logger=none
 
-demo-infer: demo-head
+demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (scripts/measure_pair.py)
+	test -f reports/demo/costs.json || $(PYTHON) scripts/measure_pair.py --limit 1 --max-new-tokens 16 \
+		--timing-steps 40 --out reports/demo/pair.json --costs-out reports/demo/costs.json
+
+demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
+	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \
+		--head $(DEMO_HEAD) $(foreach h,$(subst $(comma), ,$(REF_HEADS)),--head $(h)) --out reports/demo/potential
+
+demo-infer: demo-potential
 	$(PYTHON) -m infer.sweep pair=demo prompts=bundled prompts.limit=$(strip $(DEMO_TEST_PROMPTS)) \
 		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) $(DEMO_COMPARISON)
 	$(PYTHON) -m infer.sweep pair=demo prompts=humaneval prompts.limit=$(strip $(DEMO_HUMANEVAL_PROMPTS)) \
 		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) $(DEMO_COMPARISON)
 
 demo-report: demo-infer
-	$(PYTHON) -m infer.report results/demo --out reports/demo
+	$(PYTHON) -m infer.report results/demo --out reports/demo --costs reports/demo/costs.json
 
 demo: install
 	@start=$$(date +%s); $(MAKE) --no-print-directory demo-report && \
 		echo "make demo: $$(( $$(date +%s) - start )) s; report in reports/demo/"
 
 demo-clean:  # forget the demo's products (data_gen refuses changed sizes over an existing dataset)
-	rm -rf data/demo heads/demo results/demo reports/demo
+	rm -rf data/demo/bundled heads/demo results/demo reports/demo
+
+# -- the stop potential on held-out prompts, the benchmark, the reference heads -------------------
+comma := ,
+HELDOUT_PROMPTS ?= 40   # per prompt set (bundled test, HumanEval), labelled by data_gen
+HELDOUT_TOKENS ?= 96
+
+potential: demo-pair bench-costs  # docs/demo.md: the potential table on held-out prompts
+	$(PYTHON) -m data_gen pair=demo prompts=bundled 'splits=[test]' 'limit={test: $(strip $(HELDOUT_PROMPTS))}' \
+		max_new_tokens=$(strip $(HELDOUT_TOKENS)) out=data/demo/heldout_bundled
+	$(PYTHON) -m data_gen pair=demo prompts=humaneval 'limit={test: $(strip $(HELDOUT_PROMPTS))}' \
+		max_new_tokens=$(strip $(HELDOUT_TOKENS)) out=data/demo/heldout_humaneval
+	for set in bundled humaneval; do \
+		$(PYTHON) -m infer.potential data/demo/heldout_$$set --split test --costs reports/bench/costs.json \
+			$(foreach h,$(subst $(comma), ,$(REF_HEADS)),--head $(h)) --out reports/potential/$$set || exit 1; done
+
+BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out from distillation and heads)
+BENCH_TOKENS ?= 96
+BENCH_THREADS ?= 1
+BENCH_HEAD_THRESHOLDS := $(shell $(PYTHON) -c "import json; print(sorted({t for h in json.load(open('demo/heads/selection.json'))['heads'] for t in h['thresholds']}))" 2>/dev/null)
+BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=[0.5,0.7]' \
+	'comparison.specdecpp.head=[$(REF_HEADS)]' 'comparison.specdecpp.threshold=$(subst $() ,,$(BENCH_HEAD_THRESHOLDS))' \
+	'~comparison.hf_assisted' '+comparison.hf_assisted=[{mode:constant,num_assistant_tokens:[1,2,3,4]},{mode:[heuristic,confidence],num_assistant_tokens:4}]' \
+	'~comparison.oracle'
+
+bench-costs: demo-pair
+	test -f reports/bench/costs.json || $(PYTHON) scripts/measure_pair.py --limit 10 --max-new-tokens 96 \
+		--timing-steps 60 --out reports/bench/pair.json --costs-out reports/bench/costs.json
+
+bench-run: demo-pair
+	for set in bundled humaneval; do \
+		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(BENCH_PROMPTS)) \
+			max_new_tokens=$(strip $(BENCH_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
+			'out=results/bench/$${prompts.name}/$${method.name}' $(BENCH_COMPARISON) || exit 1; \
+	done
+
+bench-report: bench-costs bench-run
+	$(PYTHON) -m infer.report results/bench --out reports/bench --costs reports/bench/costs.json
+
+bench: install bench-report  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
+	@echo "report in reports/bench/report.md"
+
+reference-heads:  # rebuild demo/heads/ (resumable; about an hour on 2 cores)
+	$(PYTHON) scripts/build_reference_heads.py
 
 test: install
 	$(PYTHON) -m pytest

@@ -24,19 +24,22 @@ METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 
 
 def expand_comparison(comparison) -> list[DictConfig]:
-    """Method configs of every grid point: conf/method/<name>.yaml merged with the entry."""
+    """Method configs of every grid point: conf/method/<name>.yaml merged with the entry. An entry
+    that is a list holds several grids of one method, e.g. HF assisted generation at constant
+    lengths 1-4 and, beside it, its adaptive modes at one starting length."""
     configs = []
-    for name, entry in (comparison or {}).items():
+    for name, entries in (comparison or {}).items():
         if name not in METHODS:
             raise ValueError(f"comparison.{name}: unknown method; choose among {', '.join(METHODS)}")
-        entry = entry or {}
-        fixed = {k: v for k, v in entry.items() if not isinstance(v, ListConfig | list)}
-        grid = {k: list(v) for k, v in entry.items() if isinstance(v, ListConfig | list)}
-        if any(not values for values in grid.values()):
-            raise ValueError(f"comparison.{name}: an empty grid {grid}")
         base = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
-        for point in itertools.product(*grid.values()):
-            configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point, strict=True))))
+        for entry in (entries if isinstance(entries, ListConfig | list) else [entries]):
+            entry = entry or {}
+            fixed = {k: v for k, v in entry.items() if not isinstance(v, ListConfig | list)}
+            grid = {k: list(v) for k, v in entry.items() if isinstance(v, ListConfig | list)}
+            if any(not values for values in grid.values()):
+                raise ValueError(f"comparison.{name}: an empty grid {grid}")
+            for point in itertools.product(*grid.values()):
+                configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point, strict=True))))
     return configs
 
 

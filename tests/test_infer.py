@@ -212,6 +212,11 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
         app.run(make_cfg(*[o for o in base if not o.startswith("pair.")], "method=target_only"))
     with pytest.raises(ValueError, match="comparison.nope"):
         sweep.expand_comparison({"nope": {}})
+    # a list of grids for one method: constant lengths 1-2 beside the adaptive modes at 4
+    grids = sweep.expand_comparison({"hf_assisted": [{"mode": "constant", "num_assistant_tokens": [1, 2]},
+                                                     {"mode": ["heuristic", "confidence"], "num_assistant_tokens": 4}]})
+    assert [(m.mode, m.num_assistant_tokens) for m in grids] == [
+        ("constant", 1), ("constant", 2), ("heuristic", 4), ("confidence", 4)]
 
 
 def test_sweep_loads_models_once(setup, monkeypatch):
