@@ -171,6 +171,15 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
     return splits, meta
 
 
+def dataset_fingerprint(splits: DatasetDict, meta: dict) -> str:
+    """A short hash that names the data: the meta (settings, creation time) and each split's rows
+    and ``datasets`` fingerprint (saved with the data, new whenever it is rewritten)."""
+    import hashlib
+
+    parts = {"meta": meta, "splits": {name: [len(ds), ds._fingerprint] for name, ds in sorted(splits.items())}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def label_summary(splits: DatasetDict) -> dict[str, dict]:
     """Per split: rows, labelled tokens, mean response length, mean p_acc (the draft's expected
     acceptance rate on target text), shares of p_acc == 1 and == 0, mean draft entropy."""

@@ -421,8 +421,34 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pai
     assert AcceptanceHead.from_pretrained(tmp_path / "head").meta["training"]["global_step"] == 12
     torch.testing.assert_close(result["module"].head.state_dict(), reference["module"].head.state_dict())
 
-    with pytest.raises(ValueError, match="checkpoint of a different run.*w_rej"):
+    with pytest.raises(ValueError, match="checkpoint of a different training run.*loss.w_rej: 3.*12"):
         run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
+
+
+def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pair, tmp_path):
+    """A finished run leaves last.ckpt; another preset, dataset or seed into the same out must not
+    resume it (it would train zero steps and save the old weights under the new record)."""
+    def overrides(preset, data=tiny_dataset, *extra):
+        return [*base_overrides(tiny_pair, data, tmp_path, "trainer=cpu"), f"+experiment=[wrej6_d3,{preset}]",
+                "trainer.max_epochs=2", "~callbacks.progress_bar", "~callbacks.lr_monitor", *extra]
+
+    first = run(train_cfg(overrides("small_data")))
+    assert (tmp_path / "head" / "ckpt" / "last.ckpt").is_file() and first["global_step"] == 12
+    with pytest.raises(ValueError) as error:
+        run(train_cfg(overrides("paper")))
+    message = str(error.value)
+    for key in ("optimizer.lr: 0.003 there, 5e-05 now", "callbacks.early_stopping.monitor"):
+        assert key in message, message
+    assert "choose another out=" in message and f"delete {tmp_path / 'head' / 'ckpt'}" in message
+    other = save_dataset(tmp_path / "other_data", {"train": random_rows(24, tiny_pair.vocab, 7),
+                                                   "dev": random_rows(8, tiny_pair.vocab, 8)},
+                         tiny_pair.draft, 32, tiny_pair.vocab)
+    with pytest.raises(ValueError, match="differs in: dataset_fingerprint"):
+        run(train_cfg(overrides("small_data", other)))
+    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; seed: 0 there, 1 now"):
+        run(train_cfg(overrides("small_data", tiny_dataset, "seed=1")))
+    again = run(train_cfg(overrides("small_data")))  # the same command: the same run, resumed (done)
+    assert again["global_step"] == 12
 
 
 def test_remix_each_epoch_draws_a_new_mixing_per_epoch_and_validates_on_the_fixed_one(

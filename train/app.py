@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from specdecpp.dataset import dataset_fingerprint
 from specdecpp.head import AcceptanceHead
 from specdecpp.models import load_model
 
@@ -28,19 +29,58 @@ def _instantiate_all(group: DictConfig | None) -> list:
     return [instantiate(node) for node in (group or {}).values() if node is not None]
 
 
-def _resume_checkpoint(callbacks: list, settings: dict) -> str | None:
-    """``last.ckpt`` of the checkpoint callback if a previous run of this head left one."""
+# Keys of the composed config that do not change what is trained (where files go, how progress
+# is shown, how the work is spread): everything else is part of a run's identity.
+NOT_IDENTITY = {"out", "experiment_name", "logger", "hydra", "pair.device", "pair.name", "pair.target",
+                "data.path", "data.num_workers", "data.cache_dir", "data.feature_batch_size",
+                "data.allow_draft_mismatch", "trainer.default_root_dir", "trainer.enable_progress_bar",
+                "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.accelerator",
+                "trainer.devices", "trainer.num_sanity_val_steps", "callbacks.checkpoint",
+                "callbacks.lr_monitor", "callbacks.progress_bar"}
+IDENTITY_KEY = "specdecpp_training_identity"
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        flat = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: node}
+
+
+def training_identity(cfg: DictConfig, dataset_fingerprint: str, draft_ref: str) -> dict:
+    """What makes two runs the same run: the dataset's fingerprint, the draft and every setting
+    that changes training (flattened dotted keys), so that only the same run resumes."""
+    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    identity = {k: v for k, v in flat.items()
+                if not any(k == skip or k.startswith(skip + ".") for skip in NOT_IDENTITY)}
+    identity.update({"dataset_fingerprint": dataset_fingerprint, "pair.draft": str(draft_ref)})
+    return dict(sorted(identity.items()))
+
+
+def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
+    """``last.ckpt`` of the checkpoint callback if a previous run of the same training left one.
+
+    A checkpoint of any other training (another dataset, head, schedule or seed; also a finished
+    run, whose ``last.ckpt`` would otherwise be resumed at its last epoch and train nothing) is
+    refused with the keys that differ."""
     checkpoint = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
     if checkpoint is None or checkpoint.dirpath is None:
         return None
     last = Path(checkpoint.dirpath) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
     if not last.is_file():
         return None
-    saved = torch.load(last, map_location="cpu", weights_only=False).get("hyper_parameters", {})
-    differ = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    saved = torch.load(last, map_location="cpu", weights_only=False).get(IDENTITY_KEY)
+    if saved is None:
+        differ = ["(the checkpoint records no training identity: it was written by an older version)"]
+    else:
+        differ = [f"{k}: {saved.get(k, '<unset>')!r} there, {identity.get(k, '<unset>')!r} now"
+                  for k in sorted(set(saved) | set(identity)) if saved.get(k, "<unset>") != identity.get(k, "<unset>")]
     if differ:
-        raise ValueError(f"{last} is a checkpoint of a different run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in differ.items())}); "
-                         "choose another out=... or delete that checkpoint directory to start over")
+        raise ValueError(f"{last} is a checkpoint of a different training run; it differs in: {'; '.join(differ)}. "
+                         f"Either choose another out=... for this run, or delete {last.parent} to start over "
+                         "in this directory (rerun the original command instead to resume that run)")
     log.info("resuming from %s", last)
     return str(last)
 
@@ -93,8 +133,10 @@ def run(cfg: DictConfig) -> dict:
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    settings = {k: module.hparams[k] for k in ("w_rej", "w_acc", "depth", "hidden_size", "mix_ratio", "mix_seed")}
-    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_checkpoint(callbacks, settings))
+    identity = training_identity(cfg, dataset_fingerprint(splits, meta), cfg.pair.draft)
+    identity["hidden_size"] = hidden_size
+    module.training_identity = identity
+    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_checkpoint(callbacks, identity))
 
     eval_splits = [name for name in ("train", "dev", "test") if name in splits]
     module.set_eval_splits(eval_splits)

@@ -44,6 +44,7 @@ class AcceptanceHeadModule(L.LightningModule):
         self.eval_names: list[str] = []
         self.eval_metrics = torch.nn.ModuleList()
         self.eval_results: dict[str, dict] = {}
+        self.training_identity: dict | None = None  # set by train.app; saved in every checkpoint
 
     # -- features and loss ---------------------------------------------------------------------
     def features(self, batch: dict, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +84,11 @@ class AcceptanceHeadModule(L.LightningModule):
         if not math.isnan(float(values["val/KL"])):
             self.val_kl_best.update(values["val/KL"])
         self.log_dict({**values, "val/KL_best": self.val_kl_best.compute()}, prog_bar=True)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.training_identity is not None:
+            checkpoint["specdecpp_training_identity"] = self.training_identity
 
     # -- final evaluation on named splits (trainer.test with one loader per split) -------------
     def set_eval_splits(self, names: list[str]) -> None:
