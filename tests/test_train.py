@@ -382,6 +382,50 @@ def test_head_learns_labels_that_depend_on_the_hidden_state_and_round_trips(tiny
     loaded.check_draft(draft)
 
 
+def test_early_stopping_saves_the_best_epochs_weights_not_the_last(tiny_pair, draft, tmp_path, monkeypatch):
+    """Dev labels opposite to the train labels: the dev loss rises as the head learns, early
+    stopping ends the run; the saved head is the epoch with the lowest val/loss (as logged)."""
+    import csv
+
+    data = learnable_dataset(tmp_path / "data", tiny_pair, draft, mix_seed=0)
+    dev = data / "dev"
+    from datasets import load_from_disk
+    rows = load_from_disk(str(dev)).to_dict()
+    rows["p_acc"] = [[1.0 - v for v in r] for r in rows["p_acc"]]
+    splits = {"train": load_from_disk(str(data / "train")).to_dict(), "dev": rows}
+    data = save_dataset(tmp_path / "flipped", splits, tiny_pair.draft, 32, tiny_pair.vocab)
+
+    snapshots = {}
+    real_end = AcceptanceHeadModule.on_validation_epoch_end
+
+    def snapshot(self):
+        real_end(self)
+        snapshots[self.current_epoch] = {k: v.clone() for k, v in self.head.state_dict().items()}
+
+    monkeypatch.setattr(AcceptanceHeadModule, "on_validation_epoch_end", snapshot)
+    cfg = train_cfg([*base_overrides(tiny_pair, data, tmp_path, "trainer=cpu", "logger=csv"),
+                     "+experiment=[wrej1_d0,small_data]", "trainer.max_epochs=12", "optimizer.lr=0.05",
+                     "~callbacks.progress_bar", "~callbacks.checkpoint"])
+    result = run(cfg)
+    with open(next(Path(cfg.out).rglob("metrics.csv"))) as f:
+        logged = [(int(r["epoch"]), float(r["val/loss"])) for r in csv.DictReader(f) if r.get("val/loss")]
+    best_epoch = min(logged, key=lambda e: e[1])[0]
+    last_epoch = logged[-1][0]
+    assert last_epoch == best_epoch + 3 < 11  # patience 3 stopped it early
+    training = AcceptanceHead.from_pretrained(cfg.out).meta["training"]
+    assert (training["weights"], training["best_epoch"]) == ("best_val", best_epoch)
+    assert training["val_loss_per_epoch"] == pytest.approx([v for _, v in logged], rel=1e-5)
+    saved = AcceptanceHead.from_pretrained(cfg.out).state_dict()
+    torch.testing.assert_close(saved, snapshots[best_epoch])
+    assert not torch.allclose(saved["out.weight"], snapshots[last_epoch]["out.weight"])
+    torch.testing.assert_close(result["module"].head.cpu().state_dict(), saved)  # evaluated with these weights
+    last = run(train_cfg([*base_overrides(tiny_pair, data, tmp_path / "last", "trainer=cpu", "logger=none"),
+                          "+experiment=[wrej1_d0,small_data]", "trainer.max_epochs=12", "optimizer.lr=0.05",
+                          "~callbacks.progress_bar", "~callbacks.checkpoint", "weights=last"]))
+    assert AcceptanceHead.from_pretrained(last["out"]).meta["training"]["weights"] == "last"
+    torch.testing.assert_close(AcceptanceHead.from_pretrained(last["out"]).state_dict(), snapshots[last_epoch])
+
+
 def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pair, tmp_path, monkeypatch):
     """Crash at step 5 with checkpoints every 2 steps; the same command resumes at step 4 mid-epoch
     and trains on exactly the prompts an uninterrupted run would (raw rows show which)."""

@@ -85,10 +85,11 @@ def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
     return str(last)
 
 
-def _training_record(cfg: DictConfig, meta: dict, trainer) -> dict:
+def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str) -> dict:
     """How the head was made, for its config.json."""
     data, loss = cfg.data, cfg.loss
-    return {"dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
+    return {"weights": weights, "best_epoch": module.best_epoch,
+            "val_loss_per_epoch": module.val_loss_per_epoch, "dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
             "depth": int(cfg.head.depth), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
             "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
             "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
@@ -102,6 +103,8 @@ def run(cfg: DictConfig) -> dict:
     data, loss = cfg.data, cfg.loss
     check_settings(loss.w_rej, loss.w_acc, data.mix_ratio, data.mix_seed, cfg.head.depth, data.batch_size,
                    data.cache_features, data.remix_each_epoch)
+    if cfg.weights not in ("best_val", "last"):
+        raise ValueError(f"weights must be best_val or last, got {cfg.weights!r}")
     if OmegaConf.is_missing(cfg.pair, "draft"):
         raise ValueError("pair.draft is not set: pass pair=demo, or pair=custom pair.draft=PATH (the draft that "
                          "labelled the dataset)")
@@ -137,6 +140,10 @@ def run(cfg: DictConfig) -> dict:
     identity["hidden_size"] = hidden_size
     module.training_identity = identity
     trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_checkpoint(callbacks, identity))
+    weights = "best_val" if cfg.weights == "best_val" and module.use_best_weights() else "last"
+    if weights == "best_val":
+        log.info("keeping the weights of epoch %d (lowest val/loss %.5f)", module.best_epoch,
+                 min(module.val_loss_per_epoch))
 
     eval_splits = [name for name in ("train", "dev", "test") if name in splits]
     module.set_eval_splits(eval_splits)
@@ -147,7 +154,7 @@ def run(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_calibration(results, out / "calibration.png", title=f"{cfg.experiment_name} (D={cfg.head.depth}, "
                                                                       f"w_rej={loss.w_rej})")
-    training = _training_record(cfg, meta, trainer)
+    training = _training_record(cfg, meta, trainer, module, weights)
     head.save_pretrained(out, training=training, metrics=metrics, target=meta.get("target"))
     (out / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
     OmegaConf.save(cfg, out / "train_config.yaml")
