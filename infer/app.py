@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdecpp.models import load_pair
+from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 
@@ -106,7 +106,7 @@ def execute(job: Job, models) -> dict:
     """Decode every prompt still to do, appending one row per prompt as it finishes."""
     draft, target, tokenizer = models
     runner = build_runner(job.spec, draft, target, job.sampling)
-    eos, seed = tokenizer.eos_token_id, job.run_keys["seed"]
+    eos, seed = sorted(eos_token_ids(tokenizer, target)), job.run_keys["seed"]
     encoded = [(q, torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)) for q in job.todo]
     if encoded and runner.timed and job.warmup_tokens > 0:  # untimed, unrecorded
         runner.generate(encoded[0][1], min(job.warmup_tokens, job.max_new_tokens), seed, eos)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from specdecpp.engine import RunStats
+from specdecpp.models import token_set
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -62,8 +63,9 @@ class HFAssistedRunner:
         from transformers import GenerationConfig
 
         s = self.sampling
-        pad = eos_token_id if isinstance(eos_token_id, int) else 0
-        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
+        eos = sorted(token_set(eos_token_id))
+        pad = eos[0] if eos else 0
+        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
                   pad_token_id=pad, do_sample=not s.greedy)
         if not s.greedy:
             kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import new_cache, output_vocab_size
+from .models import new_cache, output_vocab_size, token_set
 from .policies import StopPolicy
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
@@ -135,8 +135,7 @@ class SpeculativeDecoder:
             raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        eos = ({eos_token_id} if isinstance(eos_token_id, int)
-               else set(eos_token_id) if eos_token_id is not None else set())
+        eos = token_set(eos_token_id)
         gen = _device_generator(generator, self.device)
         cfg, policy, clock = self.sampling, self.policy, Clock(self.device)
         draft = _Runner(self.draft, self.vocab, want_hidden=True)

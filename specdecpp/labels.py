@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import new_cache, output_vocab_size
+from .models import new_cache, output_vocab_size, token_set
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
 
@@ -67,12 +67,6 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-
-
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
@@ -90,7 +84,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     device = target.device
     vocab = vocab or output_vocab_size(target)
-    eos = _eos_set(eos_token_id)
+    eos = token_set(eos_token_id)
     ids, mask, positions = left_pad(prompts, device)
     cache = new_cache(target)
     responses: list[list[int]] = [[] for _ in prompts]

@@ -98,6 +98,25 @@ def new_cache(model):
         return DynamicCache()
 
 
+def token_set(ids) -> set[int]:
+    """``None`` | an id | ids -> a set of ids (how every stage normalises EOS arguments)."""
+    if ids is None:
+        return set()
+    if isinstance(ids, int) or (isinstance(ids, torch.Tensor) and ids.dim() == 0):
+        return {int(ids)}
+    return {int(t) for t in ids}
+
+
+def eos_token_ids(tokenizer=None, *models) -> set[int]:
+    """The end-of-sequence ids for generation: the tokenizer's EOS and every EOS id of the
+    models' generation configs (chat models often list several, e.g. <|eot_id|> and
+    <|end_of_text|>). data_gen, infer and every runner stop on this one set."""
+    ids = token_set(getattr(tokenizer, "eos_token_id", None))
+    for model in models:
+        ids |= token_set(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return ids
+
+
 def output_vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
@@ -353,3 +354,67 @@ def test_report_cli(greedy_results, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         report_main([str(tmp_path / "none")])
     assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+# -- one EOS set for every stage ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_eos_pair(setup, tmp_path_factory):
+    """The tiny pair with a target whose generation_config.json lists two EOS ids: the tokenizer's
+    and the 3rd token of the target's greedy answer to the "sea" prompt (so greedy decoding must
+    stop after 3 tokens, on the second id, in every stage)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from specdecpp import SpeculativeDecoder, TargetOnly
+    from specdecpp.models import load_model
+    from specdecpp.prompts import encode_prompt
+    from specdecpp.sampling import SamplingConfig
+
+    root = tmp_path_factory.mktemp("two_eos")
+    target = root / "target"
+    shutil.copytree(setup.pair.target, target)
+    tok = setup.pair.tokenizer
+    prompt = [encode_prompt(tok, "Write a short poem about the sea.")]
+    model = load_model(str(target), "cpu")
+    greedy = SpeculativeDecoder(model, model, TargetOnly(), SamplingConfig(temperature=0)).generate(
+        torch.tensor(prompt), MAX_NEW).tokens[0, len(prompt[0]):].tolist()
+    stop = greedy[2]
+    assert stop not in greedy[:2] and stop != tok.eos_token_id
+    GenerationConfig(eos_token_id=[tok.eos_token_id, stop], bos_token_id=tok.bos_token_id).save_pretrained(target)
+    return type("TwoEos", (), {"target": str(target), "stop": stop, "greedy": greedy})
+
+
+def test_eos_set_includes_every_generation_config_eos_id(setup, two_eos_pair):
+    from specdecpp.models import eos_token_ids, load_model
+
+    target = load_model(two_eos_pair.target, "cpu")
+    assert eos_token_ids(setup.pair.tokenizer, target) == {setup.pair.tokenizer.eos_token_id, two_eos_pair.stop}
+    assert eos_token_ids(setup.pair.tokenizer) == {setup.pair.tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize("method", ["target_only", "fixed_k", "hf_constant", "oracle"])
+def test_every_runner_stops_on_the_second_generation_config_eos(setup, two_eos_pair, tmp_path, method):
+    prompts = tmp_path / "sea.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n')
+    base = [o for o in setup.base if not o.startswith(("pair.target=", "prompts.path="))]
+    summary = app.run(make_cfg(*base, f"pair.target={two_eos_pair.target}", f"prompts.path={prompts}",
+                               *GREEDY_METHODS[method], "sampling=greedy", f"out={tmp_path / 'out'}"))
+    (row,) = read_rows(Path(summary["path"]))
+    assert row["output_ids"] == two_eos_pair.greedy[:3], method
+
+
+def test_data_gen_and_infer_end_responses_on_the_same_eos(setup, two_eos_pair, tmp_path):
+    from datasets import load_from_disk
+
+    from data_gen import run as generate
+
+    prompts = tmp_path / "sea.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n')
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("data_gen", overrides=[
+            f"pair.draft={setup.pair.draft}", f"pair.target={two_eos_pair.target}", "pair.device=cpu",
+            "prompts=jsonl", f"prompts.path={prompts}", "sampling=greedy", f"out={tmp_path / 'data'}",
+            f"max_new_tokens={MAX_NEW}", "progress=false"])
+    generate(cfg)
+    assert load_from_disk(str(tmp_path / "data" / "train"))["target_ids"] == [two_eos_pair.greedy[:3]]
