@@ -97,6 +97,24 @@ def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
     return head
 
 
+def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: SamplingConfig, allow: bool) -> None:
+    """A head's labels min(1, p/q) were computed under its dataset's sampling (temperature, top-k,
+    top-p warp both p and q): refuse to use it under another setting unless allowed."""
+    recorded = ((head.meta.get("training") or {}).get("dataset_meta") or {}).get("sampling")
+    if not recorded or allow:
+        return
+    trained = SamplingConfig.from_mapping(recorded)
+    if trained.greedy and sampling.greedy:
+        return
+    differ = [f"{k}: {getattr(trained, k)!r} in training, {getattr(sampling, k)!r} now"
+              for k in ("temperature", "top_k", "top_p") if getattr(trained, k) != getattr(sampling, k)]
+    if differ:
+        raise ValueError(f"method.head {head_path!r} was trained on labels sampled under another setting "
+                         f"({'; '.join(differ)}); its acceptance predictions do not hold here. Decode with the "
+                         "head's setting (sampling=...), train a head on data generated under this one, or pass "
+                         "method.allow_sampling_mismatch=true to use it anyway")
+
+
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     """Check a ``method`` config node (no model is loaded; a head is loaded and checked)."""
     name = m.get("name")
@@ -123,6 +141,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         if lo > hi:
             raise ValueError(f"method specdecpp: method.min_candidates ({lo}) > method.max_candidates ({hi})")
         head = load_checked_head(m, draft_ref)
+        check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
         head_name = Path(str(m.get("head")).rstrip("/")).name
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
                     "threshold": h, "min_candidates": lo, "max_candidates": hi}

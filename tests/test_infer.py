@@ -196,6 +196,17 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
         app.run(make_cfg(*base, "method=specdecpp", f"method.head={renamed}"))
     job = app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={renamed}", "method.allow_draft_mismatch=true"))
     assert job.spec.head.hidden_size == setup.pair.draft_hidden
+    sampled = tmp_path / "head_t1_k50"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(
+        sampled, training={"dataset_meta": {"sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0}}})
+    with pytest.raises(ValueError, match=r"temperature: 1.0 in training, 0.0 now; top_k: 50 in training, 0 now.*"
+                                         r"method.allow_sampling_mismatch=true"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=greedy"))
+    with pytest.raises(ValueError, match=r"top_p: 1.0 in training, 0.9 now"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=paper", "sampling.top_p=0.9"))
+    app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=paper"))
+    app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=greedy",
+                         "method.allow_sampling_mismatch=true"))
     with pytest.raises(FileNotFoundError, match="no_such_head"):
         app.run(make_cfg(*base, "method=specdecpp", f"method.head={tmp_path}/no_such_head"))
     for method, key in (("specdecpp", "threshold"), ("svip", "threshold")):
