@@ -638,3 +638,52 @@ def test_command_line(tiny_dataset, tiny_pair, tmp_path):
     head = AcceptanceHead.from_pretrained(out)
     assert (head.depth, head.meta["training"]["w_rej"]) == (3, 6.0)
     assert (out / "logs" / "csv").is_dir() and (out / "ckpt" / "last.ckpt").is_file()
+
+
+def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_path):
+    """End to end: the engine runs with a spy policy that records every hidden state it is handed;
+    for each one that sits on a committed token, train's features for the generated sequence (raw
+    rows and the feature cache) hold the same vector at the same position."""
+    from specdecpp import SamplingConfig, SpeculativeDecoder, StopPolicy, load_pair
+    from specdecpp.prompts import encode_prompt
+
+    class Spy(StopPolicy):
+        name, max_candidates, needs_hidden = "spy", 4, True
+
+        def __init__(self):
+            self.rounds = []
+
+        def new_round(self):
+            self.rounds.append([])
+
+        def should_stop(self, k, logits, hidden):
+            self.rounds[-1].append((k, hidden.detach().clone()))
+            return k >= self.max_candidates
+
+    draft, target, tok = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
+    prompt = encode_prompt(tok, "Write a short poem about the sea.")
+    spy = Spy()
+    out = SpeculativeDecoder(draft, target, spy, SamplingConfig(temperature=1.0)).generate(
+        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(3))
+    response = out.tokens[0, len(prompt):].tolist()
+    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
+           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
+    (raw,), _ = mixed_features(draft, [row], ratio=0.0, seed=0)  # every position is a Y-position
+    split = Dataset.from_dict({"prompt_ids": [prompt], "target_ids": [response], "draft_ids": [response],
+                               "p_acc": [[1.0] * len(response)]})
+    cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0).row(0)
+    assert raw.shape == cached.shape == (len(response), 32)
+
+    checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)  # n: committed tokens at the start of the round
+    for calls, accepted in zip(spy.rounds, out.stats.accept_lengths, strict=True):
+        for k, hidden in calls:
+            index = n + k - 2  # the state at y_{k-1} (at the last committed token when k == 1)
+            if k - 1 > accepted or index < len(prompt):
+                continue  # a rejected candidate, or a prompt token: no training position
+            j = index - len(prompt)  # train: feature of response token j + 1 sits at len(prompt) + j
+            torch.testing.assert_close(hidden, raw[j], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden, cached[j], atol=1e-4, rtol=1e-4)
+            assert not torch.allclose(hidden, raw[j - 1], atol=1e-3) if j > 0 else True
+            checked["k=1" if k == 1 else "k>=2"] += 1
+        n += accepted + 1
+    assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
