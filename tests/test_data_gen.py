@@ -210,6 +210,22 @@ def test_two_shard_processes_equal_a_single_run(tiny_pair, prompts_file, baselin
     assert_same_data(baseline, out)
 
 
+def test_a_damaged_shard_is_named_and_its_fix_works(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "damaged"
+    run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))  # train/1, dev/0
+    shard = out / "shards" / "train" / "00001"
+    arrow = next(shard.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=rf"shard train/00001 is damaged \({arrow} cannot be read.*"
+                                           rf"delete {shard} and {shard}.done, then rerun"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    shutil.rmtree(shard)  # what the message says
+    shard.with_suffix(".done").unlink()
+    result = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    assert result.complete and result.n_prompts == 2  # only the damaged shard was relabelled
+    assert_same_data(baseline, out)
+
+
 def test_batched_equals_one_prompt_at_a_time(tiny_pair, prompts_file, baseline, tmp_path):
     out = tmp_path / "single"
     run(make_cfg(tiny_pair, prompts_file, out, "batch_size=1", "shard_size=7"))

@@ -582,6 +582,21 @@ def test_bad_datasets_get_clear_errors(tiny_pair, tmp_path, case, message):
     assert not (tmp_path / "head").exists()
 
 
+@pytest.mark.parametrize("keep", [0, 100, 0.5])
+def test_a_damaged_arrow_file_is_named_with_how_to_regenerate(tiny_pair, tmp_path, keep):
+    data = save_dataset(tmp_path / "data", {"train": random_rows(30, tiny_pair.vocab, 0),
+                                            "dev": random_rows(6, tiny_pair.vocab, 1)},
+                        tiny_pair.draft, 32, tiny_pair.vocab)
+    arrow = next((data / "train").glob("*.arrow"))
+    size = arrow.stat().st_size
+    arrow.write_bytes(arrow.read_bytes()[: int(size * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=rf"the dataset is damaged: {arrow} \(split 'train'\) cannot be read.*"
+                                         r"rerun the data_gen command that made it") as error:
+        run(train_cfg(base_overrides(tiny_pair, data, tmp_path)))
+    assert "pyarrow" not in str(error.value)
+    assert not (tmp_path / "head").exists()
+
+
 def test_draft_mismatch_can_be_overridden_for_a_renamed_draft(tiny_pair):
     meta = {"draft": "/somewhere/else/draft", "draft_hidden_size": 32}
     with pytest.raises(ValueError, match="made with draft '/somewhere/else/draft'"):
