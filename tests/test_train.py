@@ -489,7 +489,7 @@ def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pa
                          tiny_pair.draft, 32, tiny_pair.vocab)
     with pytest.raises(ValueError, match="differs in: dataset_fingerprint"):
         run(train_cfg(overrides("small_data", other)))
-    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; seed: 0 there, 1 now"):
+    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; data.val_seed: 0 there, 1 now; seed: 0 there, 1 now"):
         run(train_cfg(overrides("small_data", tiny_dataset, "seed=1")))
     again = run(train_cfg(overrides("small_data")))  # the same command: the same run, resumed (done)
     assert again["global_step"] == 12
@@ -527,9 +527,10 @@ def test_bad_settings_fail_before_anything_is_written(tiny_dataset, tiny_pair, t
     assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
 
 
-def test_missing_draft_or_dataset_path_is_named(tmp_path):
-    with pytest.raises(ValueError, match="pair.draft is not set"):
-        run(train_cfg(["data.path=somewhere", f"out={tmp_path / 'head'}"]))
+def test_missing_draft_or_dataset_path_is_named(tiny_pair, tmp_path):
+    data = save_dataset(tmp_path / "data", {"train": random_rows(4, tiny_pair.vocab, 0)}, None, 32, tiny_pair.vocab)
+    with pytest.raises(ValueError, match="pair.draft is not set and dataset .* records no draft"):
+        run(train_cfg([f"data.path={data}", f"out={tmp_path / 'head'}"]))
     with pytest.raises(ValueError, match="data.path is not set"):
         run(train_cfg(["pair.draft=somewhere", f"out={tmp_path / 'head'}"]))
     assert not (tmp_path / "head").exists()
@@ -605,6 +606,38 @@ def test_draft_mismatch_can_be_overridden_for_a_renamed_draft(tiny_pair):
     check_draft_matches({"draft": tiny_pair.draft + "/", "draft_hidden_size": 32}, tiny_pair.draft, 32, "DIR", False)
 
 
+def test_draft_comes_from_the_dataset_and_a_train_only_dataset_holds_out_validation(tiny_pair, tmp_path):
+    """`python -m train +experiment=wrej6_d3 data.path=DIR`: no pair.*, no dev split."""
+    data = save_dataset(tmp_path / "data", {"train": random_rows(30, tiny_pair.vocab, 4)}, tiny_pair.draft, 32,
+                        tiny_pair.vocab)
+
+    def train(out, *extra):
+        return run(train_cfg(["+experiment=wrej6_d3", f"data.path={data}", f"out={tmp_path / out}", "logger=none",
+                              "trainer=smoke", "callbacks=none", f"data.cache_dir={tmp_path / 'cache'}", *extra]))
+
+    first = train("a")
+    head = AcceptanceHead.from_pretrained(tmp_path / "a")
+    assert head.draft == tiny_pair.draft
+    validation = head.meta["training"]["validation"]
+    assert (validation["held_out_from"], validation["fraction"], validation["seed"], validation["rows"]) == \
+        ("train", 0.1, 0, 3)
+    assert set(first["metrics"]) == {"train", "val"}
+    lengths = {f"4-{j}": len(x) for j, x in enumerate(random_rows(30, tiny_pair.vocab, 4)["target_ids"])}
+    held = validation["ids"]
+    kept = [i for i in lengths if i not in held]
+    for split, ids in (("val", held), ("train", kept)):  # each slice holds exactly its own prompts
+        assert first["metrics"][split]["positions"] == sum(
+            int((~mixing_mask(lengths[i], 0.15, 0, 0, k)).sum()) for k, i in enumerate(ids)), split
+    assert json.loads((tmp_path / "a" / "validation_ids.json").read_text()) == validation["ids"]
+    assert set(validation["ids"]) <= {f"4-{j}" for j in range(30)}
+    assert AcceptanceHead.from_pretrained(Path(train("b")["out"])).meta["training"]["validation"]["ids"] == \
+        validation["ids"]  # seeded
+    other = AcceptanceHead.from_pretrained(Path(train("c", "data.val_seed=1")["out"])).meta["training"]["validation"]
+    assert other["ids"] != validation["ids"] and other["seed"] == 1
+    with pytest.raises(ValueError, match="does not match the configured draft"):  # an explicit draft still wins
+        train("d", f"pair.draft={tiny_pair.target}")
+
+
 def test_learning_rate_schedule_is_warmup_then_cosine(draft):
     from types import SimpleNamespace
 
@@ -638,20 +671,21 @@ def test_trains_on_a_real_data_gen_output(tiny_pair, tmp_path):
 
 
 def test_command_line(tiny_dataset, tiny_pair, tmp_path):
-    """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs."""
+    """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs (no pair.*: the
+    draft comes from the dataset's meta)."""
     import os
     import subprocess
     import sys
 
     out = tmp_path / "cli_head"
     command = [sys.executable, "-m", "train", "+experiment=wrej6_d3", f"data.path={tiny_dataset}", f"out={out}",
-               f"pair.draft={tiny_pair.draft}", "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
+               "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
                f"hydra.run.dir={tmp_path / 'hydra'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CONF.parent)}
     done = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     head = AcceptanceHead.from_pretrained(out)
-    assert (head.depth, head.meta["training"]["w_rej"]) == (3, 6.0)
+    assert (head.depth, head.meta["training"]["w_rej"], head.draft) == (3, 6.0, tiny_pair.draft)
     assert (out / "logs" / "csv").is_dir() and (out / "ckpt" / "last.ckpt").is_file()
 
 

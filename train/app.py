@@ -98,6 +98,37 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str)
             "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed")}}
 
 
+HOLDOUT_SPLIT = "val"
+
+
+def validation_split(splits, data: DictConfig):
+    """``(splits, val_split, record)``. A dataset without the ``data.val_split`` split (e.g. data_gen
+    with splits=[train]) validates on a held-out slice of the train split: ``data.val_fraction`` of
+    its prompts, drawn from ``data.val_seed``, trained on by no step. The record (for config.json)
+    names the slice; otherwise it is None."""
+    val_split = data.val_split
+    if val_split is None or val_split in splits or data.train_split not in splits:
+        return splits, val_split, None
+    fraction, seed = float(data.val_fraction), int(data.val_seed)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {fraction!r} (or set data.val_split=null)")
+    train = splits[data.train_split]
+    n_val = max(1, round(fraction * len(train)))
+    if len(train) - n_val < 1:
+        raise ValueError(f"split {data.train_split!r} has {len(train)} prompt(s): too few to hold out a validation "
+                         "slice; add a dev split or set data.val_split=null")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    val_rows, train_rows = sorted(order[:n_val]), sorted(order[n_val:])
+    log.warning("the dataset has no %r split: validating on %d of the %d %r prompts (data.val_fraction=%g, "
+                "data.val_seed=%d), held out from training", val_split, n_val, len(train), data.train_split,
+                fraction, seed)
+    record = {"split": HOLDOUT_SPLIT, "held_out_from": data.train_split, "fraction": fraction, "seed": seed,
+              "rows": n_val}
+    splits = {**splits, data.train_split: train.select(train_rows), HOLDOUT_SPLIT: train.select(val_rows)}
+    record["ids"] = list(splits[HOLDOUT_SPLIT]["id"])
+    return splits, HOLDOUT_SPLIT, record
+
+
 def run(cfg: DictConfig) -> dict:
     """Train, evaluate on every split, save the head to ``cfg.out``; return a summary dict."""
     data, loss = cfg.data, cfg.loss
@@ -105,25 +136,31 @@ def run(cfg: DictConfig) -> dict:
                    data.cache_features, data.remix_each_epoch)
     if cfg.weights not in ("best_val", "last"):
         raise ValueError(f"weights must be best_val or last, got {cfg.weights!r}")
-    if OmegaConf.is_missing(cfg.pair, "draft"):
-        raise ValueError("pair.draft is not set: pass pair=demo, or pair=custom pair.draft=PATH (the draft that "
-                         "labelled the dataset)")
     out = Path(cfg.out)
     splits, meta = load_dataset_dir(None if OmegaConf.is_missing(data, "path") else data.path)
+    if OmegaConf.is_missing(cfg.pair, "draft"):  # the draft that labelled the dataset, from its meta
+        if not meta.get("draft"):
+            raise ValueError(f"pair.draft is not set and dataset {str(data.path)!r} records no draft in its meta: "
+                             "pass pair=demo, or pair=custom pair.draft=PATH (the draft that labelled the dataset)")
+        cfg.pair.draft = str(meta["draft"])
+        log.info("pair.draft from the dataset's meta: %s", cfg.pair.draft)
+    draft_ref = str(cfg.pair.draft)
+    original_splits = splits
+    splits, val_split, holdout = validation_split(splits, data)
     L.seed_everything(cfg.seed, workers=True)
-    draft = load_model(cfg.pair.draft, device=cfg.pair.device, dtype=cfg.pair.dtype)
+    draft = load_model(draft_ref, device=cfg.pair.device, dtype=cfg.pair.dtype)
     hidden_size = int(draft.config.hidden_size)
-    check_draft_matches(meta, cfg.pair.draft, hidden_size, str(data.path), data.allow_draft_mismatch)
+    check_draft_matches(meta, draft_ref, hidden_size, str(data.path), data.allow_draft_mismatch)
     vocab = draft.get_input_embeddings().num_embeddings
     for name in splits:
         check_split(splits[name], name, str(data.path), vocab)
 
     datamodule = HeadDataModule(
-        splits, train_split=data.train_split, val_split=data.val_split, draft=draft, draft_ref=cfg.pair.draft,
+        splits, train_split=data.train_split, val_split=val_split, draft=draft, draft_ref=draft_ref,
         batch_size=data.batch_size, num_workers=data.num_workers, mix_ratio=data.mix_ratio,
         mix_seed=data.mix_seed, seed=cfg.seed, cache_features=data.cache_features, cache_dir=data.cache_dir,
         cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size)
-    head = AcceptanceHead(hidden_size, cfg.head.depth, draft=cfg.pair.draft)
+    head = AcceptanceHead(hidden_size, cfg.head.depth, draft=draft_ref)
     module = AcceptanceHeadModule(
         head, optimizer=instantiate(cfg.optimizer), w_rej=float(loss.w_rej), w_acc=float(loss.w_acc),
         warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,
@@ -136,7 +173,7 @@ def run(cfg: DictConfig) -> dict:
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    identity = training_identity(cfg, dataset_fingerprint(splits, meta), cfg.pair.draft)
+    identity = training_identity(cfg, dataset_fingerprint(original_splits, meta), draft_ref)
     identity["hidden_size"] = hidden_size
     module.training_identity = identity
     trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_checkpoint(callbacks, identity))
@@ -145,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
         log.info("keeping the weights of epoch %d (lowest val/loss %.5f)", module.best_epoch,
                  min(module.val_loss_per_epoch))
 
-    eval_splits = [name for name in ("train", "dev", "test") if name in splits]
+    eval_splits = [name for name in ("train", HOLDOUT_SPLIT, "dev", "test") if name in splits]
     module.set_eval_splits(eval_splits)
     trainer.test(module, dataloaders=[datamodule.loader(name) for name in eval_splits], verbose=False)
     results = module.eval_results
@@ -155,6 +192,9 @@ def run(cfg: DictConfig) -> dict:
     plot = plot_calibration(results, out / "calibration.png", title=f"{cfg.experiment_name} (D={cfg.head.depth}, "
                                                                       f"w_rej={loss.w_rej})")
     training = _training_record(cfg, meta, trainer, module, weights)
+    if holdout is not None:
+        training["validation"] = holdout
+        (out / "validation_ids.json").write_text(json.dumps(holdout["ids"]) + "\n")
     head.save_pretrained(out, training=training, metrics=metrics, target=meta.get("target"))
     (out / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
     OmegaConf.save(cfg, out / "train_config.yaml")
