@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from specdecpp.models import eos_token_ids, load_pair
@@ -46,8 +47,35 @@ def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int) 
     return Path(str(out_dir)) / f"{spec.tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
 
 
-def prepare(cfg, spec: MethodSpec | None = None) -> Job:
-    """Check the config and find the prompts still to do; loads no model."""
+def fill_pair_from_head(cfg, head_path=None) -> None:
+    """``pair.draft`` / ``pair.target`` left unset are taken from an acceptance head's config.json
+    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp,
+    else ``head_path``. Values given on the command line win (a draft that differs from the head's
+    is refused later, by the head check)."""
+    missing = [k for k in ("draft", "target") if OmegaConf.is_missing(cfg.pair, k)]
+    if not missing:
+        return
+    if cfg.method.get("name") == "specdecpp" and cfg.method.get("head"):
+        head_path = cfg.method.head
+    if not head_path:
+        raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
+                         "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
+    from specdecpp import AcceptanceHead
+
+    head = AcceptanceHead.from_pretrained(str(head_path))
+    recorded = {"draft": head.draft, "target": head.meta.get("target")}
+    for key in missing:
+        if not recorded[key]:
+            raise ValueError(f"pair.{key} is not set and head {str(head_path)!r} records no {key} model in its "
+                             f"config.json: pass pair.{key}=PATH")
+        cfg.pair[key] = str(recorded[key])
+    log.info("pair from head %s: draft %s, target %s", head_path, cfg.pair.draft, cfg.pair.target)
+
+
+def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
+    """Check the config and find the prompts still to do; loads no model. An unset pair comes from
+    the head (see :func:`fill_pair_from_head`)."""
+    fill_pair_from_head(cfg, head_path)
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     spec = spec or resolve_method(cfg.method, str(cfg.pair.draft), sampling)
     max_new_tokens, seed = cfg.max_new_tokens, cfg.seed

@@ -429,3 +429,35 @@ def test_data_gen_and_infer_end_responses_on_the_same_eos(setup, two_eos_pair, t
             f"max_new_tokens={MAX_NEW}", "progress=false"])
     generate(cfg)
     assert load_from_disk(str(tmp_path / "data" / "train"))["target_ids"] == [two_eos_pair.greedy[:3]]
+
+
+# -- the pair from the head -----------------------------------------------------------------------
+def test_pair_comes_from_the_heads_config(setup, tmp_path):
+    """`python -m infer method=specdecpp method.head=DIR` with no pair.*; infer.sweep too."""
+    head = tmp_path / "head"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(head, target=setup.pair.target)
+    base = [o for o in setup.base if not o.startswith("pair.")]
+    summary = app.run(make_cfg(*base, "method=specdecpp", f"method.head={head}", "sampling=greedy",
+                               f"out={tmp_path / 'one'}"))
+    rows = read_rows(Path(summary["path"]))
+    assert [r["pair"]["draft"] for r in rows] == [setup.pair.draft] * 2
+    assert [r["pair"]["target"] for r in rows] == [setup.pair.target] * 2
+    reference = app.run(make_cfg(*setup.base, "method=target_only", "sampling=greedy", f"out={tmp_path / 'ref'}"))
+    assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in read_rows(Path(reference["path"]))]
+
+    summaries = sweep.run(make_cfg(*base, "sampling=greedy", f"out={tmp_path}/sweep/${{method.name}}",
+                                   "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
+                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.head={head}",
+                                   "comparison.specdecpp.threshold=[0.5]"))
+    assert [s["method"] for s in summaries] == ["target_only", "fixed_k", "specdecpp"]
+    for s in summaries:
+        assert {r["pair"]["target"] for r in read_rows(Path(s["path"]))} == {setup.pair.target}
+
+    with pytest.raises(ValueError, match="trained on draft .* but draft .*target"):  # an explicit pair.draft wins, checked
+        app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={head}", f"pair.draft={setup.pair.target}"))
+    bare = tmp_path / "bare_head"  # a head that records no target
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(bare)
+    with pytest.raises(ValueError, match="pair.target is not set and head .* records no target"):
+        app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={bare}"))
+    with pytest.raises(ValueError, match="pair.draft is not set"):
+        app.prepare(make_cfg(*base, "method=fixed_k"))
