@@ -9,14 +9,14 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 from __future__ import annotations
 
 import hashlib
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, SpeculativeDecoder, TargetOnly
+from specdecpp.models import same_model
+from specdecpp.policies import check_count, check_threshold
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -35,17 +35,12 @@ class MethodSpec:
     head: AcceptanceHead | None = field(default=None, repr=False)
 
 
-def _threshold(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or not 0.0 <= value <= 1.0:
-        raise ValueError(f"method {name}: method.threshold must be a number in [0, 1], got {value!r}")
-    return float(value)
+def _threshold(name: str, value, key: str = "threshold") -> float:
+    return check_threshold(f"method {name}", f"method.{key}", value)
 
 
 def _count(name: str, key: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"method {name}: method.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_count(f"method {name}", f"method.{key}", value, minimum)
 
 
 def head_fingerprint(head: AcceptanceHead) -> str:
@@ -70,14 +65,6 @@ def draft_hidden_size(draft_ref: str) -> int | None:
     return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
 
 
-def _same_model(a: str, b: str) -> bool:
-    """Whether two model references name the same model (local paths compared resolved)."""
-    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return a.rstrip("/") == b.rstrip("/")
-
-
 def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
     """Load the head of ``method.head`` and check it fits the draft, before the models load."""
     head_path = m.get("head")
@@ -90,7 +77,7 @@ def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
         raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
                          f"draft {head.draft!r}) but draft {draft_ref!r} has hidden_size {size}: "
                          "train a head for this draft or use the draft the head was trained on")
-    if head.draft and not _same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
+    if head.draft and not same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
         raise ValueError(f"method.head {str(head_path)!r} was trained on draft {head.draft!r}, but "
                          f"pair.draft is {draft_ref!r}. Use the matching draft, or pass "
                          "method.allow_draft_mismatch=true if they are the same model under two names")
@@ -154,7 +141,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         settings = {"mode": mode, "num_assistant_tokens": n}
         tag = f"{mode}_n{n}"
         if mode == "confidence":
-            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"))
+            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"), "confidence_threshold")
             tag += f"_c{_num(settings['confidence_threshold'])}"
         return MethodSpec(name, settings, tag)
     if not sampling.greedy:  # oracle

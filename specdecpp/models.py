@@ -50,6 +50,15 @@ def _source(path: str) -> tuple[str, dict]:
     return str(path), {}
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model references name the same model: local paths compared resolved (a symlink,
+    ``~`` or a trailing slash names the same directory), other references (hub ids) as text."""
+    pa, pb = Path(os.path.expanduser(str(a))), Path(os.path.expanduser(str(b)))
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return str(a).rstrip("/") == str(b).rstrip("/")
+
+
 def load_config(path: str):
     """The model's transformers config alone (no weights): for checks before anything loads."""
     from transformers import AutoConfig

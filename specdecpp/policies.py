@@ -18,15 +18,19 @@ from .head import AcceptanceHead
 from .sampling import entropy
 
 
-def _check_threshold(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or not (0.0 <= float(value) <= 1.0) or math.isnan(value):
-        raise ValueError(f"{name}: threshold must be in [0, 1], got {value!r}")
+def check_threshold(where: str, key: str, value) -> float:
+    """A number in [0, 1] (not a bool, not NaN): the one check of every threshold setting, used by
+    the policies and by infer's config checks (``where``/``key`` name it in the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{where}: {key} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
-def _check_count(name: str, what: str, value: int, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: {what} must be an integer >= {minimum}, got {value!r}")
+def check_count(where: str, key: str, value, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` (not a bool): the one check of every count setting."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
@@ -65,7 +69,7 @@ class FixedK(StopPolicy):
     name = "fixed_k"
 
     def __init__(self, k: int = 4) -> None:
-        self.k = _check_count("FixedK", "k", k, 1)
+        self.k = check_count("FixedK", "k", k)
         self.max_candidates = self.k
 
     def should_stop(self, k, logits, hidden) -> bool:
@@ -86,11 +90,11 @@ class SVIP(StopPolicy):
     name = "svip"
 
     def __init__(self, threshold: float = 0.3, c: float = 0.15, max_candidates: int = 40) -> None:
-        self.threshold = _check_threshold("SVIP", threshold)
+        self.threshold = check_threshold("SVIP", "threshold", threshold)
         if not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"SVIP: c must be > 0, got {c!r}")
         self.c = float(c)
-        self.max_candidates = _check_count("SVIP", "max_candidates", max_candidates, 1)
+        self.max_candidates = check_count("SVIP", "max_candidates", max_candidates)
         self.temperature = 1.0
 
     def bind(self, draft_model, temperature: float) -> None:
@@ -115,9 +119,9 @@ class SpecDecPP(StopPolicy):
         if not isinstance(head, AcceptanceHead):
             raise TypeError(f"SpecDecPP: head must be an AcceptanceHead, got {type(head).__name__}")
         self.head = head.eval()
-        self.threshold = _check_threshold("SpecDecPP", threshold)
-        self.min_candidates = _check_count("SpecDecPP", "min_candidates", min_candidates, 1)
-        self.max_candidates = _check_count("SpecDecPP", "max_candidates", max_candidates, 1)
+        self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
+        self.min_candidates = check_count("SpecDecPP", "min_candidates", min_candidates)
+        self.max_candidates = check_count("SpecDecPP", "max_candidates", max_candidates)
         if self.min_candidates > self.max_candidates:
             raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
         self._p_all_accepted = 1.0

@@ -33,15 +33,6 @@ PROMPTS = [("t0", "train", "Write a short poem about the sea."),
            ("d1", "dev", "Speculative decoding drafts tokens with a small model.")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"

@@ -38,15 +38,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ("id", "prompt", "prompt_ids", "target_ids", "draft_ids", "p_acc", "draft_entropy")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- synthetic datasets in the data_gen format ---------------------------------------------------
 def random_rows(n: int, vocab: int, seed: int, max_len: int = 12) -> dict:
     """Rows with the DESIGN.md columns: random prompts and responses, draft tokens agreeing with
