@@ -101,10 +101,7 @@ def new_cache(model):
     """An empty KV cache for ``model`` (transformers' DynamicCache)."""
     from transformers import DynamicCache
 
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
+    return DynamicCache(config=model.config)  # transformers >= 4.56 (pyproject.toml)
 
 
 def token_set(ids) -> set[int]:
