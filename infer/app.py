@@ -8,6 +8,7 @@ next run in the same process, so a Hydra multirun or ``python -m infer.sweep`` l
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Job:
     max_new_tokens: int
     warmup_tokens: int
     progress: bool
+    profile: bool = False
 
 
 def sampling_tag(s: SamplingConfig) -> str:
@@ -99,7 +101,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                todo=[q for q in prompts if q.id not in done], n_done=len(done),
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
-               progress=bool(cfg.get("progress", True)))
+               progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)))
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -117,6 +119,7 @@ def load_models(pair: dict):
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype) -> dict:
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
+    times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
@@ -133,7 +136,7 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
 def execute(job: Job, models) -> dict:
     """Decode every prompt still to do, appending one row per prompt as it finishes."""
     draft, target, tokenizer = models
-    runner = build_runner(job.spec, draft, target, job.sampling)
+    runner = build_runner(job.spec, draft, target, job.sampling, profile=job.profile)
     eos, seed = sorted(eos_token_ids(tokenizer, target)), job.run_keys["seed"]
     encoded = [(q, torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)) for q in job.todo]
     if encoded and runner.timed and job.warmup_tokens > 0:  # untimed, unrecorded

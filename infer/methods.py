@@ -150,19 +150,21 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
 
 
 class EngineRunner:
-    """Our engine (specdecpp.SpeculativeDecoder) with one stop policy."""
+    """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA)."""
 
     timed = True
 
-    def __init__(self, decoder: SpeculativeDecoder) -> None:
+    def __init__(self, decoder: SpeculativeDecoder, profile: bool = False) -> None:
         self.decoder = decoder
-        self.clock = Clock(decoder.device)
+        self.clock = Clock(decoder.device, sync=profile)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         with ForwardMeter(self.decoder.draft, self.clock) as d, ForwardMeter(self.decoder.target, self.clock) as t:
             out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
                                         eos_token_id=eos_token_id)
-        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": d.seconds + t.seconds}
+        forward = d.seconds + t.seconds if self.clock.exact else None
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
 
 
 def _policy(spec: MethodSpec):
@@ -176,16 +178,18 @@ def _policy(spec: MethodSpec):
     return SpecDecPP(spec.head, s["threshold"], s["min_candidates"], s["max_candidates"])
 
 
-def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig):
+def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False):
+    """``profile``: synchronise CUDA around every forward pass / round to split the time between the
+    models (slower: not for the timed comparison); no effect on CPU, where times are exact anyway."""
     if spec.name == "hf_assisted":
         from .hf_assisted import HFAssistedRunner
 
-        return HFAssistedRunner(draft, target, sampling, **spec.settings)
+        return HFAssistedRunner(draft, target, sampling, **spec.settings, profile=profile)
     if spec.name == "oracle":
         from .oracle import OracleRunner
 
         return OracleRunner(draft, target, sampling)
-    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling))
+    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling, profile=profile), profile)
 
 
 __all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "build_runner", "resolve_method"]

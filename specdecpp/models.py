@@ -123,6 +123,38 @@ def eos_token_ids(tokenizer=None, *models) -> set[int]:
     return ids
 
 
+class FinalHidden:
+    """Captures a causal LM's final hidden state (after the final norm) through a forward hook on
+    its decoder, so the model runs without ``output_hidden_states`` (which keeps every layer's
+    states). ``with FinalHidden(model) as h: model(...); h.value`` -> [B, L, H]. A model without a
+    ``get_decoder()`` falls back to ``output_hidden_states`` (``h.kwargs`` says which to pass)."""
+
+    def __init__(self, model) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.decoder = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
+        self.kwargs = {} if self.decoder is not None else {"output_hidden_states": True}
+        self.value: torch.Tensor | None = None
+        self._handle = None
+
+    def _hook(self, module, args, output) -> None:
+        self.value = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def take(self, out) -> torch.Tensor:
+        """The final hidden state of the forward that returned ``out``."""
+        return out.hidden_states[-1] if self.decoder is None else self.value
+
+    def __enter__(self) -> FinalHidden:
+        if self.decoder is not None:
+            self._handle = self.decoder.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.value = None
+
+
 def output_vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 

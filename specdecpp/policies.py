@@ -35,10 +35,19 @@ def check_count(where: str, key: str, value, minimum: int = 1) -> int:
 
 
 class StopPolicy:
-    """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``."""
+    """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``.
+
+    What a policy needs, so the engine computes nothing more: ``needs_hidden`` (the draft's final
+    hidden state; when False ``should_stop`` gets ``hidden=None`` and the draft runs without it) and
+    ``reads_values`` (``should_stop`` reads tensor values on the host, a device sync per candidate on
+    GPU; a policy that decides from ``k`` alone sets False, and the engine then adds no sync either).
+    Both default to True, which is right for any policy; the built-in ones say what they use.
+    """
 
     name = "policy"
     max_candidates: int = 0
+    needs_hidden: bool = True
+    reads_values: bool = True
 
     def bind(self, draft_model, temperature: float) -> None:
         """Called once by the decoder: check compatibility with the draft, move state to its device."""
@@ -58,6 +67,7 @@ class TargetOnly(StopPolicy):
 
     name = "target_only"
     max_candidates = 0
+    needs_hidden = reads_values = False
 
     def should_stop(self, k, logits, hidden) -> bool:
         return True
@@ -67,6 +77,7 @@ class FixedK(StopPolicy):
     """Speculative decoding with a constant candidate length K."""
 
     name = "fixed_k"
+    needs_hidden = reads_values = False
 
     def __init__(self, k: int = 4) -> None:
         self.k = check_count("FixedK", "k", k)
@@ -88,6 +99,7 @@ class SVIP(StopPolicy):
     """
 
     name = "svip"
+    needs_hidden = False  # the entropy of the draft's logits only
 
     def __init__(self, threshold: float = 0.3, c: float = 0.15, max_candidates: int = 40) -> None:
         self.threshold = check_threshold("SVIP", "threshold", threshold)
@@ -125,6 +137,11 @@ class SpecDecPP(StopPolicy):
         if self.min_candidates > self.max_candidates:
             raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
         self._p_all_accepted = 1.0
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Asked of the head (the paper's head reads the draft's final hidden state)."""
+        return self.head.needs_hidden
 
     def bind(self, draft_model, temperature: float) -> None:
         self.head.check_draft(draft_model)

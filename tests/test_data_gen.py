@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -400,3 +401,44 @@ def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
     splits, meta = load_labelled(tmp_path)
     assert list(splits) == ["train"] and splits["train"][0]["p_acc"] == [1.0, 0.25]
     assert meta["rows"] == {"train": 1, "dev": 0} and meta["complete"]
+
+
+def test_chunked_labels_equal_whole_ones_and_post_processed_logits_fall_back(monkeypatch):
+    """Labelling a chunk of positions at a time gives the same labels as one piece; a model whose
+    output layer does not reproduce its logits (soft-capping, scaling) gets its whole logits."""
+    import specdecpp.labels as labels_module
+
+    draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 24, 2, seed=7, scale=0.5)
+    prompts = [[1, 2, 3], [4, 5]]
+    responses = [list(range(5, 30)), list(range(8, 20))]
+    cfg = SamplingConfig(temperature=1.0, top_k=10)
+
+    def run(draft_model):
+        return label_responses(draft_model, target, prompts, responses, cfg,
+                               [torch.Generator().manual_seed(b) for b in range(2)])
+
+    whole = run(draft)
+    monkeypatch.setattr(labels_module, "LABEL_CHUNK_ELEMENTS", 40 * 3)  # 3 positions per chunk
+    chunked = run(draft)
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.draft_ids, b.draft_ids)
+        torch.testing.assert_close(a.p_acc, b.p_acc)
+        torch.testing.assert_close(a.draft_entropy, b.draft_entropy)
+
+    capped = copy.deepcopy(draft)  # logits 3 * tanh(x / 3), as Gemma-style soft-capping
+    real_forward = capped.forward
+
+    def soft_capped(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        out.logits = 3 * torch.tanh(out.logits / 3)
+        return out
+
+    capped.forward = soft_capped
+    fallback = run(capped)
+    reference = []
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):  # an independent recomputation
+        logits = soft_capped(torch.tensor([p + r[:-1]])).logits[0, len(p) - 1:]
+        q = warp(logits, cfg)
+        reference.append(sample(q, torch.Generator().manual_seed(b)))
+    assert [f.draft_ids.tolist() for f in fallback] == [y.tolist() for y in reference]
+    assert [f.draft_ids.tolist() for f in fallback] != [w.draft_ids.tolist() for w in whole]

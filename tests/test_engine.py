@@ -262,3 +262,40 @@ def test_bad_max_new_tokens_is_refused(pair32, n):
 def test_head_for_another_draft_is_refused(pair32):
     with pytest.raises(ValueError, match="hidden_size 48"):
         SpeculativeDecoder(*pair32, SpecDecPP(AcceptanceHead(48, 1)), SamplingConfig())
+
+
+# -- hot loop: the draft computes only what the policy uses -------------------------------------
+@pytest.mark.parametrize("name", ["fixed_k4", "svip", "specdecpp"])
+def test_draft_runs_without_every_layers_states_and_hidden_only_for_the_head(pair32, name):
+    draft, target = pair32
+    policy = policies(32)[name]
+    calls, handed = [], []
+    hook = draft.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("output_hidden_states")),
+                                           with_kwargs=True)
+    real = policy.should_stop
+    policy.should_stop = lambda k, logits, hidden: handed.append(hidden) or real(k, logits, hidden)
+    try:
+        for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
+            out = SpeculativeDecoder(draft, target, policy, sampling).generate(
+                torch.tensor([[1, 2, 3]]), 12, generator=torch.Generator().manual_seed(0))
+            assert out.stats.n_generated == 12
+    finally:
+        hook.remove()
+    assert calls and not any(calls)  # never every layer's hidden states
+    assert all((h is not None) == (name == "specdecpp") for h in handed)
+    assert all(h.shape == (32,) for h in handed if h is not None)
+    assert not draft.get_decoder()._forward_hooks  # the capture hook is gone after generate
+
+
+def test_unsynced_clock_never_synchronises(monkeypatch):
+    from specdecpp.engine import Clock
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    cuda = torch.device("cuda")
+    marks = Clock(cuda, sync=False)
+    marks.now()
+    assert syncs == [] and not marks.exact
+    exact = Clock(cuda)
+    exact.now()
+    assert syncs == [1] and exact.exact and Clock(torch.device("cpu"), sync=False).exact
