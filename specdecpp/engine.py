@@ -59,6 +59,10 @@ class GenerateOutput:
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
 
 
+# Token counts a CPU forward is padded to (a multiple of; see _Runner.feed). 1 turns padding off.
+CPU_TOKEN_MULTIPLE = 4
+
+
 class _Runner:
     """One model and its KV cache. ``length`` tokens are cached; rollback = crop. With
     ``want_hidden`` the final hidden state is captured by a hook (:class:`FinalHidden`), never
@@ -83,12 +87,24 @@ class _Runner:
         return self.cache.get_seq_length()
 
     def feed(self, ids: torch.Tensor, n_logits: int = 1):
-        """Append ``ids`` [n] to the cache; return logits [n_logits, V] (and hidden [n_logits, H])."""
+        """Append ``ids`` [n] to the cache; return logits [n_logits, V] (and hidden [n_logits, H]).
+
+        On CPU, n > 1 tokens are padded to a multiple of ``CPU_TOKEN_MULTIPLE`` with copies of the
+        last token, which are cropped from the cache again: the CPU GEMM kernels are slower for 2-3
+        rows than for 4 (and 5-7 than 8), so an unpadded forward over 2-3 tokens costs more than
+        over 4 (scripts/bench_verify_cost.py). Causal attention keeps the real positions exact."""
+        n = ids.shape[0]
+        pad = (-n) % CPU_TOKEN_MULTIPLE if n > 1 and ids.device.type == "cpu" else 0
+        if pad:
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
         kwargs = self.final.kwargs if self.final is not None else {}
-        out = self.model(ids.unsqueeze(0), past_key_values=self.cache, use_cache=True, logits_to_keep=n_logits,
-                         **kwargs)
-        logits = out.logits[0, -n_logits:, : self.vocab]
-        hidden = self.final.take(out)[0, -n_logits:] if self.final is not None else None
+        out = self.model(ids.unsqueeze(0), past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=n_logits + pad, **kwargs)
+        end = out.logits.shape[1] - pad
+        logits = out.logits[0, end - n_logits : end, : self.vocab]
+        hidden = self.final.take(out)[0, -n_logits - pad :][:n_logits] if self.final is not None else None
+        if pad:
+            self.cache.crop(-pad)
         return logits, hidden
 
     def rollback(self, length: int) -> None:

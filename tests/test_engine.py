@@ -299,3 +299,31 @@ def test_unsynced_clock_never_synchronises(monkeypatch):
     exact = Clock(cuda)
     exact.now()
     assert syncs == [1] and exact.exact and Clock(torch.device("cpu"), sync=False).exact
+
+
+def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
+    """scripts/bench_verify_cost.py: 2-3 tokens cost more than 4 on CPU; the runner pads them and
+    crops the padding from the cache again, the real positions unchanged."""
+    from specdecpp.engine import CPU_TOKEN_MULTIPLE, _Runner
+
+    _, target = pair32
+    assert CPU_TOKEN_MULTIPLE == 4
+    seen = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("input_ids", a[0] if a else None)
+                                                                         .shape[-1]), with_kwargs=True)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    try:
+        for n in (1, 2, 3, 4, 5):
+            runner = _Runner(target, 32, want_hidden=True)
+            with runner:
+                runner.feed(ids[:4])
+                seen.clear()
+                logits, hidden = runner.feed(ids[4 : 4 + n], n_logits=n)
+                assert seen == [n if n in (1, 4) else 4 if n < 4 else 8] and runner.length == 4 + n
+                fresh = target(ids[None, : 4 + n], output_hidden_states=True)
+                torch.testing.assert_close(logits, fresh.logits[0, -n:], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(hidden, fresh.hidden_states[-1][0, -n:], atol=1e-5, rtol=1e-5)
+                after, _ = runner.feed(ids[4 + n : 5 + n])  # the cache holds the real tokens only
+                torch.testing.assert_close(after, target(ids[None, : 5 + n]).logits[0, -1:], atol=1e-5, rtol=1e-5)
+    finally:
+        hook.remove()
