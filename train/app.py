@@ -166,17 +166,18 @@ def run(cfg: DictConfig) -> dict:
         warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,
         remix_each_epoch=data.remix_each_epoch, draft=None if data.cache_features else draft)
 
-    loggers = _instantiate_all(cfg.get("logger"))
-    for logger in loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     callbacks = _instantiate_all(cfg.get("callbacks"))
-    if not loggers:  # LearningRateMonitor refuses to run without a logger
-        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     identity = training_identity(cfg, dataset_fingerprint(original_splits, meta), draft_ref)
     identity["hidden_size"] = hidden_size
     module.training_identity = identity
-    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_checkpoint(callbacks, identity))
+    resume = _resume_checkpoint(callbacks, identity)  # before any logger writes into out
+    loggers = _instantiate_all(cfg.get("logger"))
+    for logger in loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    if not loggers:  # LearningRateMonitor refuses to run without a logger
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     weights = "best_val" if cfg.weights == "best_val" and module.use_best_weights() else "last"
     if weights == "best_val":
         log.info("keeping the weights of epoch %d (lowest val/loss %.5f)", module.best_epoch,
