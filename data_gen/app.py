@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
 from specdecpp.labels import label_responses, prompt_generator, sample_responses, shared_vocab
-from specdecpp.models import load_pair
+from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig
 
@@ -65,19 +65,11 @@ class _Progress:
         self.bar.update(n)
 
 
-def _eos_ids(tokenizer, target) -> set[int]:
-    """The tokenizer's EOS and the target's generation-config EOS ids (some models have several)."""
-    ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
-    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids |= {int(extra)} if isinstance(extra, int) else {int(t) for t in extra or ()}
-    return ids
-
-
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress) -> list[dict]:
     """Rows of one shard, in prompt order. Prompts are batched by length to limit padding."""
     encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
-    eos = _eos_ids(tokenizer, target)
+    eos = eos_token_ids(tokenizer, target)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     rows: list[dict | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):

@@ -8,13 +8,15 @@ next run in the same process, so a Hydra multirun or ``python -m infer.sweep`` l
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from specdecpp.models import load_pair
+from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 
@@ -36,6 +38,7 @@ class Job:
     max_new_tokens: int
     warmup_tokens: int
     progress: bool
+    profile: bool = False
 
 
 def sampling_tag(s: SamplingConfig) -> str:
@@ -46,8 +49,35 @@ def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int) 
     return Path(str(out_dir)) / f"{spec.tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
 
 
-def prepare(cfg, spec: MethodSpec | None = None) -> Job:
-    """Check the config and find the prompts still to do; loads no model."""
+def fill_pair_from_head(cfg, head_path=None) -> None:
+    """``pair.draft`` / ``pair.target`` left unset are taken from an acceptance head's config.json
+    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp,
+    else ``head_path``. Values given on the command line win (a draft that differs from the head's
+    is refused later, by the head check)."""
+    missing = [k for k in ("draft", "target") if OmegaConf.is_missing(cfg.pair, k)]
+    if not missing:
+        return
+    if cfg.method.get("name") == "specdecpp" and cfg.method.get("head"):
+        head_path = cfg.method.head
+    if not head_path:
+        raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
+                         "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
+    from specdecpp import AcceptanceHead
+
+    head = AcceptanceHead.from_pretrained(str(head_path))
+    recorded = {"draft": head.draft, "target": head.meta.get("target")}
+    for key in missing:
+        if not recorded[key]:
+            raise ValueError(f"pair.{key} is not set and head {str(head_path)!r} records no {key} model in its "
+                             f"config.json: pass pair.{key}=PATH")
+        cfg.pair[key] = str(recorded[key])
+    log.info("pair from head %s: draft %s, target %s", head_path, cfg.pair.draft, cfg.pair.target)
+
+
+def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
+    """Check the config and find the prompts still to do; loads no model. An unset pair comes from
+    the head (see :func:`fill_pair_from_head`)."""
+    fill_pair_from_head(cfg, head_path)
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     spec = spec or resolve_method(cfg.method, str(cfg.pair.draft), sampling)
     max_new_tokens, seed = cfg.max_new_tokens, cfg.seed
@@ -71,7 +101,7 @@ def prepare(cfg, spec: MethodSpec | None = None) -> Job:
                todo=[q for q in prompts if q.id not in done], n_done=len(done),
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
-               progress=bool(cfg.get("progress", True)))
+               progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)))
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -89,6 +119,7 @@ def load_models(pair: dict):
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype) -> dict:
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
+    times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
@@ -105,8 +136,8 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
 def execute(job: Job, models) -> dict:
     """Decode every prompt still to do, appending one row per prompt as it finishes."""
     draft, target, tokenizer = models
-    runner = build_runner(job.spec, draft, target, job.sampling)
-    eos, seed = tokenizer.eos_token_id, job.run_keys["seed"]
+    runner = build_runner(job.spec, draft, target, job.sampling, profile=job.profile)
+    eos, seed = sorted(eos_token_ids(tokenizer, target)), job.run_keys["seed"]
     encoded = [(q, torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)) for q in job.todo]
     if encoded and runner.timed and job.warmup_tokens > 0:  # untimed, unrecorded
         runner.generate(encoded[0][1], min(job.warmup_tokens, job.max_new_tokens), seed, eos)
@@ -124,9 +155,9 @@ def execute_interleaved(jobs: list[Job], models) -> list[dict]:
     in machine load touches every method alike (the comparison is then paired in time as well as
     in prompts). Rows are appended to each job's own file as they finish (resumable)."""
     draft, target, tokenizer = models
-    runners = [build_runner(job.spec, draft, target, job.sampling) for job in jobs]
+    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile) for job in jobs]
     writers = [ResultWriter(job.path) for job in jobs]
-    eos = tokenizer.eos_token_id
+    eos = sorted(eos_token_ids(tokenizer, target))
     order: dict[str, Prompt] = {}
     for job in jobs:
         for q in job.todo:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from specdecpp.engine import RunStats
+from specdecpp.models import token_set
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -49,21 +50,23 @@ class HFAssistedRunner:
     timed = True
 
     def __init__(self, draft, target, sampling: SamplingConfig, mode: str, num_assistant_tokens: int,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = 0.0, profile: bool = False) -> None:
         self.draft, self.target, self.sampling = draft, target, sampling
         self.assistant_settings = {
             "num_assistant_tokens": num_assistant_tokens,
             "num_assistant_tokens_schedule": "heuristic" if mode == "heuristic" else "constant",
             "assistant_confidence_threshold": confidence_threshold if mode == "confidence" else 0.0,
         }
-        self.clock = Clock(target.device)
+        self.clock = Clock(target.device)  # wall time
+        self.meter_clock = Clock(target.device, sync=profile)  # per forward: syncs only when profiling
 
     def _generation_config(self, max_new_tokens: int, eos_token_id):
         from transformers import GenerationConfig
 
         s = self.sampling
-        pad = eos_token_id if isinstance(eos_token_id, int) else 0
-        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos_token_id,
+        eos = sorted(token_set(eos_token_id))
+        pad = eos[0] if eos else 0
+        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
                   pad_token_id=pad, do_sample=not s.greedy)
         if not s.greedy:
             kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
@@ -75,7 +78,7 @@ class HFAssistedRunner:
             setattr(self.draft.generation_config, key, value)
         config = self._generation_config(max_new_tokens, eos_token_id)
         streamer = _RoundStreamer()
-        draft_meter = ForwardMeter(self.draft, self.clock)
+        draft_meter = ForwardMeter(self.draft, self.meter_clock)
         candidate_lengths: list[int] = []
         seen = [0]
 
@@ -84,7 +87,7 @@ class HFAssistedRunner:
             seen[0] = draft_meter.calls
 
         torch.manual_seed(seed)  # transformers samples from the global generator
-        with draft_meter, ForwardMeter(self.target, self.clock, on_call=round_started) as target_meter:
+        with draft_meter, ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
                                        assistant_model=self.draft, generation_config=config,
@@ -98,4 +101,7 @@ class HFAssistedRunner:
             n_discarded=sum(candidate_lengths) - sum(accept_lengths),
             accept_lengths=accept_lengths, candidate_lengths=candidate_lengths,
             draft_time_s=draft_meter.seconds, target_time_s=target_meter.seconds, wall_time_s=wall)
+        if not self.meter_clock.exact:
+            stats.draft_time_s = stats.target_time_s = float("nan")
+            return output_ids, stats, {"forward_time_s": None}
         return output_ids, stats, {"forward_time_s": draft_meter.seconds + target_meter.seconds}

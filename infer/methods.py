@@ -9,14 +9,14 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 from __future__ import annotations
 
 import hashlib
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, SpeculativeDecoder, TargetOnly
+from specdecpp.models import same_model
+from specdecpp.policies import check_count, check_threshold
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -35,17 +35,12 @@ class MethodSpec:
     head: AcceptanceHead | None = field(default=None, repr=False)
 
 
-def _threshold(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or not 0.0 <= value <= 1.0:
-        raise ValueError(f"method {name}: method.threshold must be a number in [0, 1], got {value!r}")
-    return float(value)
+def _threshold(name: str, value, key: str = "threshold") -> float:
+    return check_threshold(f"method {name}", f"method.{key}", value)
 
 
 def _count(name: str, key: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"method {name}: method.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_count(f"method {name}", f"method.{key}", value, minimum)
 
 
 def head_fingerprint(head: AcceptanceHead) -> str:
@@ -70,14 +65,6 @@ def draft_hidden_size(draft_ref: str) -> int | None:
     return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
 
 
-def _same_model(a: str, b: str) -> bool:
-    """Whether two model references name the same model (local paths compared resolved)."""
-    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return a.rstrip("/") == b.rstrip("/")
-
-
 def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
     """Load the head of ``method.head`` and check it fits the draft, before the models load."""
     head_path = m.get("head")
@@ -90,11 +77,29 @@ def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
         raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
                          f"draft {head.draft!r}) but draft {draft_ref!r} has hidden_size {size}: "
                          "train a head for this draft or use the draft the head was trained on")
-    if head.draft and not _same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
+    if head.draft and not same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
         raise ValueError(f"method.head {str(head_path)!r} was trained on draft {head.draft!r}, but "
                          f"pair.draft is {draft_ref!r}. Use the matching draft, or pass "
                          "method.allow_draft_mismatch=true if they are the same model under two names")
     return head
+
+
+def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: SamplingConfig, allow: bool) -> None:
+    """A head's labels min(1, p/q) were computed under its dataset's sampling (temperature, top-k,
+    top-p warp both p and q): refuse to use it under another setting unless allowed."""
+    recorded = ((head.meta.get("training") or {}).get("dataset_meta") or {}).get("sampling")
+    if not recorded or allow:
+        return
+    trained = SamplingConfig.from_mapping(recorded)
+    if trained.greedy and sampling.greedy:
+        return
+    differ = [f"{k}: {getattr(trained, k)!r} in training, {getattr(sampling, k)!r} now"
+              for k in ("temperature", "top_k", "top_p") if getattr(trained, k) != getattr(sampling, k)]
+    if differ:
+        raise ValueError(f"method.head {head_path!r} was trained on labels sampled under another setting "
+                         f"({'; '.join(differ)}); its acceptance predictions do not hold here. Decode with the "
+                         "head's setting (sampling=...), train a head on data generated under this one, or pass "
+                         "method.allow_sampling_mismatch=true to use it anyway")
 
 
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
@@ -123,6 +128,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         if lo > hi:
             raise ValueError(f"method specdecpp: method.min_candidates ({lo}) > method.max_candidates ({hi})")
         head = load_checked_head(m, draft_ref)
+        check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
         head_name = Path(str(m.get("head")).rstrip("/")).name
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
                     "threshold": h, "min_candidates": lo, "max_candidates": hi}
@@ -135,7 +141,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         settings = {"mode": mode, "num_assistant_tokens": n}
         tag = f"{mode}_n{n}"
         if mode == "confidence":
-            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"))
+            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"), "confidence_threshold")
             tag += f"_c{_num(settings['confidence_threshold'])}"
         return MethodSpec(name, settings, tag)
     if not sampling.greedy:  # oracle
@@ -144,19 +150,21 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
 
 
 class EngineRunner:
-    """Our engine (specdecpp.SpeculativeDecoder) with one stop policy."""
+    """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA)."""
 
     timed = True
 
-    def __init__(self, decoder: SpeculativeDecoder) -> None:
+    def __init__(self, decoder: SpeculativeDecoder, profile: bool = False) -> None:
         self.decoder = decoder
-        self.clock = Clock(decoder.device)
+        self.clock = Clock(decoder.device, sync=profile)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         with ForwardMeter(self.decoder.draft, self.clock) as d, ForwardMeter(self.decoder.target, self.clock) as t:
             out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
                                         eos_token_id=eos_token_id)
-        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": d.seconds + t.seconds}
+        forward = d.seconds + t.seconds if self.clock.exact else None
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
 
 
 def _policy(spec: MethodSpec):
@@ -170,16 +178,18 @@ def _policy(spec: MethodSpec):
     return SpecDecPP(spec.head, s["threshold"], s["min_candidates"], s["max_candidates"])
 
 
-def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig):
+def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False):
+    """``profile``: synchronise CUDA around every forward pass / round to split the time between the
+    models (slower: not for the timed comparison); no effect on CPU, where times are exact anyway."""
     if spec.name == "hf_assisted":
         from .hf_assisted import HFAssistedRunner
 
-        return HFAssistedRunner(draft, target, sampling, **spec.settings)
+        return HFAssistedRunner(draft, target, sampling, **spec.settings, profile=profile)
     if spec.name == "oracle":
         from .oracle import OracleRunner
 
         return OracleRunner(draft, target, sampling)
-    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling))
+    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling, profile=profile), profile)
 
 
 __all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "build_runner", "resolve_method"]

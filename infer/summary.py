@@ -66,8 +66,8 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         "outside_forward_share": outside,
         "mean_accept_length": sum(rounds) / len(rounds) if rounds and first["method"] != "target_only" else None,
         "discard_rate": dr, "verification_rate": vr,
-        "draft_time_s": sum(r["draft_time_s"] for r in rows) if timed else None,
-        "target_time_s": sum(r["target_time_s"] for r in rows) if timed else None,
+        **{key: sum(r[key] for r in rows) if timed and None not in (r[key] for r in rows) else None
+           for key in ("draft_time_s", "target_time_s")},  # None: not measured (CUDA without profile)
         "wall_time_s": wall,
     }
 

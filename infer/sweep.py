@@ -46,6 +46,9 @@ def expand_comparison(comparison) -> list[DictConfig]:
 def run(cfg) -> list[dict]:
     """Run every method of ``cfg.comparison``; return one summary per run."""
     set_threads(cfg)
+    heads = ((cfg.comparison or {}).get("specdecpp") or {}).get("head")
+    # an unset pair comes from the (first) SpecDec++ head of the comparison, for every method
+    first_head = (heads[0] if len(heads) else None) if isinstance(heads, ListConfig | list) else heads
     jobs = []
     for method in expand_comparison(cfg.comparison):
         if method.name == "oracle" and float(cfg.sampling.temperature) != 0:
@@ -54,7 +57,7 @@ def run(cfg) -> list[dict]:
         sub = cfg.copy()
         with open_dict(sub):
             sub.method = method
-        jobs.append(prepare(sub))  # every check before any model loads
+        jobs.append(prepare(sub, head_path=first_head))  # every check before any model loads
     if cfg.get("interleave") and jobs:
         pending = [job for job in jobs if job.todo]
         by_path = {job.path: s for job, s in zip(pending, execute_interleaved(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}

@@ -95,6 +95,25 @@ def save_shard(directory: str | os.PathLike, split: str, index: int, rows: list[
     _write_json_atomic(final.with_suffix(".done"), {"rows": len(rows), "ids": [r["id"] for r in rows]})
 
 
+def unreadable_arrow_file(split_dir: str | os.PathLike) -> tuple[Path, str] | None:
+    """The first Arrow file of a saved split (``state.json``'s data files) that cannot be read to
+    the end, with the reason; None if all read. Memory-mapped, so reading costs no copy."""
+    import pyarrow as pa
+
+    split_dir = Path(split_dir)
+    try:
+        files = [f["filename"] for f in json.loads((split_dir / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return split_dir / "state.json", f"{type(exc).__name__}: {exc}"
+    for name in files:
+        try:
+            with pa.memory_map(str(split_dir / name)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowException) as exc:
+            return split_dir / name, f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta: dict) -> DatasetDict:
     """Join every split's shards into the final DatasetDict, mark the meta complete, drop shards."""
     directory = Path(directory)
@@ -102,6 +121,15 @@ def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta
     if missing:
         raise DatasetError(f"{directory}: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}); "
                            "run the remaining shard processes (or the same command) first")
+    for split, n in shard_counts.items():
+        for i in range(n):
+            damaged = unreadable_arrow_file(shard_path(directory, split, i))
+            if damaged:
+                shard = shard_path(directory, split, i)
+                raise DatasetError(f"{directory}: shard {split}/{i:05d} is damaged ({damaged[0]} cannot be read: "
+                                   f"{damaged[1]}). Regenerate that shard: delete {shard} and "
+                                   f"{shard.with_suffix('.done')}, then rerun the same data_gen command (it "
+                                   "resumes and relabels only the missing shard)")
     joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in range(n)])
               for split, n in shard_counts.items() if n}
     # a split without rows is left out: `datasets` cannot save and reload an empty split
@@ -158,6 +186,13 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
         raise _fail(path, f"no {META_FILE}; this is not a data_gen output directory")
     if not meta.get("complete"):
         raise _fail(path, RESUME_HINT)
+    for split_dir in sorted(p.parent for p in path.glob("*/state.json")):
+        damaged = unreadable_arrow_file(split_dir)
+        if damaged:
+            raise _fail(path, f"the dataset is damaged: {damaged[0]} (split {split_dir.name!r}) cannot be read "
+                              f"({damaged[1]}). Regenerate it: move {str(path)!r} away (or delete it) and rerun the "
+                              f"data_gen command that made it with out={path} (its settings are in {META_FILE}; the "
+                              "same seed gives the same rows, and an interrupted run resumes shard by shard)")
     try:
         splits = load_from_disk(str(path))
     except IndexError as exc:  # what `datasets` raises for a split saved with no rows
@@ -169,6 +204,15 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
     for split, ds in splits.items():
         _check_split(path, split, ds)
     return splits, meta
+
+
+def dataset_fingerprint(splits: DatasetDict, meta: dict) -> str:
+    """A short hash that names the data: the meta (settings, creation time) and each split's rows
+    and ``datasets`` fingerprint (saved with the data, new whenever it is rewritten)."""
+    import hashlib
+
+    parts = {"meta": meta, "splits": {name: [len(ds), ds._fingerprint] for name, ds in sorted(splits.items())}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def label_summary(splits: DatasetDict) -> dict[str, dict]:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import new_cache, output_vocab_size
+from .models import FinalHidden, new_cache, output_vocab_size, token_set
 from .policies import StopPolicy
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
@@ -59,23 +59,52 @@ class GenerateOutput:
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
 
 
+# Token counts a CPU forward is padded to (a multiple of; see _Runner.feed). 1 turns padding off.
+CPU_TOKEN_MULTIPLE = 4
+
+
 class _Runner:
-    """One model and its KV cache. ``length`` tokens are cached; rollback = crop."""
+    """One model and its KV cache. ``length`` tokens are cached; rollback = crop. With
+    ``want_hidden`` the final hidden state is captured by a hook (:class:`FinalHidden`), never
+    every layer's; use it as a context manager so the hook is removed."""
 
     def __init__(self, model, vocab: int, want_hidden: bool) -> None:
         self.model, self.vocab, self.want_hidden = model, vocab, want_hidden
         self.cache = new_cache(model)
+        self.final = FinalHidden(model) if want_hidden else None
+
+    def __enter__(self) -> _Runner:
+        if self.final is not None:
+            self.final.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.final is not None:
+            self.final.__exit__(*exc)
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
 
     def feed(self, ids: torch.Tensor, n_logits: int = 1):
-        """Append ``ids`` [n] to the cache; return logits [n_logits, V] (and hidden [n_logits, H])."""
+        """Append ``ids`` [n] to the cache; return logits [n_logits, V] (and hidden [n_logits, H]).
+
+        On CPU, n > 1 tokens are padded to a multiple of ``CPU_TOKEN_MULTIPLE`` with copies of the
+        last token, which are cropped from the cache again: the CPU GEMM kernels are slower for 2-3
+        rows than for 4 (and 5-7 than 8), so an unpadded forward over 2-3 tokens costs more than
+        over 4 (scripts/bench_verify_cost.py). Causal attention keeps the real positions exact."""
+        n = ids.shape[0]
+        pad = (-n) % CPU_TOKEN_MULTIPLE if n > 1 and ids.device.type == "cpu" else 0
+        if pad:
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
+        kwargs = self.final.kwargs if self.final is not None else {}
         out = self.model(ids.unsqueeze(0), past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.want_hidden, logits_to_keep=n_logits)
-        logits = out.logits[0, -n_logits:, : self.vocab]
-        hidden = out.hidden_states[-1][0, -n_logits:] if self.want_hidden else None
+                         logits_to_keep=n_logits + pad, **kwargs)
+        end = out.logits.shape[1] - pad
+        logits = out.logits[0, end - n_logits : end, : self.vocab]
+        hidden = self.final.take(out)[0, -n_logits - pad :][:n_logits] if self.final is not None else None
+        if pad:
+            self.cache.crop(-pad)
         return logits, hidden
 
     def rollback(self, length: int) -> None:
@@ -93,13 +122,20 @@ def _device_generator(generator: torch.Generator | None, device: torch.device):
 
 
 class Clock:
-    """perf_counter, after synchronising CUDA so that queued kernels are counted."""
+    """perf_counter, after synchronising CUDA so that queued kernels are counted. ``sync=False``
+    on CUDA reads the time without waiting (only meaningful around a final synchronised mark);
+    ``exact`` tells whether a reading counts the queued work (always on CPU)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.sync = sync
+
+    @property
+    def exact(self) -> bool:
+        return self.sync or not self.cuda
 
     def now(self) -> float:
-        if self.cuda:
+        if self.cuda and self.sync:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -112,10 +148,14 @@ class SpeculativeDecoder:
     has the target's warped distribution, whatever the policy.
     """
 
-    def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None) -> None:
+    def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None,
+                 profile: bool = False) -> None:
+        """``profile=True`` synchronises CUDA around every round's draft and target phases so that
+        ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
+        the wall time and reports those two as NaN (on CPU they are measured either way)."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
-        self.draft, self.target, self.policy = draft, target, policy
+        self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
         self.device = target.device
@@ -135,11 +175,16 @@ class SpeculativeDecoder:
             raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        eos = ({eos_token_id} if isinstance(eos_token_id, int)
-               else set(eos_token_id) if eos_token_id is not None else set())
+        eos = token_set(eos_token_id)
         gen = _device_generator(generator, self.device)
-        cfg, policy, clock = self.sampling, self.policy, Clock(self.device)
-        draft = _Runner(self.draft, self.vocab, want_hidden=True)
+        cfg, policy = self.sampling, self.policy
+        clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
+        needs_hidden = policy.needs_hidden
+        # EOS among the candidates: checked per candidate only where the policy reads values on the
+        # host anyway (a sync per candidate on GPU otherwise); else the verification cuts at EOS,
+        # at the cost of the last round's candidates after it.
+        eos_per_candidate = bool(eos) and policy.reads_values
+        draft = _Runner(self.draft, self.vocab, want_hidden=needs_hidden)
         target = _Runner(self.target, self.vocab, want_hidden=False)
         stats = RunStats()
         prompt_len = prompt_ids.shape[1]
@@ -148,45 +193,55 @@ class SpeculativeDecoder:
         n = prompt_len  # committed tokens; seq[n - 1] is not yet in either cache
         t_start = clock.now()
 
-        while n - prompt_len < max_new_tokens:
-            k_max = min(policy.max_candidates, max_new_tokens - (n - prompt_len) - 1)
-            policy.new_round()
-            t0 = clock.now()
-            q_rows, k = [], 0
-            while k < k_max:  # draft y_1..y_K, each from q_k = draft(prefix, y_<k)
-                logits, hidden = draft.feed(seq[draft.length : n + k])
-                q_k = warp(logits[-1], cfg)
-                y = sample(q_k, gen)
-                seq[n + k] = y
-                q_rows.append(q_k)
-                k += 1
-                if policy.should_stop(k, logits[-1], hidden[-1]) or int(y) in eos:
+        with draft:
+            while n - prompt_len < max_new_tokens:
+                k_max = min(policy.max_candidates, max_new_tokens - (n - prompt_len) - 1)
+                policy.new_round()
+                t0 = marks.now()
+                q_rows, k = [], 0
+                while k < k_max:  # draft y_1..y_K, each from q_k = draft(prefix, y_<k)
+                    logits, hidden = draft.feed(seq[draft.length : n + k])
+                    if cfg.greedy:  # the argmax; verification needs no q
+                        y = logits[-1].argmax(-1)
+                    else:
+                        q_k = warp(logits[-1], cfg)
+                        y = sample(q_k, gen)
+                        q_rows.append(q_k)
+                    seq[n + k] = y
+                    k += 1
+                    if policy.should_stop(k, logits[-1], hidden[-1] if needs_hidden else None) or \
+                            (eos_per_candidate and int(y) in eos):
+                        break
+                t1 = marks.now()
+                logits = target.feed(seq[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
+                if cfg.greedy:  # argmax of the logits = argmax of the one-hot warp
+                    n_acc, next_token = verify(seq[n : n + k], None, logits, gen, greedy=True)
+                else:
+                    p = warp(logits, cfg)
+                    q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
+                    n_acc, next_token = verify(seq[n : n + k], q, p, gen)
+                seq[n + n_acc] = next_token
+                t2 = marks.now()
+
+                new = seq[n : n + n_acc + 1].tolist()
+                hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
+                kept = len(new) if hit_eos is None else hit_eos + 1
+                n += kept
+                target.rollback(n - 1)
+                draft.rollback(min(draft.length, n - 1))
+
+                stats.n_draft_calls += k
+                stats.n_target_calls += 1
+                stats.n_discarded += k + 1 - kept  # k - n_acc, plus tokens cut after an EOS
+                stats.accept_lengths.append(n_acc)
+                stats.candidate_lengths.append(k)
+                stats.draft_time_s += t1 - t0
+                stats.target_time_s += t2 - t1
+                if hit_eos is not None:
                     break
-            t1 = clock.now()
-            logits = target.feed(seq[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
-            p = warp(logits, cfg)
-            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            n_acc, next_token = verify(seq[n : n + k], q, p, gen, greedy=cfg.greedy)
-            seq[n + n_acc] = next_token
-            t2 = clock.now()
 
-            new = seq[n : n + n_acc + 1].tolist()
-            hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
-            kept = len(new) if hit_eos is None else hit_eos + 1
-            n += kept
-            target.rollback(n - 1)
-            draft.rollback(min(draft.length, n - 1))
-
-            stats.n_draft_calls += k
-            stats.n_target_calls += 1
-            stats.n_discarded += k + 1 - kept  # k - n_acc, plus tokens cut after an EOS
-            stats.accept_lengths.append(n_acc)
-            stats.candidate_lengths.append(k)
-            stats.draft_time_s += t1 - t0
-            stats.target_time_s += t2 - t1
-            if hit_eos is not None:
-                break
-
+        if not marks.exact:
+            stats.draft_time_s = stats.target_time_s = float("nan")
         stats.wall_time_s = clock.now() - t_start
         stats.n_generated = n - prompt_len
         return GenerateOutput(tokens=seq[:n].unsqueeze(0).clone(), stats=stats,

@@ -34,6 +34,8 @@ class AcceptanceHead(nn.Module):
     block has its own weights.
     """
 
+    needs_hidden = True  # scores a candidate from the draft's final hidden state at it
+
     def __init__(self, hidden_size: int, depth: int = 3, draft: str | None = None) -> None:
         super().__init__()
         if not (isinstance(hidden_size, int) and hidden_size > 0):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import new_cache, output_vocab_size
+from .models import FinalHidden, new_cache, output_vocab_size, token_set
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
 
@@ -67,12 +67,6 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-
-
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
@@ -90,7 +84,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     device = target.device
     vocab = vocab or output_vocab_size(target)
-    eos = _eos_set(eos_token_id)
+    eos = token_set(eos_token_id)
     ids, mask, positions = left_pad(prompts, device)
     cache = new_cache(target)
     responses: list[list[int]] = [[] for _ in prompts]
@@ -98,8 +92,11 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
     while True:
-        probs = warp(logits, sampling)
-        tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
+        if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
+            tokens = logits.argmax(-1).tolist()
+        else:
+            probs = warp(logits, sampling)
+            tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
         keep, next_ids = [], []
         for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
             responses[i].append(token)
@@ -122,18 +119,38 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
                         past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
 
 
+# Logit elements warped (in float32) at a time when labelling: a chunk of a response's positions
+# instead of [batch, length, vocab] logits of both models, so memory stays bounded for long
+# responses and large vocabularies (2**22 elements: 16 MiB; 32 positions of a 128k vocabulary).
+LABEL_CHUNK_ELEMENTS = 1 << 22
+
+
 def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                    vocab: int) -> list[torch.Tensor]:
-    """One batched forward over prompt + response; for each row the logits [N, vocab] that
-    predict response token 1..N (position i sees the prompt and X_<i)."""
+                    vocab: int) -> Callable[[int, int, int], torch.Tensor]:
+    """One batched forward over prompt + response; returns ``logits(b, i, j)``: row b's logits
+    [j - i, vocab] that predict response tokens i+1..j (position i sees the prompt and X_<=i).
+
+    The forward keeps only the final hidden states; logits are projected chunk by chunk with the
+    model's output layer. A model that post-processes its logits (soft-capping, scaling: the
+    projection of the last position does not reproduce the model's own logits there) gets its
+    whole logits computed instead."""
     if any(len(r) == 0 for r in responses):
         raise ValueError("response_logits: every response needs at least one token")
     seqs = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses, strict=True)]
     ids, mask, positions = left_pad(seqs, model.device)
     n_max = max(len(r) for r in responses)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                   logits_to_keep=n_max).logits[..., :vocab]
-    return [logits[b, n_max - len(r):] for b, r in enumerate(responses)]
+    offsets = [n_max - len(r) for r in responses]
+    with FinalHidden(model) as final:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=1,
+                    **final.kwargs)
+        hidden = final.take(out)[:, -n_max:]
+    project = model.get_output_embeddings()
+    own = out.logits[:, -1, :vocab].float()
+    if project is not None and torch.allclose(project(hidden[:, -1])[:, :vocab].float(), own, rtol=1e-3, atol=1e-3):
+        return lambda b, i, j: project(hidden[b, offsets[b] + i: offsets[b] + j])[:, :vocab]
+    full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                 logits_to_keep=n_max).logits[..., :vocab]
+    return lambda b, i, j: full[b, offsets[b] + i: offsets[b] + j]
 
 
 @torch.no_grad()
@@ -151,11 +168,18 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
     vocab = vocab or shared_vocab(draft, target)
     draft_logits = response_logits(draft, prompts, responses, vocab)
     target_logits = response_logits(target, prompts, responses, vocab)
+    chunk = max(1, LABEL_CHUNK_ELEMENTS // vocab)
     labels = []
-    for d_logits, t_logits, gen in zip(draft_logits, target_logits, generators, strict=True):
-        q = warp(d_logits, sampling)
-        y = sample(q, gen)
-        p = warp(t_logits, sampling)
-        labels.append(TokenLabels(draft_ids=y, p_acc=acceptance_ratio(p, q, y).float(),
-                                  draft_entropy=entropy(d_logits, sampling.temperature).float()))
+    for b, (response, gen) in enumerate(zip(responses, generators, strict=True)):
+        ys, ratios, entropies = [], [], []
+        for i in range(0, len(response), chunk):  # Y drawn in order: the same draws as in one piece
+            j = min(i + chunk, len(response))
+            d_logits = draft_logits(b, i, j)
+            q = warp(d_logits, sampling)
+            y = sample(q, gen)
+            p = warp(target_logits(b, i, j), sampling)
+            ys.append(y)
+            ratios.append(acceptance_ratio(p, q, y).float())
+            entropies.append(entropy(d_logits, sampling.temperature).float())
+        labels.append(TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies)))
     return labels

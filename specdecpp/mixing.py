@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .models import FinalHidden
+
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
 
 
@@ -80,8 +82,8 @@ def draft_features(draft, sequences: list[torch.Tensor], positions: list[torch.T
     for j, seq in enumerate(sequences):
         ids[j, : len(seq)] = seq.to(device)
         attention[j, : len(seq)] = 1
-    out = draft(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]
+    with FinalHidden(draft) as final:  # the last layer's states only, not every layer's
+        hidden = final.take(draft(input_ids=ids, attention_mask=attention, logits_to_keep=1, **final.kwargs))
     return [hidden[j, pos.to(device)] for j, pos in enumerate(positions)]
 
 

@@ -50,6 +50,15 @@ def _source(path: str) -> tuple[str, dict]:
     return str(path), {}
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model references name the same model: local paths compared resolved (a symlink,
+    ``~`` or a trailing slash names the same directory), other references (hub ids) as text."""
+    pa, pb = Path(os.path.expanduser(str(a))), Path(os.path.expanduser(str(b)))
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return str(a).rstrip("/") == str(b).rstrip("/")
+
+
 def load_config(path: str):
     """The model's transformers config alone (no weights): for checks before anything loads."""
     from transformers import AutoConfig
@@ -96,10 +105,58 @@ def new_cache(model):
     """An empty KV cache for ``model`` (transformers' DynamicCache)."""
     from transformers import DynamicCache
 
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
+    return DynamicCache(config=model.config)  # transformers >= 4.56 (pyproject.toml)
+
+
+def token_set(ids) -> set[int]:
+    """``None`` | an id | ids -> a set of ids (how every stage normalises EOS arguments)."""
+    if ids is None:
+        return set()
+    if isinstance(ids, int) or (isinstance(ids, torch.Tensor) and ids.dim() == 0):
+        return {int(ids)}
+    return {int(t) for t in ids}
+
+
+def eos_token_ids(tokenizer=None, *models) -> set[int]:
+    """The end-of-sequence ids for generation: the tokenizer's EOS and every EOS id of the
+    models' generation configs (chat models often list several, e.g. <|eot_id|> and
+    <|end_of_text|>). data_gen, infer and every runner stop on this one set."""
+    ids = token_set(getattr(tokenizer, "eos_token_id", None))
+    for model in models:
+        ids |= token_set(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return ids
+
+
+class FinalHidden:
+    """Captures a causal LM's final hidden state (after the final norm) through a forward hook on
+    its decoder, so the model runs without ``output_hidden_states`` (which keeps every layer's
+    states). ``with FinalHidden(model) as h: model(...); h.value`` -> [B, L, H]. A model without a
+    ``get_decoder()`` falls back to ``output_hidden_states`` (``h.kwargs`` says which to pass)."""
+
+    def __init__(self, model) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.decoder = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
+        self.kwargs = {} if self.decoder is not None else {"output_hidden_states": True}
+        self.value: torch.Tensor | None = None
+        self._handle = None
+
+    def _hook(self, module, args, output) -> None:
+        self.value = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def take(self, out) -> torch.Tensor:
+        """The final hidden state of the forward that returned ``out``."""
+        return out.hidden_states[-1] if self.decoder is None else self.value
+
+    def __enter__(self) -> FinalHidden:
+        if self.decoder is not None:
+            self._handle = self.decoder.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.value = None
 
 
 def output_vocab_size(model) -> int:

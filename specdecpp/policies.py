@@ -18,23 +18,36 @@ from .head import AcceptanceHead
 from .sampling import entropy
 
 
-def _check_threshold(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or not (0.0 <= float(value) <= 1.0) or math.isnan(value):
-        raise ValueError(f"{name}: threshold must be in [0, 1], got {value!r}")
+def check_threshold(where: str, key: str, value) -> float:
+    """A number in [0, 1] (not a bool, not NaN): the one check of every threshold setting, used by
+    the policies and by infer's config checks (``where``/``key`` name it in the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{where}: {key} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
-def _check_count(name: str, what: str, value: int, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: {what} must be an integer >= {minimum}, got {value!r}")
+def check_count(where: str, key: str, value, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` (not a bool): the one check of every count setting."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
 class StopPolicy:
-    """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``."""
+    """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``.
+
+    What a policy needs, so the engine computes nothing more: ``needs_hidden`` (the draft's final
+    hidden state; when False ``should_stop`` gets ``hidden=None`` and the draft runs without it) and
+    ``reads_values`` (``should_stop`` reads tensor values on the host, a device sync per candidate on
+    GPU; a policy that decides from ``k`` alone sets False, and the engine then adds no sync either).
+    Both default to True, which is right for any policy; the built-in ones say what they use.
+    """
 
     name = "policy"
     max_candidates: int = 0
+    needs_hidden: bool = True
+    reads_values: bool = True
 
     def bind(self, draft_model, temperature: float) -> None:
         """Called once by the decoder: check compatibility with the draft, move state to its device."""
@@ -54,6 +67,7 @@ class TargetOnly(StopPolicy):
 
     name = "target_only"
     max_candidates = 0
+    needs_hidden = reads_values = False
 
     def should_stop(self, k, logits, hidden) -> bool:
         return True
@@ -63,9 +77,10 @@ class FixedK(StopPolicy):
     """Speculative decoding with a constant candidate length K."""
 
     name = "fixed_k"
+    needs_hidden = reads_values = False
 
     def __init__(self, k: int = 4) -> None:
-        self.k = _check_count("FixedK", "k", k, 1)
+        self.k = check_count("FixedK", "k", k)
         self.max_candidates = self.k
 
     def should_stop(self, k, logits, hidden) -> bool:
@@ -84,13 +99,14 @@ class SVIP(StopPolicy):
     """
 
     name = "svip"
+    needs_hidden = False  # the entropy of the draft's logits only
 
     def __init__(self, threshold: float = 0.3, c: float = 0.15, max_candidates: int = 40) -> None:
-        self.threshold = _check_threshold("SVIP", threshold)
+        self.threshold = check_threshold("SVIP", "threshold", threshold)
         if not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"SVIP: c must be > 0, got {c!r}")
         self.c = float(c)
-        self.max_candidates = _check_count("SVIP", "max_candidates", max_candidates, 1)
+        self.max_candidates = check_count("SVIP", "max_candidates", max_candidates)
         self.temperature = 1.0
 
     def bind(self, draft_model, temperature: float) -> None:
@@ -115,12 +131,17 @@ class SpecDecPP(StopPolicy):
         if not isinstance(head, AcceptanceHead):
             raise TypeError(f"SpecDecPP: head must be an AcceptanceHead, got {type(head).__name__}")
         self.head = head.eval()
-        self.threshold = _check_threshold("SpecDecPP", threshold)
-        self.min_candidates = _check_count("SpecDecPP", "min_candidates", min_candidates, 1)
-        self.max_candidates = _check_count("SpecDecPP", "max_candidates", max_candidates, 1)
+        self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
+        self.min_candidates = check_count("SpecDecPP", "min_candidates", min_candidates)
+        self.max_candidates = check_count("SpecDecPP", "max_candidates", max_candidates)
         if self.min_candidates > self.max_candidates:
             raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
         self._p_all_accepted = 1.0
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Asked of the head (the paper's head reads the draft's final hidden state)."""
+        return self.head.needs_hidden
 
     def bind(self, draft_model, temperature: float) -> None:
         self.head.check_draft(draft_model)

@@ -31,18 +31,20 @@ def residual(p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 1e-12, r_i / mass.clamp_min(1e-30), p_i)
 
 
-def verify(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
            generator: torch.Generator | None = None, greedy: bool = False) -> tuple[int, int]:
     """Verify K candidates; return ``(n_accepted, next_token)``.
 
     draft_tokens: LongTensor [K], the candidates y_1..y_K.
     q: [K, V], q_i for each candidate.   p: [K + 1, V], p_1..p_{K+1}.
-    greedy: accept iff y_i == argmax p_i and take argmax p_{n+1}; no randomness is used.
+    greedy: accept iff y_i == argmax p_i and take argmax p_{n+1}; no randomness is used, ``q`` may
+    be None and ``p`` may be the target's raw logits (same argmax).
     K may be 0: then the bonus token from p_1 is the whole round (target-only decoding).
     """
     k = draft_tokens.shape[0]
-    if p.shape[0] != k + 1 or q.shape[0] != k:
-        raise ValueError(f"verify: expected q [K, V] and p [K+1, V] for K={k}, got q {tuple(q.shape)}, p {tuple(p.shape)}")
+    if p.shape[0] != k + 1 or (q is None and not greedy) or (q is not None and q.shape[0] != k):
+        raise ValueError(f"verify: expected q [K, V] and p [K+1, V] for K={k}, got q "
+                         f"{None if q is None else tuple(q.shape)}, p {tuple(p.shape)}")
     if greedy:
         agree = (p[:k].argmax(-1) == draft_tokens).tolist()
         n = agree.index(False) if False in agree else k

@@ -14,9 +14,16 @@ import types
 import pytest
 import torch
 
-# Tiny models are dominated by per-op overhead; extra threads only add contention (10-20x slower
-# on a loaded 2-core machine).
-torch.set_num_threads(1)
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Every test runs torch on one thread (the suite's one place for this): tiny models are
+    dominated by per-op overhead, and extra threads only add contention (10-20x slower on a
+    loaded 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

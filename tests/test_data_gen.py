@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -31,15 +32,6 @@ PROMPTS = [("t0", "train", "Write a short poem about the sea."),
            ("t4", "train", "Give three tips for staying healthy."),
            ("d0", "dev", "The quick brown fox jumps over the lazy dog."),
            ("d1", "dev", "Speculative decoding drafts tokens with a small model.")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +199,22 @@ def test_two_shard_processes_equal_a_single_run(tiny_pair, prompts_file, baselin
         load_labelled(out)
     second = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
     assert second.complete and second.n_prompts == 3  # shards train/0 and train/2
+    assert_same_data(baseline, out)
+
+
+def test_a_damaged_shard_is_named_and_its_fix_works(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "damaged"
+    run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))  # train/1, dev/0
+    shard = out / "shards" / "train" / "00001"
+    arrow = next(shard.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=rf"shard train/00001 is damaged \({arrow} cannot be read.*"
+                                           rf"delete {shard} and {shard}.done, then rerun"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    shutil.rmtree(shard)  # what the message says
+    shard.with_suffix(".done").unlink()
+    result = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    assert result.complete and result.n_prompts == 2  # only the damaged shard was relabelled
     assert_same_data(baseline, out)
 
 
@@ -393,3 +401,44 @@ def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
     splits, meta = load_labelled(tmp_path)
     assert list(splits) == ["train"] and splits["train"][0]["p_acc"] == [1.0, 0.25]
     assert meta["rows"] == {"train": 1, "dev": 0} and meta["complete"]
+
+
+def test_chunked_labels_equal_whole_ones_and_post_processed_logits_fall_back(monkeypatch):
+    """Labelling a chunk of positions at a time gives the same labels as one piece; a model whose
+    output layer does not reproduce its logits (soft-capping, scaling) gets its whole logits."""
+    import specdecpp.labels as labels_module
+
+    draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 24, 2, seed=7, scale=0.5)
+    prompts = [[1, 2, 3], [4, 5]]
+    responses = [list(range(5, 30)), list(range(8, 20))]
+    cfg = SamplingConfig(temperature=1.0, top_k=10)
+
+    def run(draft_model):
+        return label_responses(draft_model, target, prompts, responses, cfg,
+                               [torch.Generator().manual_seed(b) for b in range(2)])
+
+    whole = run(draft)
+    monkeypatch.setattr(labels_module, "LABEL_CHUNK_ELEMENTS", 40 * 3)  # 3 positions per chunk
+    chunked = run(draft)
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.draft_ids, b.draft_ids)
+        torch.testing.assert_close(a.p_acc, b.p_acc)
+        torch.testing.assert_close(a.draft_entropy, b.draft_entropy)
+
+    capped = copy.deepcopy(draft)  # logits 3 * tanh(x / 3), as Gemma-style soft-capping
+    real_forward = capped.forward
+
+    def soft_capped(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        out.logits = 3 * torch.tanh(out.logits / 3)
+        return out
+
+    capped.forward = soft_capped
+    fallback = run(capped)
+    reference = []
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):  # an independent recomputation
+        logits = soft_capped(torch.tensor([p + r[:-1]])).logits[0, len(p) - 1:]
+        q = warp(logits, cfg)
+        reference.append(sample(q, torch.Generator().manual_seed(b)))
+    assert [f.draft_ids.tolist() for f in fallback] == [y.tolist() for y in reference]
+    assert [f.draft_ids.tolist() for f in fallback] != [w.draft_ids.tolist() for w in whole]

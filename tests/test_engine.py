@@ -262,3 +262,68 @@ def test_bad_max_new_tokens_is_refused(pair32, n):
 def test_head_for_another_draft_is_refused(pair32):
     with pytest.raises(ValueError, match="hidden_size 48"):
         SpeculativeDecoder(*pair32, SpecDecPP(AcceptanceHead(48, 1)), SamplingConfig())
+
+
+# -- hot loop: the draft computes only what the policy uses -------------------------------------
+@pytest.mark.parametrize("name", ["fixed_k4", "svip", "specdecpp"])
+def test_draft_runs_without_every_layers_states_and_hidden_only_for_the_head(pair32, name):
+    draft, target = pair32
+    policy = policies(32)[name]
+    calls, handed = [], []
+    hook = draft.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("output_hidden_states")),
+                                           with_kwargs=True)
+    real = policy.should_stop
+    policy.should_stop = lambda k, logits, hidden: handed.append(hidden) or real(k, logits, hidden)
+    try:
+        for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
+            out = SpeculativeDecoder(draft, target, policy, sampling).generate(
+                torch.tensor([[1, 2, 3]]), 12, generator=torch.Generator().manual_seed(0))
+            assert out.stats.n_generated == 12
+    finally:
+        hook.remove()
+    assert calls and not any(calls)  # never every layer's hidden states
+    assert all((h is not None) == (name == "specdecpp") for h in handed)
+    assert all(h.shape == (32,) for h in handed if h is not None)
+    assert not draft.get_decoder()._forward_hooks  # the capture hook is gone after generate
+
+
+def test_unsynced_clock_never_synchronises(monkeypatch):
+    from specdecpp.engine import Clock
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    cuda = torch.device("cuda")
+    marks = Clock(cuda, sync=False)
+    marks.now()
+    assert syncs == [] and not marks.exact
+    exact = Clock(cuda)
+    exact.now()
+    assert syncs == [1] and exact.exact and Clock(torch.device("cpu"), sync=False).exact
+
+
+def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
+    """scripts/bench_verify_cost.py: 2-3 tokens cost more than 4 on CPU; the runner pads them and
+    crops the padding from the cache again, the real positions unchanged."""
+    from specdecpp.engine import CPU_TOKEN_MULTIPLE, _Runner
+
+    _, target = pair32
+    assert CPU_TOKEN_MULTIPLE == 4
+    seen = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("input_ids", a[0] if a else None)
+                                                                         .shape[-1]), with_kwargs=True)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    try:
+        for n in (1, 2, 3, 4, 5):
+            runner = _Runner(target, 32, want_hidden=True)
+            with runner:
+                runner.feed(ids[:4])
+                seen.clear()
+                logits, hidden = runner.feed(ids[4 : 4 + n], n_logits=n)
+                assert seen == [n if n in (1, 4) else 4 if n < 4 else 8] and runner.length == 4 + n
+                fresh = target(ids[None, : 4 + n], output_hidden_states=True)
+                torch.testing.assert_close(logits, fresh.logits[0, -n:], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(hidden, fresh.hidden_states[-1][0, -n:], atol=1e-5, rtol=1e-5)
+                after, _ = runner.feed(ids[4 + n : 5 + n])  # the cache holds the real tokens only
+                torch.testing.assert_close(after, target(ids[None, : 5 + n]).logits[0, -1:], atol=1e-5, rtol=1e-5)
+    finally:
+        hook.remove()

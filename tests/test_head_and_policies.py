@@ -58,8 +58,49 @@ def test_head_hidden_size_mismatch():
     lambda: SVIP(threshold=2.0),
 ])
 def test_threshold_outside_unit_interval_is_refused(make):
-    with pytest.raises(ValueError, match="threshold must be in \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="threshold must be a number in \\[0, 1\\]"):
         make()
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan"), True, "0.5", 0, 2.5])
+def test_policies_and_infer_configs_share_one_settings_check(bad):
+    """The library and `python -m infer` accept and refuse the same values, with the same words
+    (a bool threshold or count used to pass the library and fail the config check)."""
+    from infer.methods import resolve_method
+    from specdecpp import SamplingConfig
+
+    def outcome(make):
+        try:
+            make()
+        except ValueError as exc:
+            return str(exc).split(": ", 1)[1].replace("method.", "")
+        return "accepted"
+
+    library = [outcome(lambda: SVIP(threshold=bad)), outcome(lambda: SVIP(max_candidates=bad)),
+               outcome(lambda: FixedK(bad))]
+    svip = {"name": "svip", "threshold": 0.3, "c": 0.15, "max_candidates": 40}
+    config = [outcome(lambda: resolve_method({**svip, "threshold": bad}, "d", SamplingConfig())),
+              outcome(lambda: resolve_method({**svip, "max_candidates": bad}, "d", SamplingConfig())),
+              outcome(lambda: resolve_method({"name": "fixed_k", "k": bad}, "d", SamplingConfig()))]
+    assert library == config
+    assert library[0] != "accepted" or isinstance(bad, (int, float)) and 0 <= bad <= 1 and bad is not True
+
+
+def test_one_same_model_rule_for_train_and_infer(tmp_path):
+    """A dataset's draft and a head's draft are matched against pair.draft by one rule."""
+    from infer.methods import same_model as infer_rule
+    from train.checks import check_draft_matches
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "draft")
+    for a, b, same in ((f"{tmp_path}/draft/", str(tmp_path / "link"), True), ("org/model/", "org/model", True),
+                       ("org/model", "org/other", False)):
+        assert infer_rule(a, b) is same
+        if same:
+            check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)
+        else:
+            with pytest.raises(ValueError, match="does not match the configured draft"):
+                check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)
 
 
 @pytest.mark.parametrize("make,match", [

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
@@ -195,6 +196,17 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
         app.run(make_cfg(*base, "method=specdecpp", f"method.head={renamed}"))
     job = app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={renamed}", "method.allow_draft_mismatch=true"))
     assert job.spec.head.hidden_size == setup.pair.draft_hidden
+    sampled = tmp_path / "head_t1_k50"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(
+        sampled, training={"dataset_meta": {"sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0}}})
+    with pytest.raises(ValueError, match=r"temperature: 1.0 in training, 0.0 now; top_k: 50 in training, 0 now.*"
+                                         r"method.allow_sampling_mismatch=true"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=greedy"))
+    with pytest.raises(ValueError, match=r"top_p: 1.0 in training, 0.9 now"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=paper", "sampling.top_p=0.9"))
+    app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=paper"))
+    app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={sampled}", "sampling=greedy",
+                         "method.allow_sampling_mismatch=true"))
     with pytest.raises(FileNotFoundError, match="no_such_head"):
         app.run(make_cfg(*base, "method=specdecpp", f"method.head={tmp_path}/no_such_head"))
     for method, key in (("specdecpp", "threshold"), ("svip", "threshold")):
@@ -419,3 +431,99 @@ def test_report_intervals_width_costs_and_fit_warning(tmp_path):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"t_draft": 0.01}))
         build_report(res.parent, tmp_path / "r2", costs=bad)
+
+
+# -- one EOS set for every stage ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_eos_pair(setup, tmp_path_factory):
+    """The tiny pair with a target whose generation_config.json lists two EOS ids: the tokenizer's
+    and the 3rd token of the target's greedy answer to the "sea" prompt (so greedy decoding must
+    stop after 3 tokens, on the second id, in every stage)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from specdecpp import SpeculativeDecoder, TargetOnly
+    from specdecpp.models import load_model
+    from specdecpp.prompts import encode_prompt
+    from specdecpp.sampling import SamplingConfig
+
+    root = tmp_path_factory.mktemp("two_eos")
+    target = root / "target"
+    shutil.copytree(setup.pair.target, target)
+    tok = setup.pair.tokenizer
+    prompt = [encode_prompt(tok, "Write a short poem about the sea.")]
+    model = load_model(str(target), "cpu")
+    greedy = SpeculativeDecoder(model, model, TargetOnly(), SamplingConfig(temperature=0)).generate(
+        torch.tensor(prompt), MAX_NEW).tokens[0, len(prompt[0]):].tolist()
+    stop = greedy[2]
+    assert stop not in greedy[:2] and stop != tok.eos_token_id
+    GenerationConfig(eos_token_id=[tok.eos_token_id, stop], bos_token_id=tok.bos_token_id).save_pretrained(target)
+    return type("TwoEos", (), {"target": str(target), "stop": stop, "greedy": greedy})
+
+
+def test_eos_set_includes_every_generation_config_eos_id(setup, two_eos_pair):
+    from specdecpp.models import eos_token_ids, load_model
+
+    target = load_model(two_eos_pair.target, "cpu")
+    assert eos_token_ids(setup.pair.tokenizer, target) == {setup.pair.tokenizer.eos_token_id, two_eos_pair.stop}
+    assert eos_token_ids(setup.pair.tokenizer) == {setup.pair.tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize("method", ["target_only", "fixed_k", "hf_constant", "oracle"])
+def test_every_runner_stops_on_the_second_generation_config_eos(setup, two_eos_pair, tmp_path, method):
+    prompts = tmp_path / "sea.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n')
+    base = [o for o in setup.base if not o.startswith(("pair.target=", "prompts.path="))]
+    summary = app.run(make_cfg(*base, f"pair.target={two_eos_pair.target}", f"prompts.path={prompts}",
+                               *GREEDY_METHODS[method], "sampling=greedy", f"out={tmp_path / 'out'}"))
+    (row,) = read_rows(Path(summary["path"]))
+    assert row["output_ids"] == two_eos_pair.greedy[:3], method
+
+
+def test_data_gen_and_infer_end_responses_on_the_same_eos(setup, two_eos_pair, tmp_path):
+    from datasets import load_from_disk
+
+    from data_gen import run as generate
+
+    prompts = tmp_path / "sea.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n')
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("data_gen", overrides=[
+            f"pair.draft={setup.pair.draft}", f"pair.target={two_eos_pair.target}", "pair.device=cpu",
+            "prompts=jsonl", f"prompts.path={prompts}", "sampling=greedy", f"out={tmp_path / 'data'}",
+            f"max_new_tokens={MAX_NEW}", "progress=false"])
+    generate(cfg)
+    assert load_from_disk(str(tmp_path / "data" / "train"))["target_ids"] == [two_eos_pair.greedy[:3]]
+
+
+# -- the pair from the head -----------------------------------------------------------------------
+def test_pair_comes_from_the_heads_config(setup, tmp_path):
+    """`python -m infer method=specdecpp method.head=DIR` with no pair.*; infer.sweep too."""
+    head = tmp_path / "head"
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(head, target=setup.pair.target)
+    base = [o for o in setup.base if not o.startswith("pair.")]
+    summary = app.run(make_cfg(*base, "method=specdecpp", f"method.head={head}", "sampling=greedy",
+                               f"out={tmp_path / 'one'}"))
+    rows = read_rows(Path(summary["path"]))
+    assert [r["pair"]["draft"] for r in rows] == [setup.pair.draft] * 2
+    assert [r["pair"]["target"] for r in rows] == [setup.pair.target] * 2
+    reference = app.run(make_cfg(*setup.base, "method=target_only", "sampling=greedy", f"out={tmp_path / 'ref'}"))
+    assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in read_rows(Path(reference["path"]))]
+
+    summaries = sweep.run(make_cfg(*base, "sampling=greedy", f"out={tmp_path}/sweep/${{method.name}}",
+                                   "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
+                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.head={head}",
+                                   "comparison.specdecpp.threshold=[0.5]"))
+    assert [s["method"] for s in summaries] == ["target_only", "fixed_k", "specdecpp"]
+    for s in summaries:
+        assert {r["pair"]["target"] for r in read_rows(Path(s["path"]))} == {setup.pair.target}
+
+    with pytest.raises(ValueError, match="trained on draft .* but draft .*target"):  # an explicit pair.draft wins, checked
+        app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={head}", f"pair.draft={setup.pair.target}"))
+    bare = tmp_path / "bare_head"  # a head that records no target
+    AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(bare)
+    with pytest.raises(ValueError, match="pair.target is not set and head .* records no target"):
+        app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={bare}"))
+    with pytest.raises(ValueError, match="pair.draft is not set"):
+        app.prepare(make_cfg(*base, "method=fixed_k"))

@@ -64,3 +64,32 @@ def test_target_padded_beyond_tokenizer_is_fine(tmp_path):
         logits = target(ref).logits[0, -1, : len(tok)]
         ref = torch.cat([ref, logits.argmax().view(1, 1)], 1)
     assert out.tokens.tolist() == ref.tolist()
+
+
+# transformers APIs the code calls, with the release that introduced each (checked against the
+# 4.55.4 and 4.56.0 wheels: 4.55 has neither `dtype=` in from_pretrained, where it is silently
+# ignored and the model loads in float32, nor a `config` argument to DynamicCache).
+TRANSFORMERS_APIS = {"from_pretrained(dtype=)": "4.56.0", "DynamicCache(config=)": "4.56.0",
+                     "forward(logits_to_keep=)": "4.50.0"}
+
+
+def test_transformers_lower_bound_covers_the_apis_used(tiny_pair):
+    import inspect
+    import re
+    from pathlib import Path
+
+    import transformers
+    from packaging.version import Version
+    from transformers import DynamicCache
+
+    from specdecpp.models import load_model
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in deps["dependencies"] if re.match(r"transformers\b", d)]
+    lower = Version(re.search(r">=\s*([\d.]+)", spec).group(1))
+    assert lower >= max(Version(v) for v in TRANSFORMERS_APIS.values()), spec
+    assert Version(transformers.__version__) >= lower
+    # the installed version has them (and they do what the code relies on)
+    assert "config" in inspect.signature(DynamicCache.__init__).parameters
+    assert load_model(tiny_pair.draft, "cpu", dtype="bfloat16").dtype == torch.bfloat16

@@ -38,15 +38,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 COLUMNS = ("id", "prompt", "prompt_ids", "target_ids", "draft_ids", "p_acc", "draft_entropy")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- synthetic datasets in the data_gen format ---------------------------------------------------
 def random_rows(n: int, vocab: int, seed: int, max_len: int = 12) -> dict:
     """Rows with the DESIGN.md columns: random prompts and responses, draft tokens agreeing with
@@ -382,6 +373,50 @@ def test_head_learns_labels_that_depend_on_the_hidden_state_and_round_trips(tiny
     loaded.check_draft(draft)
 
 
+def test_early_stopping_saves_the_best_epochs_weights_not_the_last(tiny_pair, draft, tmp_path, monkeypatch):
+    """Dev labels opposite to the train labels: the dev loss rises as the head learns, early
+    stopping ends the run; the saved head is the epoch with the lowest val/loss (as logged)."""
+    import csv
+
+    data = learnable_dataset(tmp_path / "data", tiny_pair, draft, mix_seed=0)
+    dev = data / "dev"
+    from datasets import load_from_disk
+    rows = load_from_disk(str(dev)).to_dict()
+    rows["p_acc"] = [[1.0 - v for v in r] for r in rows["p_acc"]]
+    splits = {"train": load_from_disk(str(data / "train")).to_dict(), "dev": rows}
+    data = save_dataset(tmp_path / "flipped", splits, tiny_pair.draft, 32, tiny_pair.vocab)
+
+    snapshots = {}
+    real_end = AcceptanceHeadModule.on_validation_epoch_end
+
+    def snapshot(self):
+        real_end(self)
+        snapshots[self.current_epoch] = {k: v.clone() for k, v in self.head.state_dict().items()}
+
+    monkeypatch.setattr(AcceptanceHeadModule, "on_validation_epoch_end", snapshot)
+    cfg = train_cfg([*base_overrides(tiny_pair, data, tmp_path, "trainer=cpu", "logger=csv"),
+                     "+experiment=[wrej1_d0,small_data]", "trainer.max_epochs=12", "optimizer.lr=0.05",
+                     "~callbacks.progress_bar", "~callbacks.checkpoint"])
+    result = run(cfg)
+    with open(next(Path(cfg.out).rglob("metrics.csv"))) as f:
+        logged = [(int(r["epoch"]), float(r["val/loss"])) for r in csv.DictReader(f) if r.get("val/loss")]
+    best_epoch = min(logged, key=lambda e: e[1])[0]
+    last_epoch = logged[-1][0]
+    assert last_epoch == best_epoch + 3 < 11  # patience 3 stopped it early
+    training = AcceptanceHead.from_pretrained(cfg.out).meta["training"]
+    assert (training["weights"], training["best_epoch"]) == ("best_val", best_epoch)
+    assert training["val_loss_per_epoch"] == pytest.approx([v for _, v in logged], rel=1e-5)
+    saved = AcceptanceHead.from_pretrained(cfg.out).state_dict()
+    torch.testing.assert_close(saved, snapshots[best_epoch])
+    assert not torch.allclose(saved["out.weight"], snapshots[last_epoch]["out.weight"])
+    torch.testing.assert_close(result["module"].head.cpu().state_dict(), saved)  # evaluated with these weights
+    last = run(train_cfg([*base_overrides(tiny_pair, data, tmp_path / "last", "trainer=cpu", "logger=none"),
+                          "+experiment=[wrej1_d0,small_data]", "trainer.max_epochs=12", "optimizer.lr=0.05",
+                          "~callbacks.progress_bar", "~callbacks.checkpoint", "weights=last"]))
+    assert AcceptanceHead.from_pretrained(last["out"]).meta["training"]["weights"] == "last"
+    torch.testing.assert_close(AcceptanceHead.from_pretrained(last["out"]).state_dict(), snapshots[last_epoch])
+
+
 def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pair, tmp_path, monkeypatch):
     """Crash at step 5 with checkpoints every 2 steps; the same command resumes at step 4 mid-epoch
     and trains on exactly the prompts an uninterrupted run would (raw rows show which)."""
@@ -421,8 +456,34 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pai
     assert AcceptanceHead.from_pretrained(tmp_path / "head").meta["training"]["global_step"] == 12
     torch.testing.assert_close(result["module"].head.state_dict(), reference["module"].head.state_dict())
 
-    with pytest.raises(ValueError, match="checkpoint of a different run.*w_rej"):
+    with pytest.raises(ValueError, match="checkpoint of a different training run.*loss.w_rej: 3.*12"):
         run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
+
+
+def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pair, tmp_path):
+    """A finished run leaves last.ckpt; another preset, dataset or seed into the same out must not
+    resume it (it would train zero steps and save the old weights under the new record)."""
+    def overrides(preset, data=tiny_dataset, *extra):
+        return [*base_overrides(tiny_pair, data, tmp_path, "trainer=cpu"), f"+experiment=[wrej6_d3,{preset}]",
+                "trainer.max_epochs=2", "~callbacks.progress_bar", "~callbacks.lr_monitor", *extra]
+
+    first = run(train_cfg(overrides("small_data")))
+    assert (tmp_path / "head" / "ckpt" / "last.ckpt").is_file() and first["global_step"] == 12
+    with pytest.raises(ValueError) as error:
+        run(train_cfg(overrides("paper")))
+    message = str(error.value)
+    for key in ("optimizer.lr: 0.003 there, 5e-05 now", "callbacks.early_stopping.monitor"):
+        assert key in message, message
+    assert "choose another out=" in message and f"delete {tmp_path / 'head' / 'ckpt'}" in message
+    other = save_dataset(tmp_path / "other_data", {"train": random_rows(24, tiny_pair.vocab, 7),
+                                                   "dev": random_rows(8, tiny_pair.vocab, 8)},
+                         tiny_pair.draft, 32, tiny_pair.vocab)
+    with pytest.raises(ValueError, match="differs in: dataset_fingerprint"):
+        run(train_cfg(overrides("small_data", other)))
+    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; data.val_seed: 0 there, 1 now; seed: 0 there, 1 now"):
+        run(train_cfg(overrides("small_data", tiny_dataset, "seed=1")))
+    again = run(train_cfg(overrides("small_data")))  # the same command: the same run, resumed (done)
+    assert again["global_step"] == 12
 
 
 def test_remix_each_epoch_draws_a_new_mixing_per_epoch_and_validates_on_the_fixed_one(
@@ -457,9 +518,10 @@ def test_bad_settings_fail_before_anything_is_written(tiny_dataset, tiny_pair, t
     assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
 
 
-def test_missing_draft_or_dataset_path_is_named(tmp_path):
-    with pytest.raises(ValueError, match="pair.draft is not set"):
-        run(train_cfg(["data.path=somewhere", f"out={tmp_path / 'head'}"]))
+def test_missing_draft_or_dataset_path_is_named(tiny_pair, tmp_path):
+    data = save_dataset(tmp_path / "data", {"train": random_rows(4, tiny_pair.vocab, 0)}, None, 32, tiny_pair.vocab)
+    with pytest.raises(ValueError, match="pair.draft is not set and dataset .* records no draft"):
+        run(train_cfg([f"data.path={data}", f"out={tmp_path / 'head'}"]))
     with pytest.raises(ValueError, match="data.path is not set"):
         run(train_cfg(["pair.draft=somewhere", f"out={tmp_path / 'head'}"]))
     assert not (tmp_path / "head").exists()
@@ -512,12 +574,59 @@ def test_bad_datasets_get_clear_errors(tiny_pair, tmp_path, case, message):
     assert not (tmp_path / "head").exists()
 
 
+@pytest.mark.parametrize("keep", [0, 100, 0.5])
+def test_a_damaged_arrow_file_is_named_with_how_to_regenerate(tiny_pair, tmp_path, keep):
+    data = save_dataset(tmp_path / "data", {"train": random_rows(30, tiny_pair.vocab, 0),
+                                            "dev": random_rows(6, tiny_pair.vocab, 1)},
+                        tiny_pair.draft, 32, tiny_pair.vocab)
+    arrow = next((data / "train").glob("*.arrow"))
+    size = arrow.stat().st_size
+    arrow.write_bytes(arrow.read_bytes()[: int(size * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=rf"the dataset is damaged: {arrow} \(split 'train'\) cannot be read.*"
+                                         r"rerun the data_gen command that made it") as error:
+        run(train_cfg(base_overrides(tiny_pair, data, tmp_path)))
+    assert "pyarrow" not in str(error.value)
+    assert not (tmp_path / "head").exists()
+
+
 def test_draft_mismatch_can_be_overridden_for_a_renamed_draft(tiny_pair):
     meta = {"draft": "/somewhere/else/draft", "draft_hidden_size": 32}
     with pytest.raises(ValueError, match="made with draft '/somewhere/else/draft'"):
         check_draft_matches(meta, tiny_pair.draft, 32, "DIR", allow_mismatch=False)
     check_draft_matches(meta, tiny_pair.draft, 32, "DIR", allow_mismatch=True)
     check_draft_matches({"draft": tiny_pair.draft + "/", "draft_hidden_size": 32}, tiny_pair.draft, 32, "DIR", False)
+
+
+def test_draft_comes_from_the_dataset_and_a_train_only_dataset_holds_out_validation(tiny_pair, tmp_path):
+    """`python -m train +experiment=wrej6_d3 data.path=DIR`: no pair.*, no dev split."""
+    data = save_dataset(tmp_path / "data", {"train": random_rows(30, tiny_pair.vocab, 4)}, tiny_pair.draft, 32,
+                        tiny_pair.vocab)
+
+    def train(out, *extra):
+        return run(train_cfg(["+experiment=wrej6_d3", f"data.path={data}", f"out={tmp_path / out}", "logger=none",
+                              "trainer=smoke", "callbacks=none", f"data.cache_dir={tmp_path / 'cache'}", *extra]))
+
+    first = train("a")
+    head = AcceptanceHead.from_pretrained(tmp_path / "a")
+    assert head.draft == tiny_pair.draft
+    validation = head.meta["training"]["validation"]
+    assert (validation["held_out_from"], validation["fraction"], validation["seed"], validation["rows"]) == \
+        ("train", 0.1, 0, 3)
+    assert set(first["metrics"]) == {"train", "val"}
+    lengths = {f"4-{j}": len(x) for j, x in enumerate(random_rows(30, tiny_pair.vocab, 4)["target_ids"])}
+    held = validation["ids"]
+    kept = [i for i in lengths if i not in held]
+    for split, ids in (("val", held), ("train", kept)):  # each slice holds exactly its own prompts
+        assert first["metrics"][split]["positions"] == sum(
+            int((~mixing_mask(lengths[i], 0.15, 0, 0, k)).sum()) for k, i in enumerate(ids)), split
+    assert json.loads((tmp_path / "a" / "validation_ids.json").read_text()) == validation["ids"]
+    assert set(validation["ids"]) <= {f"4-{j}" for j in range(30)}
+    assert AcceptanceHead.from_pretrained(Path(train("b")["out"])).meta["training"]["validation"]["ids"] == \
+        validation["ids"]  # seeded
+    other = AcceptanceHead.from_pretrained(Path(train("c", "data.val_seed=1")["out"])).meta["training"]["validation"]
+    assert other["ids"] != validation["ids"] and other["seed"] == 1
+    with pytest.raises(ValueError, match="does not match the configured draft"):  # an explicit draft still wins
+        train("d", f"pair.draft={tiny_pair.target}")
 
 
 def test_learning_rate_schedule_is_warmup_then_cosine(draft):
@@ -553,18 +662,68 @@ def test_trains_on_a_real_data_gen_output(tiny_pair, tmp_path):
 
 
 def test_command_line(tiny_dataset, tiny_pair, tmp_path):
-    """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs."""
+    """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs (no pair.*: the
+    draft comes from the dataset's meta)."""
     import os
     import subprocess
     import sys
 
     out = tmp_path / "cli_head"
     command = [sys.executable, "-m", "train", "+experiment=wrej6_d3", f"data.path={tiny_dataset}", f"out={out}",
-               f"pair.draft={tiny_pair.draft}", "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
+               "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
                f"hydra.run.dir={tmp_path / 'hydra'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CONF.parent)}
     done = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     head = AcceptanceHead.from_pretrained(out)
-    assert (head.depth, head.meta["training"]["w_rej"]) == (3, 6.0)
+    assert (head.depth, head.meta["training"]["w_rej"], head.draft) == (3, 6.0, tiny_pair.draft)
     assert (out / "logs" / "csv").is_dir() and (out / "ckpt" / "last.ckpt").is_file()
+
+
+def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_path):
+    """End to end: the engine runs with a spy policy that records every hidden state it is handed;
+    for each one that sits on a committed token, train's features for the generated sequence (raw
+    rows and the feature cache) hold the same vector at the same position."""
+    from specdecpp import SamplingConfig, SpeculativeDecoder, StopPolicy, load_pair
+    from specdecpp.prompts import encode_prompt
+
+    class Spy(StopPolicy):
+        name, max_candidates, needs_hidden = "spy", 4, True
+
+        def __init__(self):
+            self.rounds = []
+
+        def new_round(self):
+            self.rounds.append([])
+
+        def should_stop(self, k, logits, hidden):
+            self.rounds[-1].append((k, hidden.detach().clone()))
+            return k >= self.max_candidates
+
+    draft, target, tok = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
+    prompt = encode_prompt(tok, "Write a short poem about the sea.")
+    spy = Spy()
+    out = SpeculativeDecoder(draft, target, spy, SamplingConfig(temperature=1.0)).generate(
+        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(3))
+    response = out.tokens[0, len(prompt):].tolist()
+    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
+           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
+    (raw,), _ = mixed_features(draft, [row], ratio=0.0, seed=0)  # every position is a Y-position
+    split = Dataset.from_dict({"prompt_ids": [prompt], "target_ids": [response], "draft_ids": [response],
+                               "p_acc": [[1.0] * len(response)]})
+    cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0).row(0)
+    assert raw.shape == cached.shape == (len(response), 32)
+
+    checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)  # n: committed tokens at the start of the round
+    for calls, accepted in zip(spy.rounds, out.stats.accept_lengths, strict=True):
+        for k, hidden in calls:
+            index = n + k - 2  # the state at y_{k-1} (at the last committed token when k == 1)
+            if k - 1 > accepted or index < len(prompt):
+                continue  # a rejected candidate, or a prompt token: no training position
+            j = index - len(prompt)  # train: feature of response token j + 1 sits at len(prompt) + j
+            torch.testing.assert_close(hidden, raw[j], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden, cached[j], atol=1e-4, rtol=1e-4)
+            assert not torch.allclose(hidden, raw[j - 1], atol=1e-3) if j > 0 else True
+            checked["k=1" if k == 1 else "k>=2"] += 1
+        n += accepted + 1
+    assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked

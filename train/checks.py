@@ -5,12 +5,10 @@ Every failure is a ValueError/FileNotFoundError that names the input and what to
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pyarrow.compute as pc
 
 from specdecpp.dataset import DatasetError, load_labelled
+from specdecpp.models import same_model
 
 
 def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, depth: int,
@@ -65,18 +63,11 @@ def check_split(split, name: str, path: str, vocab_size: int) -> None:
                              f"outside the draft's vocabulary [0, {vocab_size}): the dataset was made with another tokenizer")
 
 
-def _same_model_ref(a: str, b: str) -> bool:
-    pa, pb = Path(os.path.expanduser(str(a))), Path(os.path.expanduser(str(b)))
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return str(a) == str(b)
-
-
 def check_draft_matches(meta: dict, draft_ref: str, hidden_size: int, path: str, allow_mismatch: bool) -> None:
     """The dataset's labels belong to the draft that made them: refuse another draft unless allowed."""
     made_with, made_hidden = meta.get("draft"), meta.get("draft_hidden_size")
     problems = []
-    if made_with is not None and not _same_model_ref(made_with, draft_ref):
+    if made_with is not None and not same_model(made_with, draft_ref):
         problems.append(f"it was made with draft {made_with!r} but pair.draft is {draft_ref!r}")
     if made_hidden is not None and int(made_hidden) != hidden_size:
         problems.append(f"its draft had hidden size {made_hidden} but pair.draft has {hidden_size}")
