@@ -38,7 +38,7 @@ def run(cmd: list[str]) -> None:
 def stage_data(args) -> None:
     run([sys.executable, "-m", "data_gen", "pair=demo", "prompts=bundled", "splits=[train,dev]",
          f"limit={{train: {args.train_prompts}, dev: {args.dev_prompts}}}", f"max_new_tokens={args.tokens}",
-         f"out={args.data}"])
+         f"out={args.data}", "shard_size=32"])  # small shards: an interruption loses at most 32 prompts
 
 
 def stage_train(args) -> None:
