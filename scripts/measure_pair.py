@@ -65,25 +65,30 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
 
 def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
                ) -> dict[str, dict[int, float]]:
-    """Median seconds of one cached forward pass of n tokens per model (n = 1 and ``widths[name]``),
-    batch 1, every (model, n) measured in turn in each step so machine load affects all alike."""
-    from transformers import DynamicCache
+    """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
+    batch 1, through the decoding engine's own model call (``specdecpp.engine._Runner.feed``: on a
+    CPU it pads 2-3 tokens to 4, as decoding does); every (model, n) in turn in each step, so
+    machine load affects all alike."""
+    from specdecpp.engine import _Runner
+    from specdecpp.models import output_vocab_size
 
     widths = widths or {}
     jobs = [(name, n) for name in models for n in [1, *[w for w in widths.get(name, []) if w != 1]]]
-    caches, times = {}, {job: [] for job in jobs}
+    runners, times = {}, {job: [] for job in jobs}
     with torch.no_grad():
         for name, model in models.items():
-            caches[name] = DynamicCache(config=model.config)
-            model(context[:, :-9], past_key_values=caches[name], use_cache=True)
+            runners[name] = _Runner(model, output_vocab_size(model), want_hidden=False)
+            runners[name].feed(context[0, :-9])
         for i in range(steps + 3):
             for name, n in jobs:
-                tokens = context[:, -9 : -9 + n]
+                runner = runners[name]
+                length = runner.length
+                tokens = context[0, -9 : -9 + n]
                 start = time.perf_counter()
-                models[name](tokens, past_key_values=caches[name], use_cache=True)
+                runner.feed(tokens, n_logits=n)
                 if i >= 3:  # warm-up steps are not timed
                     times[(name, n)].append(time.perf_counter() - start)
-                caches[name].crop(-n)
+                runner.rollback(length)
     out: dict[str, dict[int, float]] = {}
     for (name, n), t in times.items():
         out.setdefault(name, {})[n] = statistics.median(t)
