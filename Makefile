@@ -89,7 +89,7 @@ potential: demo-pair bench-costs  # docs/demo.md: the potential table on held-ou
 BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out from distillation and heads)
 BENCH_TOKENS ?= 96
 BENCH_THREADS ?= 1
-BENCH_HEAD_THRESHOLDS := $(shell $(PYTHON) -c "import json; print(sorted({t for h in json.load(open('demo/heads/selection.json'))['heads'] for t in h['thresholds']}))" 2>/dev/null)
+BENCH_HEAD_THRESHOLDS := $(shell $(PYTHON) -c "import json; print(json.load(open('demo/heads/selection.json'))['heads'][0]['thresholds'])" 2>/dev/null)
 BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=[0.5,0.7]' \
 	'comparison.specdecpp.head=[$(REF_HEADS)]' 'comparison.specdecpp.threshold=$(subst $() ,,$(BENCH_HEAD_THRESHOLDS))' \
 	'~comparison.hf_assisted' '+comparison.hf_assisted=[{mode:constant,num_assistant_tokens:[1,2,3,4]},{mode:[heuristic,confidence],num_assistant_tokens:4}]' \
