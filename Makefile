@@ -23,9 +23,11 @@ DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a 
 
 # The two reference heads chosen on the dev split by the potential analysis (demo/heads/selection.json).
 REF_HEADS := $(shell $(PYTHON) -c "import json; print(','.join('demo/heads/' + h['name'] for h in json.load(open('demo/heads/selection.json'))['heads']))" 2>/dev/null)
+# Each reference head at its best dev-split threshold (selection.json), e.g. {head:demo/heads/wrej3_d3,threshold:0.5}
+REF_HEAD_POINTS := $(shell $(PYTHON) -c "import json; s = json.load(open('demo/heads/selection.json')); best = {r['name']: r['best_threshold'] for r in s['ranking']}; print(','.join('{head:demo/heads/%s,threshold:%s}' % (h['name'], best[h['name']]) for h in s['heads']))" 2>/dev/null)
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.svip.threshold=[0.3,0.5]' \
-	'comparison.specdecpp.head=[$(DEMO_HEAD),$(REF_HEADS)]' 'comparison.specdecpp.threshold=[0.5,0.8]' \
+	'~comparison.specdecpp' '+comparison.specdecpp=[{head:$(DEMO_HEAD),threshold:[0.5,0.8]},$(REF_HEAD_POINTS)]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
@@ -50,7 +52,7 @@ demo-head: demo-data
 
 demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (scripts/measure_pair.py)
 	test -f reports/demo/costs.json || $(PYTHON) scripts/measure_pair.py --limit 1 --max-new-tokens 16 \
-		--timing-steps 40 --out reports/demo/pair.json --costs-out reports/demo/costs.json
+		--timing-steps 20 --out reports/demo/pair.json --costs-out reports/demo/costs.json
 
 demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
 	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \

@@ -46,9 +46,11 @@ def expand_comparison(comparison) -> list[DictConfig]:
 def run(cfg) -> list[dict]:
     """Run every method of ``cfg.comparison``; return one summary per run."""
     set_threads(cfg)
-    heads = ((cfg.comparison or {}).get("specdecpp") or {}).get("head")
+    entries = (cfg.comparison or {}).get("specdecpp") or {}
+    heads = [e.get("head") for e in entries] if isinstance(entries, ListConfig | list) else [entries.get("head")]
+    heads = [h for hs in heads for h in (hs if isinstance(hs, ListConfig | list) else [hs]) if h]
     # an unset pair comes from the (first) SpecDec++ head of the comparison, for every method
-    first_head = (heads[0] if len(heads) else None) if isinstance(heads, ListConfig | list) else heads
+    first_head = heads[0] if heads else None
     jobs = []
     for method in expand_comparison(cfg.comparison):
         if method.name == "oracle" and float(cfg.sampling.temperature) != 0:
