@@ -16,7 +16,8 @@ select: `python -m infer.potential` on the DEV split with every head and the mea
         best (and their three best thresholds) go to demo/heads/selection.json, which `make bench`
         reads. No test prompt is used to choose.
 ship:   copies each head's config.json and model.safetensors (float32) to demo/heads/<name>/, with
-        the draft reference made relative to the repository (.cache/demo/draft), and writes
+        the draft named by its identity (specdecpp-demo-draft@<artifact sha256>, which any
+        materialised copy of the demo draft matches, wherever its cache is), and writes
         demo/heads/README.md with the table of dev metrics.
 """
 
@@ -31,6 +32,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from specdecpp.demo import demo_draft_path  # noqa: E402
+from specdecpp.models import model_identity  # noqa: E402
 EXPERIMENTS = [f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5)]
 
 
@@ -93,7 +97,8 @@ def stage_ship(args) -> None:
             raise SystemExit(f"ship: {src} has no trained head; run --stage train")
         (dest / name).mkdir(parents=True, exist_ok=True)
         config = json.loads((src / "config.json").read_text())
-        config["draft"] = ".cache/demo/draft"  # the materialised demo draft, relative to the repository
+        # the demo draft by its identity (artifact digest), not by this machine's cache path
+        config["draft"] = model_identity(str(demo_draft_path()))
         (dest / name / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(src / "model.safetensors", dest / name / "model.safetensors")
         dev = config.get("metrics", {}).get("dev", {})

@@ -50,12 +50,36 @@ def _source(path: str) -> tuple[str, dict]:
     return str(path), {}
 
 
+MODEL_ID_FILE = "specdecpp_demo.json"  # a materialised model's stamp; its artifact digest names the model
+
+
+def model_identity(ref: str) -> str | None:
+    """A location-independent name for a materialised model directory (the demo draft:
+    ``specdecpp-demo-draft@<artifact sha256>``), or None. Lets a shipped head name its draft
+    without naming the machine's cache path."""
+    stamp = Path(os.path.expanduser(str(ref))) / MODEL_ID_FILE
+    if not stamp.is_file():
+        return None
+    try:
+        import json
+
+        digest = json.loads(stamp.read_text()).get("artifact_sha256")
+    except ValueError:
+        return None
+    return f"specdecpp-demo-draft@{digest}" if digest else None
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model references name the same model: local paths compared resolved (a symlink,
-    ``~`` or a trailing slash names the same directory), other references (hub ids) as text."""
+    ``~`` or a trailing slash names the same directory), a materialised directory against its
+    identity (:func:`model_identity`), other references (hub ids) as text."""
     pa, pb = Path(os.path.expanduser(str(a))), Path(os.path.expanduser(str(b)))
     if pa.exists() and pb.exists():
         return pa.resolve() == pb.resolve()
+    for x, y in ((a, b), (b, a)):
+        ident = model_identity(x)
+        if ident is not None and ident == str(y):
+            return True
     return str(a).rstrip("/") == str(b).rstrip("/")
 
 

@@ -264,4 +264,30 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
     report = (tmp_path / "reports" / "demo" / "report.md").read_text()
     for method in ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted"):
         assert method in report
+    for ref in json.loads((REPO / "demo" / "heads" / "selection.json").read_text())["heads"]:
+        assert ref["name"] in report  # the reference heads are compared beside the demo's own head
+    assert (tmp_path / "reports" / "demo" / "potential" / "potential.json").is_file()
     assert len(list((tmp_path / "reports" / "demo").glob("*.png"))) >= 2
+
+
+def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
+    """demo/heads/ belongs to this draft artifact: a rebuilt draft must come with rebuilt heads."""
+    from specdecpp.head import AcceptanceHead
+    from specdecpp.models import model_identity, same_model
+
+    identity = "specdecpp-demo-draft@" + demo._artifact_digest(demo.DRAFT_ARTIFACT)
+    heads = sorted((REPO / "demo" / "heads").glob("wrej*"))
+    assert len(heads) == 20
+    width = demo.draft_config()["llama_config"]["hidden_size"]
+    for h in heads:
+        head = AcceptanceHead.from_pretrained(h)
+        assert head.draft == identity and head.hidden_size == width
+    selection = json.loads((REPO / "demo" / "heads" / "selection.json").read_text())
+    assert len(selection["heads"]) == 2 and all((REPO / "demo" / "heads" / s["name"]).is_dir()
+                                                for s in selection["heads"])
+    # the materialised draft (wherever the cache is) is the model the heads name
+    draft_dir = demo.demo_draft_path()
+    assert model_identity(str(draft_dir)) == identity
+    assert same_model(identity, str(draft_dir)) and same_model(str(draft_dir), identity)
+    assert not same_model(identity[:-1] + "0", str(draft_dir))
+    assert not same_model(identity, str(demo_cache / "target"))
