@@ -74,9 +74,10 @@ def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> 
     return rows, meta, [r for r in raw if len(r["p_acc"])]
 
 
-def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
-                     mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8) -> list[np.ndarray]:
-    """The head's P_hat at every position, from the draft's features of the same data.
+def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
+                      mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8) -> list[list[np.ndarray]]:
+    """Each head's P_hat at every position, from the draft's features of the same data; the draft
+    is loaded and run once for all heads.
 
     Features follow train's token mixing (Z_i = X_i with probability ``mix_ratio``); a position
     whose mixing took X_i gets its feature from the next mixing draw (epoch 1, 2, ...), so every
@@ -88,15 +89,17 @@ def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref:
     from specdecpp.mixing import draft_features, mixed_example, mixing_mask
     from specdecpp.models import load_model
 
-    head = AcceptanceHead.from_pretrained(head_dir)
+    heads = [AcceptanceHead.from_pretrained(h) for h in head_dirs]
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
         raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
     draft = load_model(draft_ref, device="cpu", dtype="float32")
-    head.check_draft(draft)
-    preds = [np.full(len(r["p_acc"]), np.nan) for r in raw_rows]
+    for head in heads:
+        head.check_draft(draft)
+    filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]
+    preds = [[np.full(len(r["p_acc"]), np.nan) for r in raw_rows] for _ in heads]
     for epoch in range(8):
-        todo = [j for j, p in enumerate(preds) if np.isnan(p).any()]
+        todo = [j for j, f in enumerate(filled) if not f.all()]
         if not todo:
             break
         ratio = mix_ratio if epoch < 7 else 0.0  # the last pass feeds the draft tokens everywhere
@@ -110,11 +113,19 @@ def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref:
             hidden = draft_features(draft, [e[0][0] for e in examples], [e[0][1] for e in examples])
             with torch.no_grad():
                 for j, h, (_, mask) in zip(chunk, hidden, examples, strict=True):
-                    p = torch.sigmoid(head(h.float())).squeeze(-1).double().numpy()
                     keep = (~mask).nonzero().squeeze(-1).numpy()
-                    fill = np.isnan(preds[j][keep])
-                    preds[j][keep[fill]] = p[fill]
+                    new = keep[~filled[j][keep]]
+                    fill = ~filled[j][keep]
+                    for head, out in zip(heads, preds, strict=True):
+                        out[j][new] = torch.sigmoid(head(h.float())).squeeze(-1).double().numpy()[fill]
+                    filled[j][new] = True
     return preds
+
+
+def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
+                     **kwargs) -> list[np.ndarray]:
+    """One head's P_hat at every position (see :func:`heads_predictions`)."""
+    return heads_predictions([head_dir], raw_rows, meta, draft_ref, **kwargs)[0]
 
 
 def policies(max_k: int, thresholds, svip_thresholds, heads: list[str]) -> list[pt.Policy]:
@@ -205,13 +216,10 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     rows, meta, raw = dataset_rows(data_dir, split, limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
-    head_names = []
-    for h in heads:
-        name = Path(h).name
-        preds = head_predictions(h, raw, meta, draft)
+    head_names = [Path(h).name for h in heads]
+    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
-        head_names.append(name)
     pols = policies(max_k, thresholds, svip_thresholds, head_names)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))

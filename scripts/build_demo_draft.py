@@ -513,7 +513,6 @@ def build_vocab(recipe: dict, work: Path, out: Path) -> None:
             "shards": [p.name for p in shards], "positions": positions,
             "teacher_mass_covered_on_ranking_data": covered}
     out.mkdir(parents=True, exist_ok=True)
-    (out / ARTIFACT_VOCAB).write_text(json.dumps({**info, "token_ids": keep}))
     held_out = sorted((work / "shards").glob("[0-9]*.safetensors"))[:1]
     held_mass, _ = token_mass(held_out, vocab_size)
     info["teacher_mass_covered_on_held_out_shard"] = float(held_mass[keep].sum() / held_mass.sum())
