@@ -1,7 +1,7 @@
 """specdecpp: learned stop predictors (SpecDec++) for speculative decoding, and its baselines."""
 
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
-from .head import AcceptanceHead
+from .head import AcceptanceHead, NextTokenHead, load_head
 from .models import load_pair
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp
@@ -10,6 +10,6 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "FixedK", "GenerateOutput", "RunStats", "SVIP", "SamplingConfig",
-    "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_pair", "verify", "warp",
+    "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "RunStats", "SVIP", "SamplingConfig",
+    "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head", "load_pair", "verify", "warp",
 ]
