@@ -27,7 +27,7 @@ import numpy as np
 
 from specdecpp import potential as pt
 
-DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
 
