@@ -264,8 +264,9 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
     report = (tmp_path / "reports" / "demo" / "report.md").read_text()
     for method in ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted"):
         assert method in report
-    for ref in json.loads((REPO / "demo" / "heads" / "selection.json").read_text())["heads"]:
-        assert ref["name"] in report  # the reference heads are compared beside the demo's own head
+    selection = json.loads((REPO / "demo" / "heads" / "selection.json").read_text())
+    for ref in selection["heads"] + selection["lag_free_heads"]:
+        assert ref["name"] in report  # both kinds' reference heads are compared beside the demo's own head
     assert (tmp_path / "reports" / "demo" / "potential" / "potential.json").is_file()
     assert len(list((tmp_path / "reports" / "demo").glob("*.png"))) >= 2
 
@@ -285,6 +286,14 @@ def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     selection = json.loads((REPO / "demo" / "heads" / "selection.json").read_text())
     assert len(selection["heads"]) == 2 and all((REPO / "demo" / "heads" / s["name"]).is_dir()
                                                 for s in selection["heads"])
+    # the two lag-free heads: their kind, the draft they name, and their feature size for its width
+    from specdecpp.head import NEXT_FEATURES, NextTokenHead, load_head
+    assert len(selection["lag_free_heads"]) == 2
+    for s in selection["lag_free_heads"]:
+        head = load_head(REPO / "demo" / "heads" / s["name"])
+        assert isinstance(head, NextTokenHead) and head.draft == identity and head.hidden_size == width
+        assert head.features == NEXT_FEATURES and head.feature_size == 2 * width + 3
+        assert 0.0 < float(torch.sigmoid(head(torch.zeros(head.feature_size)))) < 1.0
     # the materialised draft (wherever the cache is) is the model the heads name
     draft_dir = demo.demo_draft_path()
     assert model_identity(str(draft_dir)) == identity
