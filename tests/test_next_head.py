@@ -293,3 +293,47 @@ def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
     vals = [(r["verification_rate"], r["discard_rate"]) for r in records]
     assert vals[0] == pytest.approx(vals[1]) and vals[2] == pytest.approx(vals[3])
     assert vals[0][0] != pytest.approx(vals[2][0])  # the lag changes the rounds
+
+
+# -- infer: both kinds side by side ---------------------------------------------------------------------
+def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
+    """``infer.sweep`` with a paper head and a lag-free head: greedy output equal to target-only for
+    both, rows record the kind, the lag-free head's rounds may have one candidate, the report names
+    both."""
+    from hydra import compose, initialize_config_dir
+
+    from infer import sweep
+    from infer.report import build_report
+    from infer.results import read_rows
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    AcceptanceHead(32, 1, draft=tiny_pair.draft).save_pretrained(tmp_path / "paper")
+    ConstantNext(32, -20.0).save_pretrained(tmp_path / "free")  # forced low: one candidate per round
+    cfg_file = tmp_path / "free" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["draft"] = tiny_pair.draft
+    cfg_file.write_text(json.dumps(cfg))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("infer", overrides=[
+            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=0", "progress=false", "sampling=greedy",
+            f"out={tmp_path}/res/${{method.name}}", "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
+            "~comparison.fixed_k", "~comparison.specdecpp",
+            f"+comparison.specdecpp=[{{head:{tmp_path / 'paper'},threshold:0.5}},{{head:{tmp_path / 'free'},threshold:0.5}}]"])
+    summaries = sweep.run(cfg)
+    rows = {s["method"] + ":" + Path(s["path"]).name: read_rows(Path(s["path"])) for s in summaries}
+    reference = next(r for k, r in rows.items() if k.startswith("target_only"))
+    kinds = {}
+    for key, rs in rows.items():
+        assert [r["output_ids"] for r in rs] == [r["output_ids"] for r in reference], key
+        if key.startswith("specdecpp"):
+            kinds[rs[0]["settings"]["head_kind"]] = rs
+    assert set(kinds) == {"resnet", "next"}
+    assert all(set(r["candidate_lengths"][:-1]) <= {1} for r in kinds["next"])
+    assert any(max(r["candidate_lengths"]) >= 2 for r in kinds["resnet"])
+    build_report(tmp_path / "res", tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "free_h0.5" in text and "paper_h0.5" in text

@@ -107,7 +107,7 @@ def make_head(head_cfg: DictConfig, hidden_size: int, draft_ref: str, meta: dict
     kind = head_cfg.get("kind", "resnet")
     if kind == "resnet":
         return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref)
-    temperature = float(((meta.get("sampling") or {}).get("temperature", 1.0)))
+    temperature = float((meta.get("sampling") or {}).get("temperature", 1.0))
     return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref,
                       features=tuple(head_cfg.features), temperature=temperature)
 
