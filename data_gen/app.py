@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -109,6 +110,8 @@ def _consolidate_once(out: Path, counts: dict[str, int], meta: dict) -> dict[str
                     "the lock file and rerun with consolidate_only=true", lock, out)
         return None
     try:
+        if (read_meta(out) or {}).get("complete"):  # another process finished between our check and the lock
+            return read_meta(out).get("rows", {})
         splits = consolidate(out, counts, meta)
     finally:
         os.close(fd)
@@ -154,6 +157,8 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
 def run(cfg: DictConfig) -> DataGenResult:
     """Generate (or resume, or finish) the labelled dataset described by ``cfg``."""
     _check_settings(cfg)
+    if cfg.get("num_threads") is not None:
+        torch.set_num_threads(int(cfg.num_threads))
     out = Path(cfg.out)
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     prompts = load_split_prompts(cfg)
@@ -176,6 +181,10 @@ def run(cfg: DictConfig) -> DataGenResult:
     result = DataGenResult(out, complete=False)
     if todo:
         result.n_prompts, result.n_tokens, result.elapsed_s = _label_shards(cfg, out, existing, todo, sampling)
+    finished = read_meta(out) or {}
+    if finished.get("complete"):  # a parallel worker finished last and consolidated
+        result.complete, result.rows = True, finished.get("rows", {})
+        return result
     pending = sum(not shard_done(out, s.split, s.index) for s in shards)
     if pending:
         log.info("%d shard(s) of other processes are not finished; the last process to finish "

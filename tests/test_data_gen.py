@@ -357,6 +357,30 @@ def test_command_line(tiny_pair, prompts_file, tmp_path):
     assert [len(r["p_acc"]) for r in splits["train"]] == [3, 3]
 
 
+def multirun(tmp_path, args, timeout=600):
+    """``python -m data_gen -m ARGS`` with Hydra's sweep directory under tmp_path."""
+    proc = subprocess.run([sys.executable, "-m", "data_gen", "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def cli_args(tiny_pair, prompts_file, out):
+    return [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "pair.device=cpu",
+            "prompts=jsonl", f"prompts.path={prompts_file}", "splits=[train,dev]", f"out={out}",
+            "max_new_tokens=8", "shard_size=2", "batch_size=2", "progress=false", "num_threads=1"]
+
+
+def test_two_joblib_workers_produce_the_dataset_of_one_process(tiny_pair, prompts_file, baseline, tmp_path):
+    """One command, two parallel workers (Hydra's joblib launcher); the last one consolidates."""
+    out = tmp_path / "joblib"
+    multirun(tmp_path, [*cli_args(tiny_pair, prompts_file, out), "shard.count=2", "shard.index=range(0,2)",
+                        "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"])
+    assert_same_data(baseline, out)
+    assert not (out / "shards").exists() and not (out / data_gen.app.LOCK_FILE).exists()
+
+
 def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, prompts_file, models, tmp_path):
     """Draft = target gives q = p, so every label is exactly 1; greedy responses equal HF generate()."""
     out = tmp_path / "self"
