@@ -54,6 +54,8 @@ class AcceptanceHeadModule(L.LightningModule):
 
     # -- features and loss ---------------------------------------------------------------------
     def features(self, batch: dict, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not batch:  # a DDP rank's empty share of a small global batch (train/data.py rank_share)
+            return torch.zeros(0, self.head.hidden_size, device=self.device), torch.zeros(0, device=self.device)
         if "hidden" in batch:
             return batch["hidden"], batch["labels"]
         draft = self.draft.model
@@ -74,21 +76,37 @@ class AcceptanceHeadModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         epoch = self.current_epoch if self.hparams.remix_each_epoch else FIXED_MIXING_EPOCH
         loss, logits, labels = self.model_step(batch, epoch)
+        if self.trainer.world_size > 1:
+            loss = self.global_normalisation(loss, labels)
         self.train_metrics.update(logits, labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel())
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel(),
+                 sync_dist=True)
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True, prog_bar=True)
         return loss
+
+    def global_normalisation(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """DDP averages the ranks' gradients; a rank's loss is normalised by its own label weight
+        (weighted_bce). Rescale it so the average is the loss of the whole global batch, normalised
+        by the batch's label weight, as one process computes it: loss_r * weight_r * N / sum(weight)."""
+        h = self.hparams
+        weight = (h.w_rej * (1 - labels.float()).sum() + h.w_acc * labels.float().sum()).detach()
+        total = self.trainer.strategy.reduce(weight.clone(), reduce_op="sum")
+        return loss * weight * self.trainer.world_size / total.clamp_min(1e-12)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, logits, labels = self.model_step(batch)
         self.val_metrics.update(logits, labels)
-        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel())
+        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel(), sync_dist=True)
         self._val_sum += float(loss) * labels.numel()
         self._val_count += labels.numel()
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.world_size > 1:  # every rank validated its share: sum over the ranks
+            sums = self.trainer.strategy.reduce(torch.tensor([self._val_sum, self._val_count], dtype=torch.float64,
+                                                             device=self.device), reduce_op="sum")
+            self._val_sum, self._val_count = float(sums[0]), float(sums[1])
         if not self.trainer.sanity_checking and self._val_count > 0:
-            epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss
+            epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss (one process)
             self.val_loss_per_epoch.append(epoch_loss)
             if self.best_epoch is None or epoch_loss < min(self.val_loss_per_epoch[:-1]):
                 self.best_epoch = int(self.current_epoch)
@@ -131,9 +149,10 @@ class AcceptanceHeadModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         for name, metrics in zip(self.eval_names, self.eval_metrics, strict=True):
-            values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}
-            values["positions"] = int(metrics["KL"].count)
-            self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
+            values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}  # over all ranks
+            with metrics["KL"].sync_context(), metrics["ECE"].sync_context():  # raw states over all ranks too
+                values["positions"] = int(metrics["KL"].count)
+                self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
             self.log_dict({f"final/{name}/{k}": v for k, v in values.items()}, add_dataloader_idx=False)
 
     # -- optimisation --------------------------------------------------------------------------
