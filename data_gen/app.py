@@ -68,22 +68,26 @@ class _Progress:
 
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress) -> list[dict]:
-    """Rows of one shard, in prompt order. Prompts are batched by length to limit padding."""
+    """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
+    continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
+    then labelled ``batch_size`` at a time, grouped by length to limit padding."""
     encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
     eos = eos_token_ids(tokenizer, target)
+    gens = [prompt_generator(seed, p.id, target.device) for p in shard.prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    sampled = sample_responses(target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order],
+                               eos_token_id=eos, vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size)
+    responses = dict(zip(order, sampled, strict=True))
+    order = sorted(order, key=lambda i: len(encoded[i]) + len(responses[i]))
     rows: list[dict | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
-        ids = [encoded[i] for i in batch]
-        gens = [prompt_generator(seed, shard.prompts[i].id, target.device) for i in batch]
-        responses = sample_responses(target, ids, sampling, max_new_tokens, gens, eos_token_id=eos,
-                                     vocab=vocab, on_tokens=progress.add_tokens)
-        labels = label_responses(draft, target, ids, responses, sampling, gens, vocab=vocab)
-        for i, response, lab in zip(batch, responses, labels, strict=True):
+        labels = label_responses(draft, target, [encoded[i] for i in batch], [responses[i] for i in batch], sampling,
+                                 [gens[i] for i in batch], vocab=vocab)
+        for i, lab in zip(batch, labels, strict=True):
             prompt = shard.prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
-                       "target_ids": response, "draft_ids": lab.draft_ids.tolist(),
+                       "target_ids": responses[i], "draft_ids": lab.draft_ids.tolist(),
                        "p_acc": lab.p_acc.tolist(), "draft_entropy": lab.draft_entropy.tolist()}
         progress.add_prompts(len(batch))
     return rows

@@ -67,31 +67,76 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device), positions.to(device)
 
 
+def _left_pad_to(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros on the left of ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _join_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append ``other``'s rows to ``cache`` (in place), both left-padded to one length; return
+    the joined attention mask. Every row's tokens stay a contiguous suffix of the cache."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        layer.keys = torch.cat([_left_pad_to(layer.keys, width, 2), _left_pad_to(new.keys, width, 2)])
+        layer.values = torch.cat([_left_pad_to(layer.values, width, 2), _left_pad_to(new.values, width, 2)])
+    return torch.cat([_left_pad_to(mask, width, 1), _left_pad_to(other_mask, width, 1)])
+
+
+def _trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the leading cache columns that no row attends to (left by rows that finished)."""
+    first = int(mask.any(0).int().argmax())
+    if first > 0:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    return mask[:, first:]
+
+
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
                      eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
-                     on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Sample one response per prompt from ``warp(target logits)``, all prompts in one batch.
-
-    A row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens; finished
-    rows leave the batch and its KV cache. ``on_tokens(n)`` is called after each step with the
-    number of tokens just sampled (for progress bars).
+                     on_tokens: Callable[[int], None] | None = None,
+                     batch_size: int | None = None) -> list[list[int]]:
+    """Sample one response per prompt from ``warp(target logits)``, ``batch_size`` rows at a time
+    (None: all prompts in one batch), continuously batched: prompts wait in a queue in the given
+    order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
+    leaves the batch and its KV cache, and the next prompts take the free places (their prompt
+    is prefilled, then joined to the batch cache, left-padded). ``on_tokens(n)`` is called after
+    each step with the number of tokens just sampled (for progress bars).
     """
     if len(generators) != len(prompts):
         raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     device = target.device
     vocab = vocab or output_vocab_size(target)
     eos = token_set(eos_token_id)
-    ids, mask, positions = left_pad(prompts, device)
-    cache = new_cache(target)
+    slots = batch_size or max(1, len(prompts))
     responses: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # batch position -> prompt index
-    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
-    while True:
+    queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    rows: list[int] = []  # batch position -> prompt index
+    cache, mask, positions, logits = None, None, None, None
+    while queue or rows:
+        if queue and len(rows) < slots:  # prefill the next prompts into the free places
+            new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
+            ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
+            fresh = new_cache(target)
+            new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
+                                past_key_values=fresh, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
+            if rows:
+                mask = _join_rows(cache, mask, fresh, new_mask)
+                positions = torch.cat([positions, new_positions[:, -1:]])
+                logits = torch.cat([logits, new_logits])
+            else:
+                cache, mask, positions, logits = fresh, new_mask, new_positions[:, -1:], new_logits
+            rows += new
         if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
             tokens = logits.argmax(-1).tolist()
         else:
@@ -105,18 +150,21 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
                 next_ids.append(token)
         if on_tokens is not None:
             on_tokens(len(rows))
-        if not keep:
-            return responses
         if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            rows = [rows[b] for b in keep]
+            if not rows:
+                cache = None
+                continue
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
-            mask, positions = mask[index], positions[index]
-            rows = [rows[b] for b in keep]
+            mask = _trim_left(cache, mask[index])
+            positions = positions[index]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-        positions = positions[:, -1:] + 1
+        positions = positions + 1
         step = torch.tensor(next_ids, device=device).unsqueeze(-1)
         logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
+    return responses
 
 
 # Logit elements warped (in float32) at a time when labelling: a chunk of a response's positions
