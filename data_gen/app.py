@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
-from specdecpp.labels import label_responses, prompt_generator, sample_responses, shared_vocab
+from specdecpp.labels import label_responses, prompt_generator, sample_responses_with_probs, shared_vocab
 from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig
@@ -70,20 +70,24 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress) -> list[dict]:
     """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
     continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
-    then labelled ``batch_size`` at a time, grouped by length to limit padding."""
+    keeping the target's p_i; then labelled ``batch_size`` at a time (one draft forward), grouped
+    by length to limit padding."""
     encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
     eos = eos_token_ids(tokenizer, target)
     gens = [prompt_generator(seed, p.id, target.device) for p in shard.prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    sampled = sample_responses(target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order],
-                               eos_token_id=eos, vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size)
+    sampled, kept = sample_responses_with_probs(
+        target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order], eos_token_id=eos,
+        vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size)
     responses = dict(zip(order, sampled, strict=True))
+    target_probs = dict(zip(order, kept, strict=True)) if kept is not None else None  # p_i: no 2nd target forward
     order = sorted(order, key=lambda i: len(encoded[i]) + len(responses[i]))
     rows: list[dict | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         labels = label_responses(draft, target, [encoded[i] for i in batch], [responses[i] for i in batch], sampling,
-                                 [gens[i] for i in batch], vocab=vocab)
+                                 [gens[i] for i in batch], vocab=vocab,
+                                 target_probs=None if target_probs is None else [target_probs[i] for i in batch])
         for i, lab in zip(batch, labels, strict=True):
             prompt = shard.prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],

@@ -3,8 +3,9 @@
 For each prompt x:
   1. sample a response X_1..X_N from the TARGET's warped distribution (:func:`sample_responses`);
   2. one DRAFT forward over x + X gives q_i = q(.|x, X_<i) for every i; draw Y_i ~ q_i;
-  3. one TARGET forward over the same sequence gives p_i; the label is
-     p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
+  3. p_i is the target distribution X_i was sampled from (kept while sampling, on its top-k /
+     top-p support: :func:`sample_responses_with_probs`), or one TARGET forward over the same
+     sequence recomputes it; the label is p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
 
 p and q are the distributions actually sampled from: :func:`specdecpp.sampling.warp` of the
 logits over the vocabulary both models score, exactly as the engine computes them.
@@ -96,6 +97,36 @@ def _trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
     return mask[:, first:]
 
 
+# Sparse target distributions kept while sampling (for labels without a second target forward)
+# when every step's warped p has at most this many non-zero entries (top-k, top-p, greedy).
+MAX_KEPT_SUPPORT = 4096
+
+
+@dataclass
+class SparseProbs:
+    """The warped target distribution p_i of each response token X_i, on its support only:
+    p_i = zeros(vocab).scatter_add(0, indices[i], values[i]) (padding entries hold 0)."""
+
+    indices: torch.Tensor  # [N, width] long
+    values: torch.Tensor   # [N, width] float32
+
+    def dense(self, i: int, j: int, vocab: int) -> torch.Tensor:
+        """p of response tokens i..j-1 as [j - i, vocab]."""
+        return self.values.new_zeros((j - i, vocab)).scatter_add_(1, self.indices[i:j], self.values[i:j])
+
+
+def _sparse_rows(probs: torch.Tensor | None, tokens: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's support of this step's p ([B, w] indices and values; ``probs`` None: greedy, the
+    one-hot on ``tokens``), or None if too wide."""
+    if probs is None:
+        return torch.tensor(tokens, device=device).unsqueeze(-1), torch.ones((len(tokens), 1), device=device)
+    width = int((probs > 0).sum(-1).max())
+    if width > MAX_KEPT_SUPPORT:
+        return None
+    values, indices = probs.topk(width, dim=-1)
+    return indices, values
+
+
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
@@ -109,6 +140,26 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     is prefilled, then joined to the batch cache, left-padded). ``on_tokens(n)`` is called after
     each step with the number of tokens just sampled (for progress bars).
     """
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=False)[0]
+
+
+@torch.no_grad()
+def sample_responses_with_probs(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                                max_new_tokens: int, generators: Sequence[torch.Generator],
+                                eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
+                                on_tokens: Callable[[int], None] | None = None, batch_size: int | None = None
+                                ) -> tuple[list[list[int]], list[SparseProbs] | None]:
+    """:func:`sample_responses`, and each response's p_i as :class:`SparseProbs` (None when a
+    step's support is wider than ``MAX_KEPT_SUPPORT``): the target distributions that
+    :func:`label_responses` would otherwise recompute with a second target forward."""
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=True)
+
+
+def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens, batch_size,
+            keep_probs: bool):
+    """The one decoding loop of :func:`sample_responses` (and its kept p_i)."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -120,6 +171,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     eos = token_set(eos_token_id)
     slots = batch_size or max(1, len(prompts))
     responses: list[list[int]] = [[] for _ in prompts]
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = [[] for _ in prompts] if keep_probs else None
     queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
     rows: list[int] = []  # batch position -> prompt index
     cache, mask, positions, logits = None, None, None, None
@@ -137,11 +189,19 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
             else:
                 cache, mask, positions, logits = fresh, new_mask, new_positions[:, -1:], new_logits
             rows += new
+        probs = None
         if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
             tokens = logits.argmax(-1).tolist()
         else:
             probs = warp(logits, sampling)
             tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
+        if kept is not None:
+            support = _sparse_rows(probs, tokens, device)
+            if support is None:
+                kept = None
+            else:
+                for b, i in enumerate(rows):
+                    kept[i].append((support[0][b], support[1][b].float()))
         keep, next_ids = [], []
         for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
             responses[i].append(token)
@@ -164,7 +224,14 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
         step = torch.tensor(next_ids, device=device).unsqueeze(-1)
         logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
-    return responses
+    return responses, None if kept is None else [_stack_support(steps) for steps in kept]
+
+
+def _stack_support(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
+    width = max(indices.numel() for indices, _ in steps)
+    indices = torch.stack([torch.nn.functional.pad(i, (0, width - i.numel())) for i, _ in steps])
+    values = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for _, v in steps])
+    return SparseProbs(indices, values)
 
 
 # Logit elements warped (in float32) at a time when labelling: a chunk of a response's positions
@@ -204,18 +271,27 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
 @torch.no_grad()
 def label_responses(draft, target, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], sampling: SamplingConfig,
-                    generators: Sequence[torch.Generator], vocab: int | None = None) -> list[TokenLabels]:
+                    generators: Sequence[torch.Generator], vocab: int | None = None,
+                    target_probs: Sequence[SparseProbs] | None = None) -> list[TokenLabels]:
     """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
 
-    One draft forward and one target forward for the whole batch. ``generators[b]`` draws
-    row b's Y (continue the generator used for its response, or a fresh one).
+    One draft forward and one target forward for the whole batch; no target forward when
+    ``target_probs`` (kept while sampling, :func:`sample_responses_with_probs`) gives every p_i.
+    ``generators[b]`` draws row b's Y (continue the generator used for its response, or a fresh one).
     """
     if not (len(prompts) == len(responses) == len(generators)):
         raise ValueError(f"label_responses: {len(prompts)} prompts, {len(responses)} responses and "
                          f"{len(generators)} generators must match")
     vocab = vocab or shared_vocab(draft, target)
     draft_logits = response_logits(draft, prompts, responses, vocab)
-    target_logits = response_logits(target, prompts, responses, vocab)
+    if target_probs is None:
+        target_logits = response_logits(target, prompts, responses, vocab)
+
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return warp(target_logits(b, i, j), sampling)
+    else:
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return target_probs[b].dense(i, j, vocab)
     chunk = max(1, LABEL_CHUNK_ELEMENTS // vocab)
     labels = []
     for b, (response, gen) in enumerate(zip(responses, generators, strict=True)):
@@ -225,7 +301,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
             d_logits = draft_logits(b, i, j)
             q = warp(d_logits, sampling)
             y = sample(q, gen)
-            p = warp(target_logits(b, i, j), sampling)
+            p = target_p(b, i, j)
             ys.append(y)
             ratios.append(acceptance_ratio(p, q, y).float())
             entropies.append(entropy(d_logits, sampling.temperature).float())

@@ -431,8 +431,8 @@ def test_real_model_self_draft(tmp_path):
     assert run(cfg).complete
     splits, meta = load_labelled(tmp_path / "smol")
     assert meta["vocab_size"] >= 49152 and len(splits["test"]) == 2
-    for row in splits["test"]:
-        assert row["p_acc"] == [1.0] * len(row["target_ids"]) and len(row["target_ids"]) >= 1
+    for row in splits["test"]:  # p is kept from the (cached, padded) sampling step, q from a full forward
+        assert row["p_acc"] == pytest.approx([1.0] * len(row["target_ids"]), abs=1e-4) and len(row["target_ids"]) >= 1
 
 
 def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
