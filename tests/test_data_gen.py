@@ -275,6 +275,30 @@ def test_continuous_batching_refills_finished_rows_and_equals_single(batch_size)
     assert len(steps) < static_steps or batch_size == 1  # refilled: fewer steps than static batches
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0, 5), SamplingConfig(0.8, 0, 0.9), SamplingConfig(0.0)])
+def test_kept_target_probs_give_the_labels_of_a_target_forward(sampling, monkeypatch):
+    """p_i kept while sampling (top-k, top-p, greedy supports) labels like a second target forward;
+    a support too wide to keep falls back to that forward."""
+    import specdecpp.labels as labels
+
+    draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 32, 2, seed=5, scale=0.5)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    responses, kept = labels.sample_responses_with_probs(target, prompts, sampling, 10,
+                                                         [prompt_generator(3, str(i)) for i in range(4)], batch_size=2)
+    assert responses == sample_responses(target, prompts, sampling, 10, [prompt_generator(3, str(i)) for i in range(4)])
+    with_kept = label_responses(draft, target, prompts, responses, sampling,
+                                [prompt_generator(4, str(i)) for i in range(4)], target_probs=kept)
+    recomputed = label_responses(draft, target, prompts, responses, sampling,
+                                 [prompt_generator(4, str(i)) for i in range(4)])
+    for a, b in zip(with_kept, recomputed, strict=True):
+        assert a.draft_ids.tolist() == b.draft_ids.tolist()
+        torch.testing.assert_close(a.p_acc, b.p_acc, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(labels, "MAX_KEPT_SUPPORT", 0 if sampling.greedy else 1)
+    wide = labels.sample_responses_with_probs(target, prompts, sampling, 10,
+                                              [prompt_generator(3, str(i)) for i in range(4)], batch_size=2)
+    assert wide[0] == responses and (wide[1] is None) == (not sampling.greedy)
+
+
 def test_left_pad_masks_and_positions():
     ids, mask, pos = left_pad([[7, 8, 9], [5]], torch.device("cpu"))
     assert ids.tolist() == [[7, 8, 9], [0, 0, 5]]
