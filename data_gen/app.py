@@ -14,7 +14,12 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
-from specdecpp.labels import label_responses, prompt_generator, sample_responses_with_probs, shared_vocab
+from specdecpp.labels import (
+    label_responses,
+    prompt_generator,
+    sample_responses_with_probs,
+    shared_vocab,
+)
 from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig

@@ -19,7 +19,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdecpp.labels import label_responses, prompt_generator, sample_responses_with_probs, shared_vocab
+from specdecpp.labels import (
+    label_responses,
+    prompt_generator,
+    sample_responses_with_probs,
+    shared_vocab,
+)
 from specdecpp.models import load_pair
 from specdecpp.prompts import encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
