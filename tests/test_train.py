@@ -460,6 +460,22 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pai
         run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
 
 
+def test_ranks_share_every_global_batch_once_even_when_smaller_than_the_world(tiny_pair):
+    """N ranks together step through exactly the batches of one process, in the same steps; a
+    rank whose share of a small last batch is empty still steps (a zero loss with a graph)."""
+    from train.data import EpochShuffle, RankBatches, collate_cached
+
+    one = list(RankBatches(EpochShuffle(11, 3), 5))
+    for world in (2, 3, 7):
+        ranks = [list(RankBatches(EpochShuffle(11, 3), 5, rank, world)) for rank in range(world)]
+        assert all(len(r) == len(one) == 3 for r in ranks)
+        assert [sum((r[step] for r in ranks), []) for step in range(3)] == one
+    assert [len(r[2]) for r in [list(RankBatches(EpochShuffle(11, 3), 5, k, 3)) for k in range(3)]] == [0, 0, 1]
+    module = AcceptanceHeadModule(AcceptanceHead(32, 1), optimizer=torch.optim.Adam, w_rej=3.0)
+    loss, logits, labels = module.model_step(collate_cached([]))
+    assert float(loss) == 0.0 and loss.requires_grad and logits.shape == labels.shape == (0,)
+
+
 def test_ddp_on_two_cpu_processes_trains_the_one_process_head_and_resumes(tiny_dataset, tiny_pair, tmp_path):
     """trainer=ddp with 2 CPU processes (gloo): the run crashes at step 5 (checkpoint at step 4),
     the same command resumes it; the saved head and its metrics equal those of one process
