@@ -506,6 +506,7 @@ def test_ddp_on_two_cpu_processes_trains_the_one_process_head_and_resumes(tiny_d
     ddp = AcceptanceHead.from_pretrained(tmp_path / "ddp")
     torch.testing.assert_close(ddp.state_dict(), reference["module"].head.state_dict(), atol=1e-5, rtol=1e-4)
     assert ddp.meta["training"]["global_step"] == reference["global_step"] == 10  # 5 batches x 2 epochs
+    assert ddp.meta["training"]["val_loss_per_epoch"] == pytest.approx(reference["module"].val_loss_per_epoch, rel=1e-5)
     one, two = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "ddp"))
     for split in one:  # reduced over the ranks: every position counted once
         assert two[split]["positions"] == one[split]["positions"]

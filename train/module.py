@@ -76,35 +76,41 @@ class AcceptanceHeadModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         epoch = self.current_epoch if self.hparams.remix_each_epoch else FIXED_MIXING_EPOCH
         loss, logits, labels = self.model_step(batch, epoch)
-        if self.trainer.world_size > 1:
-            loss = self.global_normalisation(loss, labels)
+        if self.trainer.world_size > 1:  # DDP averages the ranks' gradients: make that the global batch's
+            total_weight = self.global_totals(loss, labels)[1].clamp_min(1e-30)
+            loss = loss * (self.label_weight(labels).double() * self.trainer.world_size / total_weight).float()
         self.train_metrics.update(logits, labels)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel(),
                  sync_dist=True)
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
-    def global_normalisation(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """DDP averages the ranks' gradients; a rank's loss is normalised by its own label weight
-        (weighted_bce). Rescale it so the average is the loss of the whole global batch, normalised
-        by the batch's label weight, as one process computes it: loss_r * weight_r * N / sum(weight)."""
-        h = self.hparams
-        weight = (h.w_rej * (1 - labels.float()).sum() + h.w_acc * labels.float().sum()).detach()
-        total = self.trainer.strategy.reduce(weight.clone(), reduce_op="sum")
-        return loss * weight * self.trainer.world_size / total.clamp_min(1e-12)
+    def label_weight(self, labels: torch.Tensor) -> torch.Tensor:
+        """weighted_bce's normaliser: w_rej sum(1 - P) + w_acc sum(P)."""
+        labels = labels.float()
+        return self.hparams.w_rej * (1 - labels).sum() + self.hparams.w_acc * labels.sum()
+
+    def global_totals(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(loss x label weight, label weight, positions) summed over the DDP ranks' shares of one
+        global batch: the one-process batch loss is totals[0] / totals[1]. A rank's loss alone is
+        normalised by its own share's label weight (weighted_bce)."""
+        weight = self.label_weight(labels)
+        local = torch.stack([loss.detach().double() * weight, weight.double(),
+                             torch.tensor(float(labels.numel()), dtype=torch.float64, device=weight.device)])
+        return self.trainer.strategy.reduce(local, reduce_op="sum")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, logits, labels = self.model_step(batch)
         self.val_metrics.update(logits, labels)
         self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel(), sync_dist=True)
-        self._val_sum += float(loss) * labels.numel()
-        self._val_count += labels.numel()
+        positions = labels.numel()
+        if self.trainer.world_size > 1:  # the one-process batch loss and size, on every rank
+            totals = self.global_totals(loss, labels)
+            loss, positions = totals[0] / totals[1].clamp_min(1e-30), int(totals[2])
+        self._val_sum += float(loss) * positions
+        self._val_count += positions
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.world_size > 1:  # every rank validated its share: sum over the ranks
-            sums = self.trainer.strategy.reduce(torch.tensor([self._val_sum, self._val_count], dtype=torch.float64,
-                                                             device=self.device), reduce_op="sum")
-            self._val_sum, self._val_count = float(sums[0]), float(sums[1])
         if not self.trainer.sanity_checking and self._val_count > 0:
             epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss (one process)
             self.val_loss_per_epoch.append(epoch_loss)
