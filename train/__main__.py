@@ -8,7 +8,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, read_write
 
 from .app import run
 
@@ -51,7 +51,7 @@ def _one_job_argv() -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
-        with open_dict(hydra_cfg):
+        with read_write(hydra_cfg.run):
             hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 
 
