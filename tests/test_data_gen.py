@@ -426,6 +426,15 @@ def test_two_joblib_workers_produce_the_dataset_of_one_process(tiny_pair, prompt
     assert not (out / "shards").exists() and not (out / data_gen.app.LOCK_FILE).exists()
 
 
+@pytest.mark.slow
+def test_submitit_local_workers_produce_the_dataset_of_one_process(tiny_pair, prompts_file, baseline, tmp_path):
+    """The cluster path without a cluster: each shard worker a submitit job on this machine."""
+    out = tmp_path / "submitit"
+    multirun(tmp_path, [*cli_args(tiny_pair, prompts_file, out), "shard.count=2", "shard.index=range(0,2)",
+                        "hydra/launcher=submitit_local"])
+    assert_same_data(baseline, out)
+
+
 def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, prompts_file, models, tmp_path):
     """Draft = target gives q = p, so every label is exactly 1; greedy responses equal HF generate()."""
     out = tmp_path / "self"
