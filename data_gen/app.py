@@ -9,11 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
-from specdecpp.labels import label_responses, prompt_generator, sample_responses, shared_vocab
+from specdecpp.labels import (
+    label_responses,
+    prompt_generator,
+    sample_responses_with_probs,
+    shared_vocab,
+)
 from specdecpp.models import eos_token_ids, load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig
@@ -67,22 +73,30 @@ class _Progress:
 
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress) -> list[dict]:
-    """Rows of one shard, in prompt order. Prompts are batched by length to limit padding."""
+    """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
+    continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
+    keeping the target's p_i; then labelled ``batch_size`` at a time (one draft forward), grouped
+    by length to limit padding."""
     encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
     eos = eos_token_ids(tokenizer, target)
+    gens = [prompt_generator(seed, p.id, target.device) for p in shard.prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    sampled, kept = sample_responses_with_probs(
+        target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order], eos_token_id=eos,
+        vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size)
+    responses = dict(zip(order, sampled, strict=True))
+    target_probs = dict(zip(order, kept, strict=True)) if kept is not None else None  # p_i: no 2nd target forward
+    order = sorted(order, key=lambda i: len(encoded[i]) + len(responses[i]))
     rows: list[dict | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
-        ids = [encoded[i] for i in batch]
-        gens = [prompt_generator(seed, shard.prompts[i].id, target.device) for i in batch]
-        responses = sample_responses(target, ids, sampling, max_new_tokens, gens, eos_token_id=eos,
-                                     vocab=vocab, on_tokens=progress.add_tokens)
-        labels = label_responses(draft, target, ids, responses, sampling, gens, vocab=vocab)
-        for i, response, lab in zip(batch, responses, labels, strict=True):
+        labels = label_responses(draft, target, [encoded[i] for i in batch], [responses[i] for i in batch], sampling,
+                                 [gens[i] for i in batch], vocab=vocab,
+                                 target_probs=None if target_probs is None else [target_probs[i] for i in batch])
+        for i, lab in zip(batch, labels, strict=True):
             prompt = shard.prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
-                       "target_ids": response, "draft_ids": lab.draft_ids.tolist(),
+                       "target_ids": responses[i], "draft_ids": lab.draft_ids.tolist(),
                        "p_acc": lab.p_acc.tolist(), "draft_entropy": lab.draft_entropy.tolist()}
         progress.add_prompts(len(batch))
     return rows
@@ -109,6 +123,8 @@ def _consolidate_once(out: Path, counts: dict[str, int], meta: dict) -> dict[str
                     "the lock file and rerun with consolidate_only=true", lock, out)
         return None
     try:
+        if (read_meta(out) or {}).get("complete"):  # another process finished between our check and the lock
+            return read_meta(out).get("rows", {})
         splits = consolidate(out, counts, meta)
     finally:
         os.close(fd)
@@ -154,6 +170,8 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
 def run(cfg: DictConfig) -> DataGenResult:
     """Generate (or resume, or finish) the labelled dataset described by ``cfg``."""
     _check_settings(cfg)
+    if cfg.get("num_threads") is not None:
+        torch.set_num_threads(int(cfg.num_threads))
     out = Path(cfg.out)
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     prompts = load_split_prompts(cfg)
@@ -176,6 +194,10 @@ def run(cfg: DictConfig) -> DataGenResult:
     result = DataGenResult(out, complete=False)
     if todo:
         result.n_prompts, result.n_tokens, result.elapsed_s = _label_shards(cfg, out, existing, todo, sampling)
+    finished = read_meta(out) or {}
+    if finished.get("complete"):  # a parallel worker finished last and consolidated
+        result.complete, result.rows = True, finished.get("rows", {})
+        return result
     pending = sum(not shard_done(out, s.split, s.index) for s in shards)
     if pending:
         log.info("%d shard(s) of other processes are not finished; the last process to finish "

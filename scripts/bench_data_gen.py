@@ -4,7 +4,8 @@
         [--max-new-tokens 64] [--threads 1] [--plot reports/bench_data_gen.png]
 
 Both models are loaded once; every batch size labels the same prompts (bundled test split) with the
-same per-prompt generators. Reported: target tokens per second for sampling X alone and for the
+same per-prompt generators, as data_gen does (continuous batching while sampling, the target's p
+kept for the labels). Reported: target tokens per second for sampling X alone and for the
 whole step (sampling X, then the draft and target forwards that label it).
 """
 
@@ -18,28 +19,36 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdecpp.labels import label_responses, prompt_generator, sample_responses, shared_vocab
+from specdecpp.labels import (
+    label_responses,
+    prompt_generator,
+    sample_responses_with_probs,
+    shared_vocab,
+)
 from specdecpp.models import load_pair
 from specdecpp.prompts import encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 
 
 def measure(draft, target, encoded, ids, batch_size, sampling, max_new_tokens, eos, vocab) -> dict:
-    """Label every prompt with ``batch_size`` prompts per forward; time both phases."""
-    sample_s = label_s = 0.0
-    tokens = 0
+    """Label every prompt as data_gen's label_shard does: ``batch_size`` rows continuously batched
+    while sampling (shortest prompts first), then labelled ``batch_size`` at a time; time both phases."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        gens = [prompt_generator(0, ids[i], target.device) for i in batch]
-        prompts = [encoded[i] for i in batch]
-        t0 = _now(target.device)
-        responses = sample_responses(target, prompts, sampling, max_new_tokens, gens, eos, vocab=vocab)
-        t1 = _now(target.device)
-        label_responses(draft, target, prompts, responses, sampling, gens, vocab=vocab)
-        t2 = _now(target.device)
-        sample_s, label_s = sample_s + t1 - t0, label_s + t2 - t1
-        tokens += sum(len(r) for r in responses)
+    gens = [prompt_generator(0, ids[i], target.device) for i in order]
+    prompts = [encoded[i] for i in order]
+    t0 = _now(target.device)
+    responses, kept = sample_responses_with_probs(target, prompts, sampling, max_new_tokens, gens, eos, vocab=vocab,
+                                                  batch_size=batch_size)
+    t1 = _now(target.device)
+    by_length = sorted(range(len(order)), key=lambda j: len(prompts[j]) + len(responses[j]))
+    for start in range(0, len(by_length), batch_size):
+        batch = by_length[start:start + batch_size]
+        label_responses(draft, target, [prompts[j] for j in batch], [responses[j] for j in batch], sampling,
+                        [gens[j] for j in batch], vocab=vocab,
+                        target_probs=None if kept is None else [kept[j] for j in batch])
+    t2 = _now(target.device)
+    sample_s, label_s = t1 - t0, t2 - t1
+    tokens = sum(len(r) for r in responses)
     return {"batch_size": batch_size, "tokens": tokens, "sample_s": sample_s, "label_s": label_s,
             "sample_tok_s": tokens / sample_s, "total_tok_s": tokens / (sample_s + label_s)}
 

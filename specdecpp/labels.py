@@ -3,8 +3,9 @@
 For each prompt x:
   1. sample a response X_1..X_N from the TARGET's warped distribution (:func:`sample_responses`);
   2. one DRAFT forward over x + X gives q_i = q(.|x, X_<i) for every i; draw Y_i ~ q_i;
-  3. one TARGET forward over the same sequence gives p_i; the label is
-     p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
+  3. p_i is the target distribution X_i was sampled from (kept while sampling, on its top-k /
+     top-p support: :func:`sample_responses_with_probs`), or one TARGET forward over the same
+     sequence recomputes it; the label is p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
 
 p and q are the distributions actually sampled from: :func:`specdecpp.sampling.warp` of the
 logits over the vocabulary both models score, exactly as the engine computes them.
@@ -67,36 +68,140 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device), positions.to(device)
 
 
+def _left_pad_to(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros on the left of ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _join_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append ``other``'s rows to ``cache`` (in place), both left-padded to one length; return
+    the joined attention mask. Every row's tokens stay a contiguous suffix of the cache."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        layer.keys = torch.cat([_left_pad_to(layer.keys, width, 2), _left_pad_to(new.keys, width, 2)])
+        layer.values = torch.cat([_left_pad_to(layer.values, width, 2), _left_pad_to(new.values, width, 2)])
+    return torch.cat([_left_pad_to(mask, width, 1), _left_pad_to(other_mask, width, 1)])
+
+
+def _trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the leading cache columns that no row attends to (left by rows that finished)."""
+    first = int(mask.any(0).int().argmax())
+    if first > 0:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    return mask[:, first:]
+
+
+# Sparse target distributions kept while sampling (for labels without a second target forward)
+# when every step's warped p has at most this many non-zero entries (top-k, top-p, greedy).
+MAX_KEPT_SUPPORT = 4096
+
+
+@dataclass
+class SparseProbs:
+    """The warped target distribution p_i of each response token X_i, on its support only:
+    p_i = zeros(vocab).scatter_add(0, indices[i], values[i]) (padding entries hold 0)."""
+
+    indices: torch.Tensor  # [N, width] long
+    values: torch.Tensor   # [N, width] float32
+
+    def dense(self, i: int, j: int, vocab: int) -> torch.Tensor:
+        """p of response tokens i..j-1 as [j - i, vocab]."""
+        return self.values.new_zeros((j - i, vocab)).scatter_add_(1, self.indices[i:j], self.values[i:j])
+
+
+def _sparse_rows(probs: torch.Tensor | None, tokens: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's support of this step's p ([B, w] indices and values; ``probs`` None: greedy, the
+    one-hot on ``tokens``), or None if too wide."""
+    if probs is None:
+        return torch.tensor(tokens, device=device).unsqueeze(-1), torch.ones((len(tokens), 1), device=device)
+    width = int((probs > 0).sum(-1).max())
+    if width > MAX_KEPT_SUPPORT:
+        return None
+    values, indices = probs.topk(width, dim=-1)
+    return indices, values
+
+
 @torch.no_grad()
 def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_new_tokens: int, generators: Sequence[torch.Generator],
                      eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
-                     on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Sample one response per prompt from ``warp(target logits)``, all prompts in one batch.
-
-    A row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens; finished
-    rows leave the batch and its KV cache. ``on_tokens(n)`` is called after each step with the
-    number of tokens just sampled (for progress bars).
+                     on_tokens: Callable[[int], None] | None = None,
+                     batch_size: int | None = None) -> list[list[int]]:
+    """Sample one response per prompt from ``warp(target logits)``, ``batch_size`` rows at a time
+    (None: all prompts in one batch), continuously batched: prompts wait in a queue in the given
+    order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
+    leaves the batch and its KV cache, and the next prompts take the free places (their prompt
+    is prefilled, then joined to the batch cache, left-padded). ``on_tokens(n)`` is called after
+    each step with the number of tokens just sampled (for progress bars).
     """
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=False)[0]
+
+
+@torch.no_grad()
+def sample_responses_with_probs(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                                max_new_tokens: int, generators: Sequence[torch.Generator],
+                                eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
+                                on_tokens: Callable[[int], None] | None = None, batch_size: int | None = None
+                                ) -> tuple[list[list[int]], list[SparseProbs] | None]:
+    """:func:`sample_responses`, and each response's p_i as :class:`SparseProbs` (None when a
+    step's support is wider than ``MAX_KEPT_SUPPORT``): the target distributions that
+    :func:`label_responses` would otherwise recompute with a second target forward."""
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=True)
+
+
+def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens, batch_size,
+            keep_probs: bool):
+    """The one decoding loop of :func:`sample_responses` (and its kept p_i)."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     device = target.device
     vocab = vocab or output_vocab_size(target)
     eos = token_set(eos_token_id)
-    ids, mask, positions = left_pad(prompts, device)
-    cache = new_cache(target)
+    slots = batch_size or max(1, len(prompts))
     responses: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # batch position -> prompt index
-    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
-    while True:
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = [[] for _ in prompts] if keep_probs else None
+    queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    rows: list[int] = []  # batch position -> prompt index
+    cache, mask, positions, logits = None, None, None, None
+    while queue or rows:
+        if queue and len(rows) < slots:  # prefill the next prompts into the free places
+            new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
+            ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
+            fresh = new_cache(target)
+            new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
+                                past_key_values=fresh, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
+            if rows:
+                mask = _join_rows(cache, mask, fresh, new_mask)
+                positions = torch.cat([positions, new_positions[:, -1:]])
+                logits = torch.cat([logits, new_logits])
+            else:
+                cache, mask, positions, logits = fresh, new_mask, new_positions[:, -1:], new_logits
+            rows += new
+        probs = None
         if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
             tokens = logits.argmax(-1).tolist()
         else:
             probs = warp(logits, sampling)
             tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
+        if kept is not None:
+            support = _sparse_rows(probs, tokens, device)
+            if support is None:
+                kept = None
+            else:
+                for b, i in enumerate(rows):
+                    kept[i].append((support[0][b], support[1][b].float()))
         keep, next_ids = [], []
         for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
             responses[i].append(token)
@@ -105,18 +210,28 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
                 next_ids.append(token)
         if on_tokens is not None:
             on_tokens(len(rows))
-        if not keep:
-            return responses
         if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            rows = [rows[b] for b in keep]
+            if not rows:
+                cache = None
+                continue
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
-            mask, positions = mask[index], positions[index]
-            rows = [rows[b] for b in keep]
+            mask = _trim_left(cache, mask[index])
+            positions = positions[index]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-        positions = positions[:, -1:] + 1
+        positions = positions + 1
         step = torch.tensor(next_ids, device=device).unsqueeze(-1)
         logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
+    return responses, None if kept is None else [_stack_support(steps) for steps in kept]
+
+
+def _stack_support(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
+    width = max(indices.numel() for indices, _ in steps)
+    indices = torch.stack([torch.nn.functional.pad(i, (0, width - i.numel())) for i, _ in steps])
+    values = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for _, v in steps])
+    return SparseProbs(indices, values)
 
 
 # Logit elements warped (in float32) at a time when labelling: a chunk of a response's positions
@@ -156,18 +271,27 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
 @torch.no_grad()
 def label_responses(draft, target, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], sampling: SamplingConfig,
-                    generators: Sequence[torch.Generator], vocab: int | None = None) -> list[TokenLabels]:
+                    generators: Sequence[torch.Generator], vocab: int | None = None,
+                    target_probs: Sequence[SparseProbs] | None = None) -> list[TokenLabels]:
     """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
 
-    One draft forward and one target forward for the whole batch. ``generators[b]`` draws
-    row b's Y (continue the generator used for its response, or a fresh one).
+    One draft forward and one target forward for the whole batch; no target forward when
+    ``target_probs`` (kept while sampling, :func:`sample_responses_with_probs`) gives every p_i.
+    ``generators[b]`` draws row b's Y (continue the generator used for its response, or a fresh one).
     """
     if not (len(prompts) == len(responses) == len(generators)):
         raise ValueError(f"label_responses: {len(prompts)} prompts, {len(responses)} responses and "
                          f"{len(generators)} generators must match")
     vocab = vocab or shared_vocab(draft, target)
     draft_logits = response_logits(draft, prompts, responses, vocab)
-    target_logits = response_logits(target, prompts, responses, vocab)
+    if target_probs is None:
+        target_logits = response_logits(target, prompts, responses, vocab)
+
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return warp(target_logits(b, i, j), sampling)
+    else:
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return target_probs[b].dense(i, j, vocab)
     chunk = max(1, LABEL_CHUNK_ELEMENTS // vocab)
     labels = []
     for b, (response, gen) in enumerate(zip(responses, generators, strict=True)):
@@ -177,7 +301,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
             d_logits = draft_logits(b, i, j)
             q = warp(d_logits, sampling)
             y = sample(q, gen)
-            p = warp(target_logits(b, i, j), sampling)
+            p = target_p(b, i, j)
             ys.append(y)
             ratios.append(acceptance_ratio(p, q, y).float())
             entropies.append(entropy(d_logits, sampling.temperature).float())

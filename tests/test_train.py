@@ -460,6 +460,63 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pai
         run(train_cfg([*overrides(tmp_path / "head"), "loss.w_rej=12"]))
 
 
+def test_ranks_share_every_global_batch_once_even_when_smaller_than_the_world(tiny_pair):
+    """N ranks together step through exactly the batches of one process, in the same steps; a
+    rank whose share of a small last batch is empty still steps (a zero loss with a graph)."""
+    from train.data import EpochShuffle, RankBatches, collate_cached
+
+    one = list(RankBatches(EpochShuffle(11, 3), 5))
+    for world in (2, 3, 7):
+        ranks = [list(RankBatches(EpochShuffle(11, 3), 5, rank, world)) for rank in range(world)]
+        assert all(len(r) == len(one) == 3 for r in ranks)
+        assert [sum((r[step] for r in ranks), []) for step in range(3)] == one
+    assert [len(r[2]) for r in [list(RankBatches(EpochShuffle(11, 3), 5, k, 3)) for k in range(3)]] == [0, 0, 1]
+    module = AcceptanceHeadModule(AcceptanceHead(32, 1), optimizer=torch.optim.Adam, w_rej=3.0)
+    loss, logits, labels = module.model_step(collate_cached([]))
+    assert float(loss) == 0.0 and loss.requires_grad and logits.shape == labels.shape == (0,)
+
+
+def test_ddp_on_two_cpu_processes_trains_the_one_process_head_and_resumes(tiny_dataset, tiny_pair, tmp_path):
+    """trainer=ddp with 2 CPU processes (gloo): the run crashes at step 5 (checkpoint at step 4),
+    the same command resumes it; the saved head and its metrics equal those of one process
+    (global batch 5: rank shares of 2 and 3 prompts; 2 and 2 for the last one)."""
+    import os
+    import subprocess
+    import sys
+
+    def overrides(out, *extra):
+        return [*base_overrides(tiny_pair, tiny_dataset, tmp_path, "trainer=cpu", "trainer.max_epochs=2"),
+                "+experiment=wrej3_d1", "data.batch_size=5", "callbacks.checkpoint.every_n_train_steps=2",
+                "~callbacks.progress_bar", "~callbacks.lr_monitor", "trainer.enable_model_summary=false",
+                f"out={out}", *extra]
+
+    reference = run(train_cfg(overrides(tmp_path / "one")))
+    command = [sys.executable, "-m", "train", *overrides(
+        tmp_path / "ddp", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+        "+callbacks.crash._target_=crash_callback.CrashOnce", "+callbacks.crash.step=5",
+        f"+callbacks.crash.marker={tmp_path / 'crashed'}", f"hydra.run.dir={tmp_path / 'hydra'}")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{CONF.parent}{os.pathsep}{CONF.parent / 'tests'}"}
+    crashed = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert crashed.returncode != 0 and "simulated crash at step 5" in crashed.stderr, crashed.stderr[-3000:]
+    assert torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 4
+    resumed = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr + resumed.stdout
+
+    ddp = AcceptanceHead.from_pretrained(tmp_path / "ddp")
+    torch.testing.assert_close(ddp.state_dict(), reference["module"].head.state_dict(), atol=1e-5, rtol=1e-4)
+    assert ddp.meta["training"]["global_step"] == reference["global_step"] == 10  # 5 batches x 2 epochs
+    assert ddp.meta["training"]["val_loss_per_epoch"] == pytest.approx(reference["module"].val_loss_per_epoch, rel=1e-5)
+    one, two = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "ddp"))
+    for split in one:  # reduced over the ranks: every position counted once
+        assert two[split]["positions"] == one[split]["positions"]
+        assert two[split]["calibration_bins"]["count"] == one[split]["calibration_bins"]["count"]
+        for key in ("KL", "KL_const", "ECE"):
+            assert two[split][key] == pytest.approx(one[split][key], rel=1e-4, abs=1e-6), (split, key)
+        # a rank order of logits: near-tied logits may swap under the heads' float differences
+        assert two[split]["AUROC"] == pytest.approx(one[split]["AUROC"], abs=1e-3), split
+
+
 def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pair, tmp_path):
     """A finished run leaves last.ckpt; another preset, dataset or seed into the same out must not
     resume it (it would train zero steps and save the old weights under the new record)."""

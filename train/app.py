@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdecpp.dataset import dataset_fingerprint
 from specdecpp.head import build_head
-from specdecpp.models import load_model
+from specdecpp.models import load_config, load_model
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
 from .data import HeadDataModule
@@ -35,7 +36,8 @@ NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra",
                 "data.path", "data.num_workers", "data.cache_dir", "data.feature_batch_size",
                 "data.allow_draft_mismatch", "trainer.default_root_dir", "trainer.enable_progress_bar",
                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.accelerator",
-                "trainer.devices", "trainer.num_sanity_val_steps", "callbacks.checkpoint",
+                "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.use_distributed_sampler",
+                "trainer.num_sanity_val_steps", "callbacks.checkpoint",
                 "callbacks.lr_monitor", "callbacks.progress_bar"}
 IDENTITY_KEY = "specdecpp_training_identity"
 
@@ -159,16 +161,18 @@ def run(cfg: DictConfig) -> dict:
     original_splits = splits
     splits, val_split, holdout = validation_split(splits, data)
     L.seed_everything(cfg.seed, workers=True)
-    draft = load_model(draft_ref, device=cfg.pair.device, dtype=cfg.pair.dtype)
-    hidden_size = int(draft.config.hidden_size)
+    # the weights load only where the draft runs: building a feature cache, or raw batches
+    load_draft = functools.cache(lambda: load_model(draft_ref, device=cfg.pair.device, dtype=cfg.pair.dtype))
+    draft_config = load_config(draft_ref)
+    hidden_size = int(draft_config.hidden_size)
     check_draft_matches(meta, draft_ref, hidden_size, str(data.path), data.allow_draft_mismatch)
-    vocab = draft.get_input_embeddings().num_embeddings
+    vocab = int(draft_config.vocab_size)
     for name in splits:
         check_split(splits[name], name, str(data.path), vocab)
 
     head = make_head(cfg.head, hidden_size, draft_ref, meta)
     datamodule = HeadDataModule(
-        splits, train_split=data.train_split, val_split=val_split, draft=draft, draft_ref=draft_ref,
+        splits, train_split=data.train_split, val_split=val_split, draft=load_draft, draft_ref=draft_ref,
         batch_size=data.batch_size, num_workers=data.num_workers, mix_ratio=data.mix_ratio,
         mix_seed=data.mix_seed, seed=cfg.seed, cache_features=data.cache_features, cache_dir=data.cache_dir,
         cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size,
@@ -176,7 +180,7 @@ def run(cfg: DictConfig) -> dict:
     module = AcceptanceHeadModule(
         head, optimizer=instantiate(cfg.optimizer), w_rej=float(loss.w_rej), w_acc=float(loss.w_acc),
         warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,
-        remix_each_epoch=data.remix_each_epoch, draft=None if data.cache_features else draft)
+        remix_each_epoch=data.remix_each_epoch, draft=None if data.cache_features else load_draft())
 
     callbacks = _instantiate_all(cfg.get("callbacks"))
     identity = training_identity(cfg, dataset_fingerprint(original_splits, meta), draft_ref)
@@ -201,6 +205,9 @@ def run(cfg: DictConfig) -> dict:
     results = module.eval_results
     metrics = {split: {k: v for k, v in values.items() if k != "calibration_bins"} for split, values in results.items()}
 
+    if not trainer.is_global_zero:  # DDP: every rank trained and evaluated the same head; rank 0 saves it
+        return {"out": str(out), "metrics": metrics, "global_step": int(trainer.global_step),
+                "trainer": trainer, "module": module}
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_calibration(results, out / "calibration.png", title=f"{cfg.experiment_name} (D={cfg.head.depth}, "
                                                                       f"w_rej={loss.w_rej})")

@@ -8,10 +8,12 @@ every head of a sweep can train on them without running the draft again. Layout 
   prompts in dataset order; ``offsets.npy`` [rows + 1] int64: prompt j owns rows offsets[j]:offsets[j+1].
 - ``cache.json``: what the key was made of, and ``complete``; ``progress.json``: rows done so far.
 
-The key hashes the split's fingerprint, the draft (name and a weight fingerprint), the mixing ratio
-and seed and the storage dtype, so a change to any of them builds a new cache. An interrupted
-build resumes at the last finished chunk; a job that finds another building the same cache (a
-parallel sweep launcher) waits for it (``build.lock``, POSIX file locking).
+The key hashes the split's fingerprint, the draft's identity (:func:`draft_identity`, read from
+its files: no weights are loaded), the mixing ratio and seed and the storage dtype, so a change to
+any of them builds a new cache, and a cache hit never loads the draft (a 20-head sweep loads it
+once, to build the cache). An interrupted build resumes at the last finished chunk; a job that
+finds another building the same cache (a parallel sweep launcher, the other DDP ranks) waits for
+it (``build.lock``, POSIX file locking).
 """
 
 from __future__ import annotations
@@ -28,20 +30,38 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, mixing_mask
+from specdecpp.models import load_config, model_identity
 
 from .checks import arrow_column
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keyed by draft_identity (1: by a fingerprint of the loaded weights)
 DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-def draft_fingerprint(draft) -> str:
-    """Hash of the draft's config and of one float per parameter tensor (cheap; catches retrained weights)."""
-    digest = hashlib.sha256(json.dumps(draft.config.to_dict(), sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        sums = [float(p.float().sum()) for p in draft.parameters()]
-    digest.update(np.asarray(sums, dtype=np.float64).tobytes())
-    return digest.hexdigest()[:16]
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model")
+
+
+def draft_identity(ref: str) -> str:
+    """What names a draft's weights, from its files alone (no load): a materialised demo draft's
+    artifact digest; for a local directory or .gguf file, its resolved path with the name, size and
+    modification time of every weight and config file (retrained or replaced weights change it;
+    a copy elsewhere builds its own cache); for a hub id, the id and the cached snapshot's commit."""
+    identity = model_identity(ref)
+    if identity is not None:
+        return identity
+    path = Path(os.path.expanduser(str(ref)))
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES) if path.is_dir() else [path]
+        stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        digest = hashlib.sha256(json.dumps([str(path.resolve()), stats]).encode()).hexdigest()[:16]
+        return f"{path.resolve()}@{digest}"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(ref), "config.json")
+    except Exception:  # not a valid repo id: the ref alone (loading it will say what is wrong)
+        cached = None
+    return f"{ref}@{Path(cached).parent.name}" if isinstance(cached, str) else str(ref)
 
 
 class FeatureCache:
@@ -78,13 +98,16 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
                   mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8,
                   spec: dict | None = None, feature_size: int | None = None) -> FeatureCache:
     """Open the cache for this (split, draft, mixing, head features), building or finishing it
-    first if needed. ``spec``/``feature_size``: the head's :meth:`feature_spec` and feature size
-    (None: the paper's head, the draft's hidden states)."""
+    first if needed. ``draft`` is the loaded draft or a function that loads it: called only to
+    build. ``spec``/``feature_size``: the head's :meth:`feature_spec` and feature size (None: the
+    paper's head, the draft's hidden states)."""
     if dtype not in DTYPES:
         raise ValueError(f"data.cache_dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    loaded = hasattr(draft, "config")
+    config = draft.config if loaded else load_config(draft_ref)
     info = {"format": FORMAT_VERSION, "split": split_name, "split_fingerprint": split._fingerprint,
-            "rows": len(split), "draft": str(draft_ref), "draft_fingerprint": draft_fingerprint(draft),
-            "hidden_size": int(draft.config.hidden_size), "mix_ratio": float(mix_ratio),
+            "rows": len(split), "draft": draft_identity(draft_ref),
+            "hidden_size": int(config.hidden_size), "mix_ratio": float(mix_ratio),
             "mix_seed": int(mix_seed), "dtype": dtype}
     if spec is not None and spec.get("kind", "resnet") != "resnet":  # the paper's head keeps its old keys
         info.update(features=spec, feature_size=int(feature_size))
@@ -95,7 +118,7 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
         fcntl.flock(lock, fcntl.LOCK_EX)  # a parallel sweep job building this cache: wait for it
         state_file = directory / "cache.json"
         if not (state_file.is_file() and json.loads(state_file.read_text()).get("complete")):
-            _build(split, split_name, draft, directory, {**info, "key": key}, batch_size)
+            _build(split, split_name, draft if loaded else draft(), directory, {**info, "key": key}, batch_size)
     return FeatureCache(directory)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from .cache import feature_cache
 
@@ -42,11 +42,22 @@ class RawRows(Dataset):
 
 
 def collate_cached(items: list[dict]) -> dict:
+    if not items:  # this rank's share of a global batch smaller than the number of ranks
+        return {}
     return {"hidden": torch.cat([i["hidden"] for i in items]), "labels": torch.cat([i["labels"] for i in items])}
 
 
 def collate_raw(items: list[dict]) -> dict:
+    if not items:
+        return {}
     return {key: [i[key] for i in items] for key in ["row", *RAW_COLUMNS]}
+
+
+def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s contiguous part of a global batch (parts differ by at most one prompt; empty
+    when the batch has fewer prompts than ranks): the ranks together cover the batch once."""
+    n = len(batch)
+    return batch[rank * n // world_size:(rank + 1) * n // world_size]
 
 
 class EpochShuffle(Sampler[int]):
@@ -70,31 +81,56 @@ class EpochShuffle(Sampler[int]):
         return iter(order[skip:].tolist())
 
 
+class RankBatches(Sampler[list[int]]):
+    """Global batches of ``batch_size`` prompts drawn from ``sampler``, of which this rank takes its
+    :func:`rank_share`: N DDP ranks together step through exactly the batches of one process."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.sampler, self.batch_size, self.rank, self.world_size = sampler, batch_size, rank, world_size
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        batch = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.batch_size:
+                yield rank_share(batch, self.rank, self.world_size)
+                batch = []
+        if batch:
+            yield rank_share(batch, self.rank, self.world_size)
+
+
 class ResumableLoader(DataLoader):
     """Training loader whose position Lightning saves in checkpoints (``state_dict``) and restores
     on resume (``load_state_dict``): an interrupted epoch continues with the prompts it had not
     reached, none skipped or repeated. The position counts batches handed out; Lightning does not
     fetch ahead from a loader of known length, so that is the number of batches trained on."""
 
-    def __init__(self, dataset: Dataset, *, seed: int, **kwargs) -> None:
-        super().__init__(dataset, sampler=EpochShuffle(len(dataset), seed), **kwargs)
-        self.served = 0
+    def __init__(self, dataset: Dataset, *, seed: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 **kwargs) -> None:
+        shuffle = EpochShuffle(len(dataset), seed)
+        super().__init__(dataset, batch_sampler=RankBatches(shuffle, batch_size, rank, world_size), **kwargs)
+        self.shuffle, self.global_batch_size, self.served = shuffle, batch_size, 0
 
     def __iter__(self):
-        self.served = self.sampler.skip // self.batch_size if self.sampler.epoch == self.sampler.skip_epoch else 0
+        shuffle = self.shuffle
+        self.served = shuffle.skip // self.global_batch_size if shuffle.epoch == shuffle.skip_epoch else 0
         for batch in super().__iter__():
             self.served += 1
             yield batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_done": self.served}
+        return {"epoch": self.shuffle.epoch, "batches_done": self.served}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.skip_epoch, self.sampler.skip = state["epoch"], state["batches_done"] * self.batch_size
+        self.shuffle.skip_epoch, self.shuffle.skip = state["epoch"], state["batches_done"] * self.global_batch_size
 
 
 class HeadDataModule(L.LightningDataModule):
-    """Train/validation loaders (and a loader per split for the final evaluation)."""
+    """Train/validation loaders (and a loader per split for the final evaluation). ``draft`` is the
+    draft model or a function that loads it (called only where the draft must run)."""
 
     def __init__(self, splits, *, train_split: str, val_split: str | None, draft, draft_ref: str,
                  batch_size: int, num_workers: int, mix_ratio: float, mix_seed: int, seed: int,
@@ -114,28 +150,43 @@ class HeadDataModule(L.LightningDataModule):
         self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.head)
         self._sets: dict[str, Dataset] = {}
 
+    def _rank(self) -> tuple[int, int]:
+        """(rank, world size) under the trainer: every global batch is split over the ranks here
+        (trainer.use_distributed_sampler=false, conf/trainer/ddp.yaml), not by Lightning."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def prepare_data(self) -> None:
+        """Build the feature caches on one process per node (Lightning calls this on local rank 0,
+        then lets the other ranks in): they open the finished caches without loading the draft."""
+        if self.cache_features:
+            for name in self.splits:
+                self._cache(name)
+
+    def _cache(self, name: str):
+        return feature_cache(self.splits[name], name, self.draft, self.draft_ref, self.cache_dir, self.mix_ratio,
+                             self.mix_seed, self.cache_dtype, self.feature_batch_size, self.feature_spec,
+                             self.feature_size)
+
     def dataset(self, name: str) -> Dataset:
         if name not in self._sets:
-            split = self.splits[name]
-            self._sets[name] = (CachedRows(feature_cache(split, name, self.draft, self.draft_ref, self.cache_dir,
-                                                         self.mix_ratio, self.mix_seed, self.cache_dtype,
-                                                         self.feature_batch_size, self.feature_spec,
-                                                         self.feature_size))
-                                if self.cache_features else RawRows(split))
+            self._sets[name] = CachedRows(self._cache(name)) if self.cache_features else RawRows(self.splits[name])
         return self._sets[name]
 
     def loader(self, name: str) -> DataLoader:
-        """Prompts of split ``name`` in dataset order (validation, final evaluation)."""
-        return DataLoader(self.dataset(name), batch_size=self.batch_size, num_workers=self.num_workers,
-                          collate_fn=self.collate)
+        """Prompts of split ``name`` in dataset order (validation, final evaluation), this rank's share."""
+        dataset = self.dataset(name)
+        return DataLoader(dataset, batch_sampler=RankBatches(SequentialSampler(dataset), self.batch_size, *self._rank()),
+                          num_workers=self.num_workers, collate_fn=self.collate)
 
     @property
     def collate(self):
         return collate_cached if self.cache_features else collate_raw
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableLoader(self.dataset(self.train_split), seed=self.seed, batch_size=self.batch_size,
-                               num_workers=self.num_workers, collate_fn=self.collate)
+        dataset = self.dataset(self.train_split)
+        return ResumableLoader(dataset, seed=self.seed, batch_size=self.batch_size, rank=self._rank()[0],
+                               world_size=self._rank()[1], num_workers=self.num_workers, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:
         return self.loader(self.val_split) if self.val_split is not None else []

@@ -101,11 +101,11 @@ class RejectionAUROC(Metric):
         self.labels.append(p_acc.detach().float().flatten())
 
     def compute(self) -> torch.Tensor:
-        if not self.logits:
-            return torch.tensor(float("nan"))
-        logits = torch.cat(self.logits) if isinstance(self.logits, list) else self.logits
-        labels = torch.cat(self.labels) if isinstance(self.labels, list) else self.labels
-        return rejection_auroc(logits, labels)
+        if isinstance(self.logits, list):  # one process; across DDP ranks the states arrive concatenated
+            if not self.logits:
+                return torch.tensor(float("nan"))
+            return rejection_auroc(torch.cat(self.logits), torch.cat(self.labels))
+        return rejection_auroc(self.logits, self.labels)
 
 
 def head_metrics(prefix: str, full: bool = True) -> MetricCollection:

@@ -54,6 +54,8 @@ class AcceptanceHeadModule(L.LightningModule):
 
     # -- features and loss ---------------------------------------------------------------------
     def features(self, batch: dict, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not batch:  # a DDP rank's empty share of a small global batch (train/data.py rank_share)
+            return torch.zeros(0, self.head.hidden_size, device=self.device), torch.zeros(0, device=self.device)
         if "hidden" in batch:
             return batch["hidden"], batch["labels"]
         draft = self.draft.model
@@ -75,21 +77,43 @@ class AcceptanceHeadModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         epoch = self.current_epoch if self.hparams.remix_each_epoch else FIXED_MIXING_EPOCH
         loss, logits, labels = self.model_step(batch, epoch)
+        if self.trainer.world_size > 1:  # DDP averages the ranks' gradients: make that the global batch's
+            total_weight = self.global_totals(loss, labels)[1].clamp_min(1e-30)
+            loss = loss * (self.label_weight(labels).double() * self.trainer.world_size / total_weight).float()
         self.train_metrics.update(logits, labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel())
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=labels.numel(),
+                 sync_dist=True)
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True, prog_bar=True)
         return loss
+
+    def label_weight(self, labels: torch.Tensor) -> torch.Tensor:
+        """weighted_bce's normaliser: w_rej sum(1 - P) + w_acc sum(P)."""
+        labels = labels.float()
+        return self.hparams.w_rej * (1 - labels).sum() + self.hparams.w_acc * labels.sum()
+
+    def global_totals(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(loss x label weight, label weight, positions) summed over the DDP ranks' shares of one
+        global batch: the one-process batch loss is totals[0] / totals[1]. A rank's loss alone is
+        normalised by its own share's label weight (weighted_bce)."""
+        weight = self.label_weight(labels)
+        local = torch.stack([loss.detach().double() * weight, weight.double(),
+                             torch.tensor(float(labels.numel()), dtype=torch.float64, device=weight.device)])
+        return self.trainer.strategy.reduce(local, reduce_op="sum")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, logits, labels = self.model_step(batch)
         self.val_metrics.update(logits, labels)
-        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel())
-        self._val_sum += float(loss) * labels.numel()
-        self._val_count += labels.numel()
+        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel(), sync_dist=True)
+        positions = labels.numel()
+        if self.trainer.world_size > 1:  # the one-process batch loss and size, on every rank
+            totals = self.global_totals(loss, labels)
+            loss, positions = totals[0] / totals[1].clamp_min(1e-30), int(totals[2])
+        self._val_sum += float(loss) * positions
+        self._val_count += positions
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking and self._val_count > 0:
-            epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss
+            epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss (one process)
             self.val_loss_per_epoch.append(epoch_loss)
             if self.best_epoch is None or epoch_loss < min(self.val_loss_per_epoch[:-1]):
                 self.best_epoch = int(self.current_epoch)
@@ -132,9 +156,10 @@ class AcceptanceHeadModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         for name, metrics in zip(self.eval_names, self.eval_metrics, strict=True):
-            values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}
-            values["positions"] = int(metrics["KL"].count)
-            self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
+            values = {key.split("/", 1)[1]: float(v) for key, v in metrics.compute().items()}  # over all ranks
+            with metrics["KL"].sync_context(), metrics["ECE"].sync_context():  # raw states over all ranks too
+                values["positions"] = int(metrics["KL"].count)
+                self.eval_results[name] = {**values, "calibration_bins": metrics["ECE"].bins()}
             self.log_dict({f"final/{name}/{k}": v for k, v in values.items()}, add_dataloader_idx=False)
 
     # -- optimisation --------------------------------------------------------------------------

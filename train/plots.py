@@ -31,7 +31,7 @@ def plot_calibration(results: dict[str, dict], path: str | Path, title: str) -> 
     top.legend(loc="upper left", fontsize=8)
     bottom.set_xlabel("predicted acceptance sigmoid(head)")
     bottom.set_ylabel("share of positions")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.14, right=0.97, top=0.94, bottom=0.08, hspace=0.08)  # tight_layout: 2x the time
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
