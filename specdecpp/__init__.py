@@ -3,6 +3,7 @@
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
 from .head import AcceptanceHead
 from .models import load_pair
+from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp
 from .verify import verify
@@ -10,6 +11,6 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "FixedK", "GenerateOutput", "RunStats", "SVIP", "SamplingConfig",
+    "AcceptanceHead", "FixedK", "GenerateOutput", "PEARLDecoder", "PEARLStats", "RunStats", "SVIP", "SamplingConfig",
     "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_pair", "verify", "warp",
 ]
