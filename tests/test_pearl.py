@@ -237,3 +237,51 @@ def test_verify_without_bonus():
 def test_bad_gamma_is_refused(pair32, gamma):
     with pytest.raises(ValueError, match="gamma"):
         PEARLDecoder(*pair32, gamma)
+
+
+# -- infer: method=pearl in the harness, its rows and the report ----------------------------------
+def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
+    import infer.app as app
+    from infer.report import build_report
+    from infer.results import read_rows
+    from test_infer import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=2", "progress=false",
+            "sampling=greedy", f"out={tmp_path}/out/${{method.name}}"]
+    rows = {}
+    for name, overrides in {"target_only": ["method=target_only"],
+                            "pearl": ["method=pearl", "method.gamma=3"],
+                            "pearl_auto_svip": ["method=pearl", "method.stop=svip", "method.threshold=0.5"]}.items():
+        rows[name] = read_rows(app.run(make_cfg(*base, *overrides))["path"])
+    reference = [r["output_ids"] for r in rows["target_only"]]
+    for name in ("pearl", "pearl_auto_svip"):
+        assert [r["output_ids"] for r in rows[name]] == reference, name
+        for r in rows[name]:
+            assert r["method"] == "pearl" and r["wall_time_s"] > 0 and r["forward_time_s"] is None
+            assert 0 <= r["overlap_time_s"] <= min(r["draft_time_s"], r["target_time_s"]) + 1e-6
+            assert r["n_pre_verify_rounds"] + r["n_post_verify_rounds"] == r["n_target"]
+            assert r["n_draft"] + r["n_target"] == r["n_generated"] + r["n_discarded"] + r["n_no_target_token"]
+    assert rows["pearl"][0]["tag"] == "g3" and rows["pearl"][0]["gamma_used"] == 3
+    auto = rows["pearl_auto_svip"][0]
+    assert auto["tag"] == "gauto_svip_h0.5_c0.15" and auto["settings"]["gamma"] == "auto"
+    assert auto["gamma_used"] >= 1 and set(auto["theorem1_costs"]) == {"t_draft_s", "t_target_s"}
+    report = build_report(tmp_path / "out", tmp_path / "report")
+    entries = {e["tag"]: e for e in report["groups"][0]["entries"]}
+    assert entries["g3"]["both_busy_share"] is not None and entries["g3"]["predicted_tokens_per_s"] is None
+    assert entries["g3"]["speedup"] is not None and entries["g3"]["gamma_used"] == [3]
+    assert "| pearl | g3 |" in report["text"] and "both busy" in report["text"]
+
+
+@pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=specdecpp", "stop"),
+                                            ("method.switch_interval=-1", "switch_interval")])
+def test_infer_pearl_bad_settings_are_refused(override, match):
+    from infer.methods import resolve_method
+    from test_infer import make_cfg
+
+    cfg = make_cfg("method=pearl", override)
+    with pytest.raises(ValueError, match=match):
+        resolve_method(cfg.method, "draft", SamplingConfig())
