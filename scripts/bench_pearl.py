@@ -143,11 +143,24 @@ def pooled(rows) -> float:
     return sum(r["n_generated"] for r in rows) / sum(r["wall_time_s"] for r in rows)
 
 
-def table(methods: list[Method], n_prompts: int) -> tuple[str, dict]:
+def ceiling(rows, overlap: dict) -> float | None:
+    """PEARL's speedup over target-only at 1 thread if every round cost only the target's forward
+    alone (pre-verify: one token; post-verify: four, the padded width of gamma <= 4) and every
+    target-only token one forward alone: what perfect concurrency would give with these counts."""
+    if not overlap or max(r["gamma"] for r in rows) > 4:  # wider post-verify rounds: not measured
+        return None
+    n = sum(r["n_generated"] for r in rows)
+    t1, t4 = overlap["target1_alone_ms"], overlap["target4_alone_ms"]
+    rounds = sum(r["n_pre_verify_rounds"] * t1 + r["n_post_verify_rounds"] * t4 for r in rows)
+    return n * t1 / rounds
+
+
+def table(methods: list[Method], n_prompts: int, overlap: dict | None = None) -> tuple[str, dict]:
     base1 = next(m for m in methods if m.name == "target_only t1")
     best_base = max((m for m in methods if m.name.startswith("target_only")), key=lambda m: pooled(m.rows))
     lines = [f"| method | tokens/s | speedup vs target-only t1 [95% CI] | speedup vs {best_base.name} (best) [95% CI] "
-             "| mean accepted/round | gamma | both busy | pre/post rounds |", "|---|---|---|---|---|---|---|---|"]
+             "| mean accepted/round | acceptance | gamma | both busy | pre/post rounds | tokens/target call "
+             "| perfect-overlap ceiling |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for m in methods:
         tps = pooled(m.rows)
@@ -168,14 +181,21 @@ def table(methods: list[Method], n_prompts: int) -> tuple[str, dict]:
                          target_busy=sum(r["target_time_s"] for r in m.rows) / wall,
                          pre_rounds=sum(r["n_pre_verify_rounds"] for r in m.rows),
                          post_rounds=sum(r["n_post_verify_rounds"] for r in m.rows))
+        tested = sum(sum(r["candidate_lengths"]) for r in m.rows)
         entry["mean_accepted"] = accepted
+        entry["acceptance"] = sum(sum(r["accept_lengths"]) for r in m.rows) / tested if tested else None
+        entry["tokens_per_target_call"] = sum(r["n_generated"] for r in m.rows) / sum(r["n_target_calls"] for r in m.rows)
+        entry["ceiling"] = ceiling(m.rows, overlap) if pearl else None
         summary[m.name] = entry
         lines.append("| " + " | ".join([
             m.name, f"{tps:.2f}", *cells, "-" if accepted is None else f"{accepted:.2f}",
+            "-" if entry["acceptance"] is None else f"{entry['acceptance']:.2f}",
             ",".join(map(str, entry["gamma"])) if pearl else "-",
             f"{100 * entry['both_busy']:.0f}% (draft {100 * entry['draft_busy']:.0f}%, target {100 * entry['target_busy']:.0f}%)"
             if pearl else "-",
-            f"{entry['pre_rounds']}/{entry['post_rounds']}" if pearl else "-"]) + " |")
+            f"{entry['pre_rounds']}/{entry['post_rounds']}" if pearl else "-",
+            f"{entry['tokens_per_target_call']:.2f}",
+            "-" if entry["ceiling"] is None else f"{entry['ceiling']:.2f}x"]) + " |")
     return "\n".join(lines), summary
 
 
@@ -192,8 +212,17 @@ def main(argv=None) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="first measure how much draft and target slow each other when run at once")
     parser.add_argument("--out", help="write the rows and the summary as JSON here")
+    parser.add_argument("--from-json", help="print the table of a run saved with --out (decodes nothing)")
     args = parser.parse_args(argv)
 
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        methods = [Method(name, None, None) for name in saved["rows"]]
+        for m in methods:
+            m.rows = saved["rows"][m.name]
+        print(saved["machine"], "\n")
+        print(table(methods, 0, saved.get("overlap"))[0])
+        return
     if not (args.draft and args.target):
         args.target = args.target or str(demo_target_path())
         args.draft = args.draft or str(demo_draft_path())
@@ -222,7 +251,7 @@ def main(argv=None) -> None:
         print(f"[{i + 1}/{len(prompts)}] {pid}: " + ", ".join(
             f"{m.name} {m.rows[-1]['n_generated'] / m.rows[-1]['wall_time_s']:.1f}" for m in methods), flush=True)
     load_after = os.getloadavg()
-    text, summary = table(methods, len(prompts))
+    text, summary = table(methods, len(prompts), overlap)
     auto = next((m.decoder for m in methods if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"float32; load average (1/5/15 min) before {load_before}, after {load_after}; "

@@ -237,7 +237,8 @@ class PEARLDecoder:
         gamma = self.resolve_gamma()
         eos, cfg = token_set(eos_token_id), self.sampling
         # two streams of randomness fixed up front: the draft's samples and the verification's
-        seeds = torch.randint(0, 2**62, (2,), generator=generator).tolist()
+        seeds = torch.randint(0, 2**62, (2,), generator=generator,
+                              device=generator.device if generator is not None else "cpu").tolist()
         draft_gen, verify_gen = (torch.Generator(self.device).manual_seed(s) for s in seeds)
         draft = _Runner(self.draft, self.vocab, want_hidden=self.policy is not None and self.policy.needs_hidden)
         target = _Runner(self.target, self.vocab, want_hidden=False)
@@ -254,6 +255,8 @@ class PEARLDecoder:
                 _DraftWorker(self.device, self.num_threads) as worker:
             while n < end:
                 count = min(gamma, end - n - m)  # the next block, never past the length limit
+                if m and eos and int(seq[n + m - 1]) in eos:
+                    count = 0  # the pending drafts end on EOS: nothing can follow it
                 if count:
                     worker.submit(lambda start=n + m, count=count: self._draft_block(
                         draft, seq, start, count, draft_gen, eos))
