@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-from specdecpp import SVIP, AcceptanceHead, FixedK, PEARLDecoder, SpecDecPP, SpeculativeDecoder, TargetOnly
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    PEARLDecoder,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+)
 from specdecpp.models import same_model
 from specdecpp.policies import check_count, check_threshold
 from specdecpp.sampling import SamplingConfig

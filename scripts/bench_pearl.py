@@ -30,7 +30,15 @@ import torch
 
 from infer.results import prompt_seed
 from infer.summary import paired_speedup_ci
-from specdecpp import SVIP, FixedK, PEARLDecoder, SamplingConfig, SpeculativeDecoder, TargetOnly, load_pair
+from specdecpp import (
+    SVIP,
+    FixedK,
+    PEARLDecoder,
+    SamplingConfig,
+    SpeculativeDecoder,
+    TargetOnly,
+    load_pair,
+)
 from specdecpp.demo import demo_draft_path, demo_target_path
 from specdecpp.models import eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
@@ -118,8 +126,7 @@ def measure_overlap(draft, target, draft_dir: str, context: torch.Tensor, steps:
         sys.setswitchinterval(si)
         for width in (1, 4):
             stop, draft_times = threading.Event(), []
-            worker = threading.Thread(target=lambda: (torch.set_num_threads(1),
-                                                      _forward_loop(draft, context, 1, 0, draft_times, stop)))
+            worker = threading.Thread(target=_forward_loop, args=(draft, context, 1, 0, draft_times, stop))
             worker.start()
             res[f"{label}_target{width}_ms"] = _median_ms(_forward_loop(target, context, width, steps))
             stop.set()

@@ -241,10 +241,11 @@ def test_bad_gamma_is_refused(pair32, gamma):
 
 # -- infer: method=pearl in the harness, its rows and the report ----------------------------------
 def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
+    from test_infer import make_cfg
+
     import infer.app as app
     from infer.report import build_report
     from infer.results import read_rows
-    from test_infer import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
@@ -279,8 +280,9 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
 @pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=specdecpp", "stop"),
                                             ("method.switch_interval=-1", "switch_interval")])
 def test_infer_pearl_bad_settings_are_refused(override, match):
-    from infer.methods import resolve_method
     from test_infer import make_cfg
+
+    from infer.methods import resolve_method
 
     cfg = make_cfg("method=pearl", override)
     with pytest.raises(ValueError, match=match):
