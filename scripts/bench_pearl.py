@@ -62,16 +62,16 @@ class Method:
             torch.set_num_threads(before)
 
 
-def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold) -> list[Method]:
-    methods = [Method("target_only t1", SpeculativeDecoder(draft, target, TargetOnly(), SAMPLING), 1),
-               Method("target_only t2", SpeculativeDecoder(draft, target, TargetOnly(), SAMPLING), 2)]
-    methods += [Method(f"fixed_k k{k}", SpeculativeDecoder(draft, target, FixedK(k), SAMPLING), 1) for k in ks]
+def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold, sampling=SAMPLING) -> list[Method]:
+    methods = [Method("target_only t1", SpeculativeDecoder(draft, target, TargetOnly(), sampling), 1),
+               Method("target_only t2", SpeculativeDecoder(draft, target, TargetOnly(), sampling), 2)]
+    methods += [Method(f"fixed_k k{k}", SpeculativeDecoder(draft, target, FixedK(k), sampling), 1) for k in ks]
     for g in gammas:
-        methods.append(Method(f"pearl g{g}", PEARLDecoder(draft, target, g if g == "auto" else int(g), SAMPLING), None))
+        methods.append(Method(f"pearl g{g}", PEARLDecoder(draft, target, g if g == "auto" else int(g), sampling), None))
     if svip_gamma:
         stop = SVIP(svip_threshold, max_candidates=40)
         methods.append(Method(f"pearl g{svip_gamma}+svip h{svip_threshold:g}",
-                              PEARLDecoder(draft, target, int(svip_gamma), SAMPLING, policy=stop), None))
+                              PEARLDecoder(draft, target, int(svip_gamma), sampling, policy=stop), None))
     return methods
 
 
@@ -216,6 +216,7 @@ def main(argv=None) -> None:
     parser.add_argument("--svip-gamma", default=None, help="also PEARL at this gamma with SVIP ending blocks early")
     parser.add_argument("--svip-threshold", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (top-k 50 otherwise)")
     parser.add_argument("--overlap", action="store_true",
                         help="first measure how much draft and target slow each other when run at once")
     parser.add_argument("--out", help="write the rows and the summary as JSON here")
@@ -238,7 +239,8 @@ def main(argv=None) -> None:
     eos = sorted(eos_token_ids(tok, target))
     prompts = [(f"bundled/{p.id}", p) for p in load_prompts("bundled", split="test", limit=args.prompts)]
     prompts += [(f"humaneval/{p.id}", p) for p in load_prompts("humaneval", split="test", limit=args.prompts)]
-    methods = build_methods(draft, target, args.ks, args.gammas, args.svip_gamma, args.svip_threshold)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=50)
+    methods = build_methods(draft, target, args.ks, args.gammas, args.svip_gamma, args.svip_threshold, sampling)
     warm = torch.tensor([encode_prompt(tok, prompts[0][1].prompt)])
     overlap = None
     if args.overlap:
@@ -264,7 +266,8 @@ def main(argv=None) -> None:
                f"float32; load average (1/5/15 min) before {load_before}, after {load_after}; "
                f"{(time.time() - t_start) / 60:.1f} min")
     print(f"\n{len(prompts)} prompts ({args.prompts} bundled test + {args.prompts} HumanEval), "
-          f"{args.max_new_tokens} new tokens, T=1, top-k 50, interleaved per prompt")
+          f"{args.max_new_tokens} new tokens, {'greedy' if sampling.greedy else f'T={args.temperature:g}, top-k 50'}, "
+          "interleaved per prompt")
     if auto is not None:
         c = auto.costs
         print(f"Theorem 1: t_draft {1e3 * c['t_draft_s']:.2f} ms, t_target {1e3 * c['t_target_s']:.2f} ms "
