@@ -21,10 +21,11 @@ DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhe
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
-# The two reference heads chosen on the dev split by the potential analysis (demo/heads/selection.json).
-REF_HEADS := $(shell $(PYTHON) -c "import json; print(','.join('demo/heads/' + h['name'] for h in json.load(open('demo/heads/selection.json'))['heads']))" 2>/dev/null)
-# Each reference head at its best dev-split threshold (selection.json), e.g. {head:demo/heads/wrej3_d3,threshold:0.5}
-REF_HEAD_POINTS := $(shell $(PYTHON) -c "import json; s = json.load(open('demo/heads/selection.json')); best = {r['name']: r['best_threshold'] for r in s['ranking']}; print(','.join('{head:demo/heads/%s,threshold:%s}' % (h['name'], best[h['name']]) for h in s['heads']))" 2>/dev/null)
+# The reference heads chosen on the dev split by the potential analysis (demo/heads/selection.json):
+# two of the paper's kind and two lag-free ones (scripts/ref_heads.py).
+REF_HEADS := $(shell $(PYTHON) scripts/ref_heads.py dirs all 2>/dev/null)
+# Each reference head at its best dev-split threshold, e.g. {head:demo/heads/wrej3_d3,threshold:0.5}
+REF_HEAD_POINTS := $(shell $(PYTHON) scripts/ref_heads.py points 2>/dev/null)
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.svip.threshold=[0.3,0.5]' \
 	'~comparison.specdecpp' '+comparison.specdecpp=[{head:$(DEMO_HEAD),threshold:[0.5,0.8]},$(REF_HEAD_POINTS)]' \
@@ -91,9 +92,10 @@ potential: demo-pair bench-costs  # docs/demo.md: the potential table on held-ou
 BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out from distillation and heads)
 BENCH_TOKENS ?= 96
 BENCH_THREADS ?= 1
-BENCH_HEAD_THRESHOLDS := $(shell $(PYTHON) -c "import json; print(json.load(open('demo/heads/selection.json'))['heads'][0]['thresholds'])" 2>/dev/null)
+# each kind's two reference heads at that kind's three best dev thresholds
+BENCH_HEAD_GRIDS := $(shell $(PYTHON) scripts/ref_heads.py grids 2>/dev/null)
 BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=[0.5,0.7]' \
-	'comparison.specdecpp.head=[$(REF_HEADS)]' 'comparison.specdecpp.threshold=$(subst $() ,,$(BENCH_HEAD_THRESHOLDS))' \
+	'~comparison.specdecpp' '+comparison.specdecpp=[$(BENCH_HEAD_GRIDS)]' \
 	'~comparison.hf_assisted' '+comparison.hf_assisted=[{mode:constant,num_assistant_tokens:[1,2,3,4]},{mode:[heuristic,confidence],num_assistant_tokens:4}]' \
 	'~comparison.oracle'
 

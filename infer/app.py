@@ -62,9 +62,9 @@ def fill_pair_from_head(cfg, head_path=None) -> None:
     if not head_path:
         raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
                          "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
-    from specdecpp import AcceptanceHead
+    from specdecpp import load_head
 
-    head = AcceptanceHead.from_pretrained(str(head_path))
+    head = load_head(str(head_path))
     recorded = {"draft": head.draft, "target": head.meta.get("target")}
     for key in missing:
         if not recorded[key]:

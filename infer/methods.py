@@ -22,6 +22,7 @@ from specdecpp import (
     SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
+    load_head,
 )
 from specdecpp.models import same_model
 from specdecpp.policies import check_count, check_threshold
@@ -79,7 +80,7 @@ def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
     if not head_path:
         raise ValueError("method specdecpp: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
-    head = AcceptanceHead.from_pretrained(str(head_path))
+    head = load_head(str(head_path))
     size = draft_hidden_size(draft_ref)
     if size != head.hidden_size:
         raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
@@ -139,7 +140,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
         head_name = Path(str(m.get("head")).rstrip("/")).name
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
-                    "threshold": h, "min_candidates": lo, "max_candidates": hi}
+                    "head_kind": head.kind, "threshold": h, "min_candidates": lo, "max_candidates": hi}
         return MethodSpec(name, settings, f"{head_name}_h{_num(h)}_min{lo}_max{hi}", head)
     if name == "pearl":
         return _pearl_spec(m)

@@ -27,7 +27,7 @@ import numpy as np
 
 from specdecpp import potential as pt
 
-DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
 
@@ -85,17 +85,17 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     """
     import torch
 
-    from specdecpp.head import AcceptanceHead
-    from specdecpp.mixing import draft_features, mixed_example, mixing_mask
+    from specdecpp.head import load_head
+    from specdecpp.mixing import draft_features, lag_free_features, mixed_example, mixing_mask
     from specdecpp.models import load_model
 
-    heads = [AcceptanceHead.from_pretrained(h) for h in head_dirs]
+    heads = [load_head(h) for h in head_dirs]
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
         raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
     draft = load_model(draft_ref, device="cpu", dtype="float32")
     for head in heads:
-        head.check_draft(draft)
+        head.attach(draft)
     filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]
     preds = [[np.full(len(r["p_acc"]), np.nan) for r in raw_rows] for _ in heads]
     for epoch in range(8):
@@ -110,14 +110,18 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
                 r = raw_rows[j]
                 mask = mixing_mask(len(r["target_ids"]), ratio, mix_seed, epoch, int(r["row"]))
                 examples.append((mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"], mask), mask))
-            hidden = draft_features(draft, [e[0][0] for e in examples], [e[0][1] for e in examples])
+            # the states at each candidate (the paper's head) and one earlier (the lag-free head's)
+            both = draft_features(draft, [e[0][0] for e in examples],
+                                  [torch.cat([e[0][1], e[0][1] - 1]) for e in examples])
             with torch.no_grad():
-                for j, h, (_, mask) in zip(chunk, hidden, examples, strict=True):
+                for j, h, ((seq, pos, _), mask) in zip(chunk, both, examples, strict=True):
+                    at, before = h[: len(pos)], h[len(pos) :]
                     keep = (~mask).nonzero().squeeze(-1).numpy()
                     new = keep[~filled[j][keep]]
                     fill = ~filled[j][keep]
                     for head, out in zip(heads, preds, strict=True):
-                        out[j][new] = torch.sigmoid(head(h.float())).squeeze(-1).double().numpy()[fill]
+                        x = at if head.lag else lag_free_features(draft, before, seq[pos], head.feature_spec())
+                        out[j][new] = torch.sigmoid(head(x.float())).reshape(-1).double().numpy()[fill]
                     filled[j][new] = True
     return preds
 
@@ -128,12 +132,14 @@ def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref:
     return heads_predictions([head_dir], raw_rows, meta, draft_ref, **kwargs)[0]
 
 
-def policies(max_k: int, thresholds, svip_thresholds, heads: list[str]) -> list[pt.Policy]:
+def policies(max_k: int, thresholds, svip_thresholds, heads: list[str],
+             lags: dict[str, int] | None = None) -> list[pt.Policy]:
+    """The compared policies; ``lags[name]`` is each head's lag (1, the paper's head, by default)."""
     out = [pt.fixed_k(k) for k in range(1, max_k + 1)]
     out += [pt.informed(h) for h in thresholds]
     out += [pt.informed_lag_free(h) for h in thresholds]
     for name in heads:
-        out += [pt.head_rule(name, h) for h in thresholds]
+        out += [pt.head_rule(name, h, lag=(lags or {}).get(name, 1)) for h in thresholds]
     out += [pt.svip(h) for h in svip_thresholds]
     out.append(pt.oracle())
     return out
@@ -220,7 +226,9 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
-    pols = policies(max_k, thresholds, svip_thresholds, head_names)
+    from specdecpp.head import load_head
+    lags = {Path(h).name: load_head(h).lag for h in heads}  # the paper's head 1, the lag-free head 0
+    pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))
     records = pt.summarise(results, pols, costs, n_boot=n_boot)

@@ -1,7 +1,7 @@
 """specdecpp: learned stop predictors (SpecDec++) for speculative decoding, and its baselines."""
 
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
-from .head import AcceptanceHead
+from .head import AcceptanceHead, NextTokenHead, load_head
 from .models import load_pair
 from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
@@ -11,6 +11,7 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "FixedK", "GenerateOutput", "PEARLDecoder", "PEARLStats", "RunStats", "SVIP", "SamplingConfig",
-    "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_pair", "verify", "warp",
+    "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
+    "SVIP", "SamplingConfig", "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head",
+    "load_pair", "verify", "warp",
 ]

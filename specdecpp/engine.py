@@ -214,7 +214,7 @@ class SpeculativeDecoder:
                         q_rows.append(q_k)
                     seq[n + k] = y
                     k += 1
-                    if policy.should_stop(k, logits[-1], hidden[-1] if needs_hidden else None) or \
+                    if policy.should_stop(k, logits[-1], hidden[-1] if needs_hidden else None, y) or \
                             (eos_per_candidate and int(y) in eos):
                         break
                 t1 = marks.now()

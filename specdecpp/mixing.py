@@ -8,9 +8,13 @@ Conventions, per prompt with response length N:
 - The loss uses the positions "Z_i taken from Y_i" (``~take_target``), as in the paper's loss and
   the authors' code: a position whose mask chose X_i is left out even when X_i == Y_i, so the
   label distribution is not tilted towards tokens the draft and target agree on.
-- Feature of position i: the draft's final hidden state (``hidden_states[-1]``, after the final
-  norm) output at token Z_i, i.e. after reading x, Z_1..Z_i: index ``len(prompt) + i - 1`` of the
-  sequence x + Z (1-based i). This is e_i, exactly what the engine hands the head at inference.
+- Feature of position i for the paper's head (kind ``resnet``): the draft's final hidden state
+  (``hidden_states[-1]``, after the final norm) output at token Z_i, i.e. after reading
+  x, Z_1..Z_i: index ``len(prompt) + i - 1`` of the sequence x + Z (1-based i). This is e_i,
+  exactly what the engine hands the head at inference.
+- For the lag-free head (kind ``next``): :func:`specdecpp.head.next_token_features` of the state
+  one index earlier (after reading x, Z_<i: the state that produced q_i), of the draft's logits
+  there and of the candidate Y_i, exactly what the engine has right after sampling y_k.
 - Labels are probabilities; the head outputs a logit, P_hat = sigmoid(logit).
 """
 
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .head import next_token_features
 from .models import FinalHidden
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
@@ -58,17 +63,32 @@ def mixed_example(prompt_ids, target_ids, draft_ids, p_acc, take_target: torch.T
     return torch.cat([prompt, z]), positions, labels
 
 
-def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int = FIXED_MIXING_EPOCH):
+def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int = FIXED_MIXING_EPOCH,
+                   spec: dict | None = None):
     """Features and labels of the Y-positions of several dataset rows under the mixing of ``epoch``.
 
     ``rows``: dicts with ``row`` (index in its split), ``prompt_ids``, ``target_ids``, ``draft_ids``,
-    ``p_acc``. Returns (list of hidden [n_j, H], list of labels [n_j]), one entry per row.
+    ``p_acc``. ``spec``: the head's :meth:`feature_spec` (None: the paper's head). Returns (list of
+    features [n_j, F], list of labels [n_j]), one entry per row.
     """
     examples = [mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"],
                               mixing_mask(len(r["target_ids"]), ratio, seed, epoch, int(r["row"])))
                 for r in rows]
-    hidden = draft_features(draft, [e[0] for e in examples], [e[1] for e in examples])
-    return hidden, [e[2] for e in examples]
+    sequences, positions = [e[0] for e in examples], [e[1] for e in examples]
+    if spec is None or spec.get("kind", "resnet") == "resnet":
+        return draft_features(draft, sequences, positions), [e[2] for e in examples]
+    hidden = draft_features(draft, sequences, [p - 1 for p in positions])  # the states that produced q_i
+    return ([lag_free_features(draft, h, seq[pos], spec) for h, seq, pos in zip(hidden, sequences, positions, strict=True)],
+            [e[2] for e in examples])
+
+
+@torch.no_grad()
+def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
+    """The lag-free head's features of candidates ``tokens`` [n] drafted from the states ``hidden``
+    [n, H] (the draft's logits recomputed from them by its output layer)."""
+    logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
+    return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
+                               float(spec["temperature"]), tuple(spec["features"]))
 
 
 @torch.no_grad()

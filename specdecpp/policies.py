@@ -1,9 +1,9 @@
 """Stop policies: when does the draft stop proposing candidates and hand them to the target?
 
 Every policy has one decision method. The engine drafts candidate ``y_k`` from ``q_k`` and then
-asks ``should_stop(k, logits, hidden)``, where ``logits`` are the draft's raw logits that
-produced ``q_k`` and ``hidden`` is the draft's final hidden state at the same position, i.e. at
-``y_{k-1}`` (at the last accepted token when k == 1). The engine also stops at
+asks ``should_stop(k, logits, hidden, token)``, where ``logits`` are the draft's raw logits that
+produced ``q_k``, ``hidden`` is the draft's final hidden state at the same position, i.e. at
+``y_{k-1}`` (at the last accepted token when k == 1), and ``token`` is ``y_k`` (a 0-d tensor). The engine also stops at
 ``max_candidates`` (0 = target-only decoding), at EOS and at the length limit. It never looks at
 a policy's type.
 """
@@ -55,7 +55,8 @@ class StopPolicy:
     def new_round(self) -> None:
         """Called before the first candidate of each round."""
 
-    def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+    def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor,
+                    token: torch.Tensor | None = None) -> bool:
         raise NotImplementedError
 
     def settings(self) -> dict:
@@ -69,7 +70,7 @@ class TargetOnly(StopPolicy):
     max_candidates = 0
     needs_hidden = reads_values = False
 
-    def should_stop(self, k, logits, hidden) -> bool:
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
         return True
 
 
@@ -83,7 +84,7 @@ class FixedK(StopPolicy):
         self.k = check_count("FixedK", "k", k)
         self.max_candidates = self.k
 
-    def should_stop(self, k, logits, hidden) -> bool:
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
         return k >= self.k
 
     def settings(self) -> dict:
@@ -112,7 +113,7 @@ class SVIP(StopPolicy):
     def bind(self, draft_model, temperature: float) -> None:
         self.temperature = temperature
 
-    def should_stop(self, k, logits, hidden) -> bool:
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
         h = float(entropy(logits, self.temperature))
         return math.sqrt(self.c * h) > self.threshold
 
@@ -121,15 +122,20 @@ class SVIP(StopPolicy):
 
 
 class SpecDecPP(StopPolicy):
-    """SpecDec++ (Algorithm 2): stop when 1 - prod_i sigmoid(head(e_i)) > threshold, over the
-    candidates e_1.. of this round whose hidden states are known, within [min, max] candidates."""
+    """SpecDec++ (Algorithm 2): stop when 1 - prod_i sigmoid(head(.)) > threshold over the
+    candidates of this round the head has scored, within [min, max] candidates.
+
+    The head says what it can score (``head.lag``): the paper's head (``resnet``, lag 1) scores
+    y_{k-1} from e_{k-1}, so after drafting y_k the product covers y_1..y_{k-1} and a round has
+    at least two candidates; the lag-free head (``next``, lag 0) scores y_k itself from
+    (e_{k-1}, q_k, y_k), so the product covers y_1..y_k and a round may stop after one."""
 
     name = "specdecpp"
 
     def __init__(self, head: AcceptanceHead, threshold: float = 0.7, min_candidates: int = 1,
                  max_candidates: int = 20) -> None:
         if not isinstance(head, AcceptanceHead):
-            raise TypeError(f"SpecDecPP: head must be an AcceptanceHead, got {type(head).__name__}")
+            raise TypeError(f"SpecDecPP: head must be an AcceptanceHead or NextTokenHead, got {type(head).__name__}")
         self.head = head.eval()
         self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
         self.min_candidates = check_count("SpecDecPP", "min_candidates", min_candidates)
@@ -144,18 +150,19 @@ class SpecDecPP(StopPolicy):
         return self.head.needs_hidden
 
     def bind(self, draft_model, temperature: float) -> None:
-        self.head.check_draft(draft_model)
-        self.head.to(draft_model.device)
+        self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
 
     def new_round(self) -> None:
         self._p_all_accepted = 1.0
 
     @torch.no_grad()
-    def should_stop(self, k, logits, hidden) -> bool:
-        if k >= 2:  # hidden is e_{k-1}, the state at candidate y_{k-1} of this round
-            self._p_all_accepted *= float(torch.sigmoid(self.head(hidden.float())))
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        # lag 0: y_k from e_{k-1} (hidden), q_k (logits) and y_k; lag 1: y_{k-1} from e_{k-1}
+        if k > self.head.lag:
+            self._p_all_accepted *= float(torch.sigmoid(self.head.score(hidden, logits, token)))
         return k >= self.min_candidates and 1.0 - self._p_all_accepted > self.threshold
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "min_candidates": self.min_candidates,
-                "max_candidates": self.max_candidates, "head_depth": self.head.depth}
+                "max_candidates": self.max_candidates, "head_depth": self.head.depth,
+                "head_kind": self.head.kind}

@@ -120,10 +120,13 @@ def informed_lag_free(threshold: float, min_candidates: int = 1, max_candidates:
     return Policy("informed_lag_free", {"threshold": h}, _algorithm2("p_acc", h, min_candidates, lag=0), max_candidates)
 
 
-def head_rule(name: str, threshold: float, min_candidates: int = 1, max_candidates: int = 20) -> Policy:
-    """Algorithm 2 with a trained head's predictions (``ctx['pred:' + name]``)."""
+def head_rule(name: str, threshold: float, min_candidates: int = 1, max_candidates: int = 20,
+              lag: int = 1) -> Policy:
+    """Algorithm 2 with a trained head's predictions (``ctx['pred:' + name]``); ``lag`` is the
+    head's (1: the paper's head, 0: the lag-free head)."""
     h = _threshold("head", threshold)
-    return Policy(f"head:{name}", {"threshold": h}, _algorithm2("pred:" + name, h, min_candidates), max_candidates)
+    return Policy(f"head:{name}", {"threshold": h}, _algorithm2("pred:" + name, h, min_candidates, lag=lag),
+                  max_candidates)
 
 
 def svip(threshold: float, c: float = 0.15, max_candidates: int = 40) -> Policy:

@@ -273,7 +273,7 @@ def test_draft_runs_without_every_layers_states_and_hidden_only_for_the_head(pai
     hook = draft.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("output_hidden_states")),
                                            with_kwargs=True)
     real = policy.should_stop
-    policy.should_stop = lambda k, logits, hidden: handed.append(hidden) or real(k, logits, hidden)
+    policy.should_stop = lambda k, logits, hidden, token: handed.append(hidden) or real(k, logits, hidden, token)
     try:
         for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
             out = SpeculativeDecoder(draft, target, policy, sampling).generate(

@@ -493,9 +493,9 @@ def test_remix_each_epoch_draws_a_new_mixing_per_epoch_and_validates_on_the_fixe
     epochs = []
     real = train.module.mixed_features
 
-    def recording(draft_model, rows, ratio, seed, epoch):
+    def recording(draft_model, rows, ratio, seed, epoch, spec=None):
         epochs.append((torch.is_grad_enabled(), epoch))
-        return real(draft_model, rows, ratio, seed, epoch)
+        return real(draft_model, rows, ratio, seed, epoch, spec)
 
     monkeypatch.setattr(train.module, "mixed_features", recording)
     cfg = train_cfg([*base_overrides(tiny_pair, tiny_dataset, tmp_path, "trainer=smoke", "callbacks=none"),
@@ -696,7 +696,7 @@ def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_pat
         def new_round(self):
             self.rounds.append([])
 
-        def should_stop(self, k, logits, hidden):
+        def should_stop(self, k, logits, hidden, token=None):
             self.rounds[-1].append((k, hidden.detach().clone()))
             return k >= self.max_candidates
 

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from specdecpp.dataset import dataset_fingerprint
-from specdecpp.head import AcceptanceHead
+from specdecpp.head import build_head
 from specdecpp.models import load_model
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
@@ -31,7 +31,7 @@ def _instantiate_all(group: DictConfig | None) -> list:
 
 # Keys of the composed config that do not change what is trained (where files go, how progress
 # is shown, how the work is spread): everything else is part of a run's identity.
-NOT_IDENTITY = {"out", "experiment_name", "logger", "hydra", "pair.device", "pair.name", "pair.target",
+NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra", "pair.device", "pair.name", "pair.target",
                 "data.path", "data.num_workers", "data.cache_dir", "data.feature_batch_size",
                 "data.allow_draft_mismatch", "trainer.default_root_dir", "trainer.enable_progress_bar",
                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.accelerator",
@@ -90,7 +90,7 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str)
     data, loss = cfg.data, cfg.loss
     return {"weights": weights, "best_epoch": module.best_epoch,
             "val_loss_per_epoch": module.val_loss_per_epoch, "dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
-            "depth": int(cfg.head.depth), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
+            "depth": int(cfg.head.depth), "head_kind": str(cfg.head.get("kind", "resnet")), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
             "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
             "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
             "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
@@ -99,6 +99,17 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str)
 
 
 HOLDOUT_SPLIT = "val"
+
+
+def make_head(head_cfg: DictConfig, hidden_size: int, draft_ref: str, meta: dict):
+    """The head of ``head.kind`` (conf/head/): ``resnet`` (the paper's) or ``next`` (lag-free; its
+    q features use the temperature the dataset was sampled at)."""
+    kind = head_cfg.get("kind", "resnet")
+    if kind == "resnet":
+        return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref)
+    temperature = float(((meta.get("sampling") or {}).get("temperature", 1.0)))
+    return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref,
+                      features=tuple(head_cfg.features), temperature=temperature)
 
 
 def validation_split(splits, data: DictConfig):
@@ -155,12 +166,13 @@ def run(cfg: DictConfig) -> dict:
     for name in splits:
         check_split(splits[name], name, str(data.path), vocab)
 
+    head = make_head(cfg.head, hidden_size, draft_ref, meta)
     datamodule = HeadDataModule(
         splits, train_split=data.train_split, val_split=val_split, draft=draft, draft_ref=draft_ref,
         batch_size=data.batch_size, num_workers=data.num_workers, mix_ratio=data.mix_ratio,
         mix_seed=data.mix_seed, seed=cfg.seed, cache_features=data.cache_features, cache_dir=data.cache_dir,
-        cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size)
-    head = AcceptanceHead(hidden_size, cfg.head.depth, draft=draft_ref)
+        cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size,
+        feature_spec=head.feature_spec(), feature_size=head.feature_size)
     module = AcceptanceHeadModule(
         head, optimizer=instantiate(cfg.optimizer), w_rej=float(loss.w_rej), w_acc=float(loss.w_acc),
         warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,

@@ -75,14 +75,19 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str | os.PathLike,
-                  mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8) -> FeatureCache:
-    """Open the cache for this (split, draft, mixing), building or finishing it first if needed."""
+                  mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8,
+                  spec: dict | None = None, feature_size: int | None = None) -> FeatureCache:
+    """Open the cache for this (split, draft, mixing, head features), building or finishing it
+    first if needed. ``spec``/``feature_size``: the head's :meth:`feature_spec` and feature size
+    (None: the paper's head, the draft's hidden states)."""
     if dtype not in DTYPES:
         raise ValueError(f"data.cache_dtype must be one of {list(DTYPES)}, got {dtype!r}")
     info = {"format": FORMAT_VERSION, "split": split_name, "split_fingerprint": split._fingerprint,
             "rows": len(split), "draft": str(draft_ref), "draft_fingerprint": draft_fingerprint(draft),
             "hidden_size": int(draft.config.hidden_size), "mix_ratio": float(mix_ratio),
             "mix_seed": int(mix_seed), "dtype": dtype}
+    if spec is not None and spec.get("kind", "resnet") != "resnet":  # the paper's head keeps its old keys
+        info.update(features=spec, feature_size=int(feature_size))
     key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cache_dir) / f"{split_name}-{key}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -102,7 +107,7 @@ def _build(split, split_name: str, draft, directory: Path, info: dict, batch_siz
     kept = [int((~mixing_mask(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j)).sum())
             for j, n in enumerate(n_tokens)]
     offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
-    shape = (int(offsets[-1]), int(draft.config.hidden_size))
+    shape = (int(offsets[-1]), int(info.get("feature_size", draft.config.hidden_size)))
     resume = state_file.is_file() and progress_file.is_file()
     done = json.loads(progress_file.read_text())["rows_done"] if resume else 0
     mode = "r+" if resume else "w+"
@@ -119,7 +124,8 @@ def _build(split, split_name: str, draft, directory: Path, info: dict, batch_siz
         for start in range(done, len(split), batch_size):
             stop = min(start + batch_size, len(split))
             chunk = [{**rows[j], "row": j} for j in range(start, stop)]
-            hidden, chunk_labels = mixed_features(draft, chunk, mix_ratio, mix_seed, FIXED_MIXING_EPOCH)
+            hidden, chunk_labels = mixed_features(draft, chunk, mix_ratio, mix_seed, FIXED_MIXING_EPOCH,
+                                                  info.get("features"))
             a, b = int(offsets[start]), int(offsets[stop])
             if b > a:
                 features[a:b] = torch.cat(hidden).float().cpu().numpy()

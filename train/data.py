@@ -98,7 +98,8 @@ class HeadDataModule(L.LightningDataModule):
 
     def __init__(self, splits, *, train_split: str, val_split: str | None, draft, draft_ref: str,
                  batch_size: int, num_workers: int, mix_ratio: float, mix_seed: int, seed: int,
-                 cache_features: bool, cache_dir: str, cache_dtype: str, feature_batch_size: int) -> None:
+                 cache_features: bool, cache_dir: str, cache_dtype: str, feature_batch_size: int,
+                 feature_spec: dict | None = None, feature_size: int | None = None) -> None:
         super().__init__()
         for name in (train_split, val_split):
             if name is not None and name not in splits:
@@ -110,6 +111,7 @@ class HeadDataModule(L.LightningDataModule):
         self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
         self.cache_features, self.cache_dir, self.cache_dtype = cache_features, cache_dir, cache_dtype
         self.feature_batch_size = feature_batch_size
+        self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.head)
         self._sets: dict[str, Dataset] = {}
 
     def dataset(self, name: str) -> Dataset:
@@ -117,7 +119,8 @@ class HeadDataModule(L.LightningDataModule):
             split = self.splits[name]
             self._sets[name] = (CachedRows(feature_cache(split, name, self.draft, self.draft_ref, self.cache_dir,
                                                          self.mix_ratio, self.mix_seed, self.cache_dtype,
-                                                         self.feature_batch_size))
+                                                         self.feature_batch_size, self.feature_spec,
+                                                         self.feature_size))
                                 if self.cache_features else RawRows(split))
         return self._sets[name]
 

@@ -34,7 +34,7 @@ class AcceptanceHeadModule(L.LightningModule):
                  remix_each_epoch: bool = False, draft=None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["head", "optimizer", "draft"], logger=False)
-        self.hparams.update(hidden_size=head.hidden_size, depth=head.depth)
+        self.hparams.update(hidden_size=head.hidden_size, depth=head.depth, head_kind=head.kind)
         self.head = head
         self.optimizer_factory = optimizer
         self.draft = FrozenDraft(draft)
@@ -62,7 +62,8 @@ class AcceptanceHeadModule(L.LightningModule):
         if draft.device != self.device:
             draft.to(self.device)
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        hidden, labels = mixed_features(draft, rows, self.hparams.mix_ratio, self.hparams.mix_seed, epoch)
+        hidden, labels = mixed_features(draft, rows, self.hparams.mix_ratio, self.hparams.mix_seed, epoch,
+                                        spec=self.head.feature_spec())
         return torch.cat(hidden), torch.cat(labels).to(self.device)
 
     def model_step(self, batch: dict, epoch: int = FIXED_MIXING_EPOCH):

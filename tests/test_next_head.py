@@ -1,0 +1,295 @@
+"""The lag-free head (kind ``next``): lossless decoding, stopping at K = 1, the features the engine
+hands it equal train's, training, save/load and kind checks, the potential analysis."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_lm
+from datasets import Dataset
+from stats import chi_square_pvalue
+from test_engine import ConstantHead, exact_distribution, noisy_copy
+from test_train import base_overrides, random_rows, save_dataset, train_cfg
+
+from specdecpp import (
+    AcceptanceHead,
+    NextTokenHead,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    load_head,
+    load_pair,
+)
+from specdecpp import potential as pt
+from specdecpp.head import NEXT_FEATURES, next_token_features
+from specdecpp.mixing import lag_free_features, mixed_features, mixing_mask
+from specdecpp.models import load_model
+from train import run
+from train.cache import feature_cache
+
+
+class ConstantNext(NextTokenHead):
+    """A lag-free head predicting the same acceptance logit everywhere."""
+
+    def __init__(self, hidden_size, logit):
+        super().__init__(hidden_size, depth=0)
+        with torch.no_grad():
+            self.out.weight.zero_()
+            self.out.bias.fill_(logit)
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    return noisy_copy(target, 0.4, seed=6), target
+
+
+def random_next_head(hidden: int, depth: int, seed: int) -> NextTokenHead:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return NextTokenHead(hidden, depth)
+
+
+# -- lossless ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [0, 2])
+def test_greedy_equals_target_greedy_with_the_lag_free_head(pair32, depth):
+    draft, target = pair32
+    policy = SpecDecPP(random_next_head(32, depth, seed=depth), threshold=0.5, max_candidates=5)
+    decoder = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=0))
+    ks = set()
+    for prompt, n in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 5, 23)):
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        out = decoder.generate(ids, max_new_tokens=n)
+        assert out.tokens.tolist() == ref.tolist(), (prompt, n)
+        s = out.stats
+        assert s.n_draft_calls + s.n_target_calls == s.n_generated + s.n_discarded
+        ks.update(s.candidate_lengths)
+    assert 1 in ks and max(ks) >= 2, ks  # rounds of one candidate and of several were exercised
+
+
+@pytest.fixture(scope="module")
+def pair6():
+    target = tiny_lm(5, 16, 2, seed=21, scale=0.8, heads=2)
+    return noisy_copy(target, 0.25, seed=22), target
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=2)])
+def test_sampled_output_has_target_distribution_with_the_lag_free_head(pair6, sampling):
+    """As tests/test_engine.py for the other policies: the first 3 of 4 generated tokens follow the
+    target's exact warped distribution, with a lag-free head whose stop after the first candidate
+    depends on which y_1 was drafted."""
+    draft, target = pair6
+    head = random_next_head(16, 0, seed=3)
+    prompt = [0, 1]
+    with torch.no_grad():  # centre the logit over the 5 possible y_1: some stop at K = 1, some go on
+        head.out.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+        head.attach(draft)
+        out = draft(torch.tensor([prompt]), output_hidden_states=True)
+        e0, logits = out.hidden_states[-1][0, -1], out.logits[0, -1]
+        scores = torch.stack([head.score(e0, logits, torch.tensor(y)) for y in range(5)])
+        head.out.bias.sub_(scores.median() + 0.05)
+    policy = SpecDecPP(head, threshold=0.5, max_candidates=4)
+    expected = exact_distribution(target, prompt, 3, sampling)
+    decoder = SpeculativeDecoder(draft, target, policy, sampling)
+    g = torch.Generator().manual_seed(99)
+    seqs, first_k, accepted = [], set(), 0
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=4, generator=g)
+        seqs.append(tuple(out.tokens[0, 2:5].tolist()))
+        first_k.add(out.stats.candidate_lengths[0])
+        accepted += sum(out.stats.accept_lengths)
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    assert 1 in first_k and len(first_k) >= 2, first_k  # K = 1 for some y_1, more for others
+    assert accepted > 300
+
+
+# -- where it stops, and what it costs ---------------------------------------------------------------
+class CountForwards:
+    def __init__(self, model):
+        self.n = 0
+        self.handle = model.register_forward_hook(self)
+
+    def __call__(self, *args):
+        self.n += 1
+
+
+def test_a_head_forced_low_stops_every_round_at_one_candidate_and_wastes_no_draft_forward(pair32):
+    draft, target = pair32
+    counts = {}
+    for kind, head in (("next", ConstantNext(32, -20.0)), ("resnet", ConstantHead(32, -20.0))):
+        counter = CountForwards(draft)
+        out = SpeculativeDecoder(draft, target, SpecDecPP(head, threshold=0.5, max_candidates=8),
+                                 SamplingConfig(temperature=1.0)).generate(
+            torch.tensor([[3, 1, 4]]), 40, generator=torch.Generator().manual_seed(1))
+        counter.handle.remove()
+        s = out.stats
+        full = s.candidate_lengths[:-1]  # the last round may be cut by the length limit
+        counts[kind] = (counter.n, s)
+        if kind == "next":
+            assert set(full) == {1}, s.candidate_lengths
+            # every draft forward produced a candidate that the target then verified
+            assert counter.n == s.n_draft_calls == sum(s.candidate_lengths)
+        else:  # the paper's head must draft y_2 to judge y_1
+            assert set(full) == {2}, s.candidate_lengths
+    assert counts["next"][1].n_target_calls > counts["resnet"][1].n_target_calls  # shorter rounds
+
+
+def test_lag_free_head_stops_where_the_rule_says():
+    """Constant head s = sigmoid(a): the lag-free head stops at the first K with 1 - s^K > h (the
+    paper's head at the first K with 1 - s^(K-1) > h)."""
+    target = tiny_lm(16, 32, 1, seed=8)
+    draft = copy.deepcopy(target)  # identical models: every candidate is accepted
+    for logit, h in ((1.5, 0.3), (1.5, 0.95), (4.0, 0.95), (0.0, 0.4)):
+        s = torch.sigmoid(torch.tensor(logit)).item()
+        expected_k = next((k for k in range(1, 21) if 1 - s ** k > h), 20)
+        policy = SpecDecPP(ConstantNext(32, logit), threshold=h, max_candidates=20)
+        out = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=0)).generate(torch.tensor([[1]]), 60)
+        assert out.stats.candidate_lengths[0] == expected_k == out.stats.accept_lengths[0]
+
+
+def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path):
+    """A spy head records the features the engine builds for every candidate; for each candidate
+    that was committed, train's features of the generated sequence (raw rows and the feature
+    cache) hold the same vector at the same position."""
+    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
+
+    class Spy(NextTokenHead):
+        def __init__(self):
+            super().__init__(32, depth=1)
+            self.calls = []
+
+        def score(self, hidden, logits, token):
+            feats = self.features_of(hidden, logits, token)
+            self.calls.append((int(token), feats.detach().clone()))
+            return torch.tensor(2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
+
+    class Recorder(SpecDecPP):
+        def new_round(self):
+            super().new_round()
+            self.head.calls = []
+            self.rounds.append(self.head.calls)
+
+    spy = Spy()
+    policy = Recorder(spy, threshold=0.6, max_candidates=6)
+    policy.rounds = []
+    prompt = [5, 9, 13, 2, 7]
+    out = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=1.0)).generate(
+        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(3))
+    response = out.tokens[0, len(prompt):].tolist()
+    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
+           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
+    spec = spy.feature_spec()
+    (raw,), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=spec)  # every position is a Y-position
+    split = Dataset.from_dict({"prompt_ids": [prompt], "target_ids": [response], "draft_ids": [response],
+                               "p_acc": [[1.0] * len(response)]})
+    cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
+                              feature_size=spy.feature_size).row(0)
+    assert raw.shape == cached.shape == (len(response), 2 * 32 + 3)
+
+    checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
+    for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
+        for k, (token, feats) in enumerate(calls, start=1):
+            if k > accepted:
+                continue  # a rejected candidate: not in the final sequence
+            j = n + k - 1 - len(prompt)  # the response index of y_k
+            assert response[j] == token
+            torch.testing.assert_close(feats, raw[j], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(feats, cached[j], atol=1e-4, rtol=1e-4)
+            checked["k=1" if k == 1 else "k>=2"] += 1
+        n += accepted + 1
+    assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
+
+
+def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
+    """lag_free_features recomputes q from the hidden state by the output layer: it must equal the
+    q of the draft's own forward at the same position."""
+    draft = load_model(tiny_pair.draft, "cpu")
+    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 4]])
+    with torch.no_grad():
+        out = draft(ids, output_hidden_states=True)
+    hidden, tokens = out.hidden_states[-1][0, :-1], ids[0, 1:]
+    spec = NextTokenHead(32).feature_spec()
+    expected = next_token_features(hidden, out.logits[0, :-1], tokens, draft.get_input_embeddings(), 1.0)
+    torch.testing.assert_close(lag_free_features(draft, hidden, tokens, spec), expected)
+    q = torch.softmax(out.logits[0, :-1], -1).gather(-1, tokens[:, None])
+    torch.testing.assert_close(expected[:, 64:65], q)  # hidden (32) + embedding (32), then prob
+
+
+# -- persistence and kinds ----------------------------------------------------------------------------
+def test_save_load_round_trip_and_kind_checks(tmp_path, tiny_pair):
+    head = random_next_head(32, 2, seed=0)
+    head.features, head.temperature = tuple(NEXT_FEATURES), 0.7
+    head.save_pretrained(tmp_path / "next")
+    loaded = load_head(tmp_path / "next")
+    assert isinstance(loaded, NextTokenHead) and loaded.kind == "next" and loaded.temperature == 0.7
+    x = torch.randn(4, head.feature_size)
+    torch.testing.assert_close(loaded(x), head(x))
+    assert json.loads((tmp_path / "next" / "config.json").read_text())["kind"] == "next"
+    resnet = AcceptanceHead(32, 1)
+    resnet.save_pretrained(tmp_path / "resnet")
+    assert type(load_head(tmp_path / "resnet")) is AcceptanceHead
+    with pytest.raises(ValueError, match="kind 'next', not 'resnet'.*load_head"):
+        AcceptanceHead.from_pretrained(tmp_path / "next")
+    with pytest.raises(ValueError, match="kind 'resnet', not 'next'"):
+        NextTokenHead.from_pretrained(tmp_path / "resnet")
+    wrong = NextTokenHead(48, 1)
+    with pytest.raises(ValueError, match="hidden_size 48"):
+        SpecDecPP(wrong).bind(load_model(tiny_pair.draft, "cpu"), 1.0)
+    with pytest.raises(ValueError, match="features"):
+        NextTokenHead(32, features=("hidden", "nonsense"))
+    with pytest.raises(ValueError, match="expects 67 features"):
+        head(torch.randn(2, 32))
+
+
+# -- training -----------------------------------------------------------------------------------------
+def test_train_head_next_learns_labels_that_depend_on_q(tiny_pair, tmp_path):
+    """``head=next``: labels P_i = sigmoid(3 z(log q(Y_i | Z_<i))) under the fixed mixing, which the
+    lag-free head sees as a feature and the paper's head (state at Y_i) does not; the trained head
+    ranks them well and saves its kind."""
+    draft = load_model(tiny_pair.draft, "cpu")
+    splits = {"train": random_rows(48, tiny_pair.vocab, 21), "dev": random_rows(16, tiny_pair.vocab, 22)}
+    spec = NextTokenHead(32).feature_spec()
+    for rows in splits.values():
+        batch = [{"row": j, **{c: torch.tensor(rows[c][j]) for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
+                 for j in range(len(rows["id"]))]
+        feats, _ = mixed_features(draft, batch, 0.15, 0, 0, spec)
+        logq = torch.cat(feats)[:, 65]  # hidden (32), embedding (32), prob, logprob, entropy
+        mean, std = logq.mean(), logq.std()
+        for j, f in enumerate(feats):
+            keep = (~mixing_mask(len(rows["target_ids"][j]), 0.15, 0, 0, j)).nonzero().squeeze(-1)
+            labels = torch.tensor(rows["p_acc"][j])
+            labels[keep] = torch.sigmoid(3.0 * (f[:, 65] - mean) / std)
+            rows["p_acc"][j] = labels.tolist()
+    data = save_dataset(tmp_path / "data", splits, tiny_pair.draft, 32, tiny_pair.vocab)
+    cfg = train_cfg([*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"),
+                     "head=next", "+experiment=wrej1_d1", "trainer.max_epochs=20", "data.batch_size=8",
+                     "optimizer.lr=0.01"])
+    assert cfg.experiment_name == "next_wrej1_d1"
+    result = run(cfg)
+    assert result["metrics"]["dev"]["AUROC"] > 0.8, result["metrics"]["dev"]
+    assert result["metrics"]["dev"]["KL"] < 0.5 * result["metrics"]["dev"]["KL_const"]
+    head = load_head(cfg.out)
+    assert isinstance(head, NextTokenHead) and head.depth == 1 and head.temperature == 1.0
+    assert json.loads((Path(cfg.out) / "config.json").read_text())["training"]["head_kind"] == "next"
+
+
+# -- the potential analysis -----------------------------------------------------------------------------
+def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(6):
+        p = rng.random(40)
+        rows.append({"p_acc": p, "draft_entropy": rng.random(40), "pred:free": p.copy(), "pred:paper": p.copy()})
+    pols = [pt.informed_lag_free(0.4), pt.head_rule("free", 0.4, lag=0), pt.informed(0.4), pt.head_rule("paper", 0.4)]
+    res = pt.simulate(rows, pols, seeds=range(3))
+    records = pt.summarise(res, pols, pt.Costs.from_ratio(0.1), n_boot=50)
+    vals = [(r["verification_rate"], r["discard_rate"]) for r in records]
+    assert vals[0] == pytest.approx(vals[1]) and vals[2] == pytest.approx(vals[3])
+    assert vals[0][0] != pytest.approx(vals[2][0])  # the lag changes the rounds
