@@ -33,7 +33,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'~comparison.oracle'
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
-	potential bench bench-costs bench-run bench-report reference-heads
+	potential bench bench-costs bench-run bench-report bench-pearl reference-heads
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -112,6 +112,13 @@ bench-run: demo-pair
 
 bench-report: bench-costs bench-run
 	$(PYTHON) -m infer.report results/bench --out reports/bench --costs reports/bench/costs.json
+
+PEARL_PROMPTS ?= 4      # per prompt set, for bench-pearl
+PEARL_TOKENS ?= 64
+
+bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixed K, PEARL; interleaved, with intervals
+	$(PYTHON) scripts/bench_pearl.py --prompts $(strip $(PEARL_PROMPTS)) --max-new-tokens $(strip $(PEARL_TOKENS)) \
+		--overlap --svip-gamma 4 --out reports/pearl/bench.json
 
 bench: install bench-report  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"

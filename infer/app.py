@@ -130,6 +130,7 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
         "tokens_per_s": stats.tokens_per_s if timed else None,
         "discard_rate": stats.discard_rate, "verification_rate": stats.verification_rate,
         "mean_accept_length": stats.mean_accept_length, "output_ids": output_ids,
+        **(extra.get("row") or {}),  # a method's own counts (PEARL: gamma_used, overlap_time_s, ...)
     }
 
 

@@ -18,6 +18,7 @@ from specdecpp import (
     SVIP,
     AcceptanceHead,
     FixedK,
+    PEARLDecoder,
     SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
@@ -29,7 +30,7 @@ from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
 
-METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted", "oracle")
+METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "hf_assisted", "oracle")
 HF_MODES = ("constant", "heuristic", "confidence")
 
 
@@ -141,6 +142,8 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
                     "head_kind": head.kind, "threshold": h, "min_candidates": lo, "max_candidates": hi}
         return MethodSpec(name, settings, f"{head_name}_h{_num(h)}_min{lo}_max{hi}", head)
+    if name == "pearl":
+        return _pearl_spec(m)
     if name == "hf_assisted":
         mode = m.get("mode")
         if mode not in HF_MODES:
@@ -155,6 +158,31 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     if not sampling.greedy:  # oracle
         raise ValueError("method oracle is defined for greedy decoding only: add sampling=greedy")
     return MethodSpec(name, {}, "oracle")
+
+
+def _pearl_spec(m) -> MethodSpec:
+    gamma = m.get("gamma")
+    if gamma != "auto":
+        gamma = _count("pearl", "gamma", gamma)
+    stop = m.get("stop")
+    if stop not in (None, "svip"):
+        raise ValueError(f"method pearl: method.stop must be null or svip, got {stop!r}")
+    threads, interval = m.get("num_threads"), m.get("switch_interval")
+    if threads is not None:
+        _count("pearl", "num_threads", threads)
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0):
+        raise ValueError(f"method pearl: method.switch_interval must be a number of seconds > 0 or null, got {interval!r}")
+    settings = {"gamma": gamma, "stop": stop, "num_threads": threads, "switch_interval": interval}
+    tag = f"g{gamma}"
+    if stop == "svip":
+        h, c = _threshold("pearl", m.get("threshold")), m.get("c")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+            raise ValueError(f"method pearl: method.c must be a number > 0, got {c!r}")
+        settings.update(threshold=h, c=float(c))
+        tag += f"_svip_h{_num(h)}_c{_num(c)}"
+    if threads != 1:
+        tag += f"_t{threads}"
+    return MethodSpec("pearl", settings, tag)
 
 
 class EngineRunner:
@@ -173,6 +201,25 @@ class EngineRunner:
                                         eos_token_id=eos_token_id)
         forward = d.seconds + t.seconds if self.clock.exact else None
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
+
+
+class PEARLRunner:
+    """specdecpp.PEARLDecoder. Its two models run at once, so the forward hooks' sum is no share of
+    the wall time (``forward_time_s`` is None); the row gets PEARL's own counts instead."""
+
+    timed = True
+
+    def __init__(self, decoder: PEARLDecoder) -> None:
+        self.decoder = decoder
+
+    def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
+        out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
+                                    eos_token_id=eos_token_id)
+        s = out.stats
+        row = {"gamma_used": s.gamma, "overlap_time_s": s.overlap_time_s, "n_no_target_token": s.n_no_target_token,
+               "n_pre_verify_rounds": s.n_pre_verify_rounds, "n_post_verify_rounds": s.n_post_verify_rounds,
+               "theorem1_costs": self.decoder.costs}
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), s, {"forward_time_s": None, "row": row}
 
 
 def _policy(spec: MethodSpec):
@@ -197,7 +244,12 @@ def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, prof
         from .oracle import OracleRunner
 
         return OracleRunner(draft, target, sampling)
+    if spec.name == "pearl":
+        s = spec.settings
+        stop = SVIP(s["threshold"], c=s["c"], max_candidates=40) if s["stop"] == "svip" else None
+        return PEARLRunner(PEARLDecoder(draft, target, s["gamma"], sampling, policy=stop,
+                                        num_threads=s["num_threads"], switch_interval=s["switch_interval"]))
     return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling, profile=profile), profile)
 
 
-__all__ = ["HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "build_runner", "resolve_method"]
+__all__ = ["HF_MODES", "METHODS", "EngineRunner", "PEARLRunner", "MethodSpec", "build_runner", "resolve_method"]

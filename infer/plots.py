@@ -15,7 +15,8 @@ from .summary import SWEPT  # noqa: E402
 
 STYLE = {"fixed_k": ("tab:blue", "o"), "svip": ("tab:green", "^"), "specdecpp": ("tab:red", "s"),
          "hf_assisted constant": ("tab:purple", "D"), "hf_assisted heuristic": ("tab:brown", "P"),
-         "hf_assisted confidence": ("tab:pink", "v"), "target_only": ("black", "x"), "oracle": ("gold", "*")}
+         "hf_assisted confidence": ("tab:pink", "v"), "target_only": ("black", "x"), "oracle": ("gold", "*"),
+         "pearl": ("tab:orange", "h")}
 HF_LINES = {"hf_assisted constant": "--", "hf_assisted heuristic": "-.", "hf_assisted confidence": (0, (5, 1, 1, 1))}
 
 
@@ -32,6 +33,8 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
         label = e["method"] + (f" {Path(str(rest['head'])).name}" if "head" in rest else "")
         if e["method"] == "hf_assisted":
             label = f"hf_assisted {e['settings']['mode']}"
+        elif e["method"] == "pearl" and rest.get("stop"):
+            label += f" +{rest['stop']} h={rest.get('threshold'):g}"
         elif e["method"] == "svip" and (rest.get("c"), rest.get("max_candidates")) != (0.15, 40):
             label += f" c={rest.get('c'):g} max={rest.get('max_candidates')}"
         out[label].append(e)
@@ -42,6 +45,8 @@ def _point_label(e: dict) -> str:
     swept = SWEPT.get(e["method"])
     if e["method"] == "fixed_k":
         return f"k={e['settings']['k']}"
+    if e["method"] == "pearl":
+        return f"γ={e['settings']['gamma']}"
     if swept == "threshold":
         return f"h={e['settings']['threshold']:g}"
     return ""
@@ -86,11 +91,15 @@ def throughput_plot(group: dict, path: Path) -> Path:
         elif method == "fixed_k":
             ax_k.plot([e["settings"]["k"] for e in items], [e["tokens_per_s"] for e in items],
                       marker=marker, color=color, label=label)
+        elif method == "pearl":  # against the block length gamma it ran with (auto: Theorem 1's)
+            points = sorted((max(e["gamma_used"] or [0]), e["tokens_per_s"]) for e in items)
+            ax_k.plot([g for g, _ in points], [t for _, t in points], marker=marker, color=color,
+                      label=label + " (x: gamma)", linestyle="--")
         else:
             for ax in (ax_h, ax_k):
                 ax.axhline(items[0]["tokens_per_s"], color=color, label=label, linestyle=HF_LINES.get(label, ":"))
     ax_h.set_xlabel("threshold h")
-    ax_k.set_xlabel("candidate length K")
+    ax_k.set_xlabel("candidate length K (PEARL: block length gamma)")
     ax_h.set_ylabel("tokens / s (measured)")
     for ax in (ax_h, ax_k):
         ax.grid(alpha=0.3)

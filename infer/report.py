@@ -17,7 +17,7 @@ from .results import read_result_dir
 from .summary import R2_WARNING, summarize_results
 
 COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq. 2.3 speedup",
-           "Eq. 2.3 speedup, t_target(n)", "measured/Eq. 2.3", "outside forwards", "mean accepted",
+           "Eq. 2.3 speedup, t_target(n)", "measured/Eq. 2.3", "outside forwards", "both busy", "mean accepted",
            "discard rate", "verification rate")
 
 
@@ -37,6 +37,7 @@ def group_table(group: dict) -> str:
             _f(e["speedup_predicted"], suffix="x"), _f(e.get("speedup_width_predicted"), suffix="x"),
             _f(e["measured_over_predicted"]),
             _f(None if e["outside_forward_share"] is None else 100 * e["outside_forward_share"], 1, "%"),
+            _f(None if e.get("both_busy_share") is None else 100 * e["both_busy_share"], 1, "%"),
             _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
         ]) + " |")
     return "\n".join(lines)
@@ -102,7 +103,9 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "t_target(K + 1) (`--costs`, from scripts/measure_pair.py --costs-out); measured/Eq. 2.3 "
         "< 1: slower than our engine's fitted per-forward costs predict for these counts; outside "
         "forwards = share of wall time not spent in the two models' forward passes (timed by hooks: "
-        "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); mean "
+        "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); both busy "
+        "(PEARL, tag g<gamma>: its draft block length, gauto = Theorem 1) = share of wall time the draft and "
+        "the target computed at once (Eq. 2.3 does not apply to it: its models run concurrently); mean "
         "accepted = accepted candidates per round; discard rate = N_discarded / N; verification "
         "rate = N_target / N (rates pooled over prompts). The oracle (greedy only) is counted, not "
         "timed: its speedup is Eq. 2.3's.\n")

@@ -16,7 +16,9 @@ from .methods import METHODS
 # Methods our engine runs: their rows feed the Eq. 2.1 regression (HF and the oracle do not).
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
-SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "hf_assisted": "mode"}
+SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode"}
+# Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
+CONCURRENT_METHODS = ("pearl",)
 
 
 def sampling_label(s: dict) -> str:
@@ -54,7 +56,8 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     wall = sum(r["wall_time_s"] for r in rows) if timed else None
     dr = sum(r["n_discarded"] for r in rows) / n if n else math.nan
     vr = sum(r["n_target"] for r in rows) / n if n else math.nan
-    pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if fit else None
+    concurrent = first["method"] in CONCURRENT_METHODS
+    pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if fit and not concurrent else None
     measured = n / wall if timed and wall else None
     forward = [r.get("forward_time_s") for r in rows]
     outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
@@ -69,6 +72,9 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         **{key: sum(r[key] for r in rows) if timed and None not in (r[key] for r in rows) else None
            for key in ("draft_time_s", "target_time_s")},  # None: not measured (CUDA without profile)
         "wall_time_s": wall,
+        # PEARL: the share of the wall time both models were busy at once, and the gamma(s) it ran with
+        "both_busy_share": sum(r["overlap_time_s"] for r in rows) / wall if concurrent and wall else None,
+        "gamma_used": sorted({r.get("gamma_used") for r in rows}) if concurrent else None,
     }
 
 
@@ -131,7 +137,7 @@ def summarize_group(rows: list[dict], costs: dict | None = None) -> dict:
             e["speedup_ci95"] = paired_speedup_ci(e_rows, base_rows)
         if base and e["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
             e["speedup_predicted"] = e["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
-        if base_width:
+        if base_width and e["method"] not in CONCURRENT_METHODS:
             latency = width_latency(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
     return {"fit": fit.to_dict() if fit else None, "entries": entries,

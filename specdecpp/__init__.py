@@ -3,6 +3,7 @@
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
 from .head import AcceptanceHead, NextTokenHead, load_head
 from .models import load_pair
+from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp
 from .verify import verify
@@ -10,6 +11,7 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "RunStats", "SVIP", "SamplingConfig",
-    "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head", "load_pair", "verify", "warp",
+    "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
+    "SVIP", "SamplingConfig", "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head",
+    "load_pair", "verify", "warp",
 ]

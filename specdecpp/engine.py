@@ -113,6 +113,17 @@ class _Runner:
             self.cache.crop(-extra)
 
 
+def check_generate_args(prompt_ids, max_new_tokens) -> None:
+    """The argument checks every decoder's ``generate`` shares."""
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be a LongTensor of shape [1, L], got "
+                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
 def _device_generator(generator: torch.Generator | None, device: torch.device):
     """Sampling happens on the models' device; derive a generator there deterministically."""
     if generator is None or generator.device.type == device.type:
@@ -168,13 +179,7 @@ class SpeculativeDecoder:
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
-        if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
-            raise ValueError(f"prompt_ids must be a LongTensor of shape [1, L], got "
-                             f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
-        if prompt_ids.shape[1] == 0:
-            raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_generate_args(prompt_ids, max_new_tokens)
         eos = token_set(eos_token_id)
         gen = _device_generator(generator, self.device)
         cfg, policy = self.sampling, self.policy

@@ -32,7 +32,8 @@ def residual(p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
 
 
 def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
-           generator: torch.Generator | None = None, greedy: bool = False) -> tuple[int, int]:
+           generator: torch.Generator | None = None, greedy: bool = False,
+           bonus: bool = True) -> tuple[int, int | None]:
     """Verify K candidates; return ``(n_accepted, next_token)``.
 
     draft_tokens: LongTensor [K], the candidates y_1..y_K.
@@ -40,21 +41,25 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     greedy: accept iff y_i == argmax p_i and take argmax p_{n+1}; no randomness is used, ``q`` may
     be None and ``p`` may be the target's raw logits (same argmax).
     K may be 0: then the bonus token from p_1 is the whole round (target-only decoding).
+    bonus=False (PEARL): ``p`` is [K, V] and a round with all K accepted returns ``(K, None)``
+    (no token is drawn from p_{K+1}; the next draft block continues from there).
     """
     k = draft_tokens.shape[0]
-    if p.shape[0] != k + 1 or (q is None and not greedy) or (q is not None and q.shape[0] != k):
-        raise ValueError(f"verify: expected q [K, V] and p [K+1, V] for K={k}, got q "
-                         f"{None if q is None else tuple(q.shape)}, p {tuple(p.shape)}")
+    rows = k + 1 if bonus else k
+    if p.shape[0] != rows or (q is None and not greedy) or (q is not None and q.shape[0] != k) \
+            or (k == 0 and not bonus):
+        raise ValueError(f"verify: expected q [K, V] and p [{'K+1' if bonus else 'K'}, V] for K={k} "
+                         f"(K >= 1 without a bonus), got q {None if q is None else tuple(q.shape)}, p {tuple(p.shape)}")
     if greedy:
         agree = (p[:k].argmax(-1) == draft_tokens).tolist()
         n = agree.index(False) if False in agree else k
-        return n, int(p[n].argmax(-1))
+        return n, int(p[n].argmax(-1)) if n < rows else None
     if k == 0:
         return 0, int(sample(p[0], generator))
     ratio = acceptance_ratio(p[:k], q, draft_tokens)
     u = torch.rand(k, generator=generator, device=ratio.device)
     rejected = (u >= ratio).tolist()  # accept with probability ratio (u in [0, 1))
     if True not in rejected:
-        return k, int(sample(p[k], generator))
+        return k, int(sample(p[k], generator)) if bonus else None
     n = rejected.index(True)
     return n, int(sample(residual(p[n], q[n]), generator))

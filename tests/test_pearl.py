@@ -1,0 +1,289 @@
+"""PEARL is lossless and deterministic whatever the threads' timing: greedy equality, the target's
+exact distribution (EOS and the length limit included), delayed threads, stats and caches."""
+
+import itertools
+import random
+import threading
+import time
+
+import pytest
+import torch
+from conftest import tiny_lm
+from stats import chi_square_pvalue
+from test_engine import noisy_copy
+
+from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify, warp
+from specdecpp.models import new_cache
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    return noisy_copy(target, 0.15, seed=6), target
+
+
+@pytest.fixture(scope="module")
+def pair6():
+    target = tiny_lm(5, 16, 2, seed=21, scale=0.8, heads=2)
+    return noisy_copy(target, 0.25, seed=22), target
+
+
+PROMPTS = [[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]]
+
+
+def identity_holds(s) -> bool:
+    """PEARL's form of N_draft + N_target = N + N_discarded: a fully accepted round draws no token
+    from the target (no bonus), so those rounds are added on the right."""
+    return s.n_draft_calls + s.n_target_calls == s.n_generated + s.n_discarded + s.n_no_target_token
+
+
+@pytest.mark.parametrize("gamma,policy", [(1, None), (3, None), (5, None), (4, "svip")])
+def test_greedy_equals_target_greedy(pair32, gamma, policy):
+    draft, target = pair32
+    stop = SVIP(threshold=0.35, max_candidates=6) if policy else None
+    decoder = PEARLDecoder(draft, target, gamma, SamplingConfig(temperature=0), policy=stop)
+    post = 0
+    for prompt, n in itertools.product(PROMPTS, (1, 5, 23)):
+        ids = torch.tensor([prompt])
+        ref = target.generate(ids, max_new_tokens=n, do_sample=False)
+        out = decoder.generate(ids, max_new_tokens=n)
+        assert out.tokens.tolist() == ref.tolist(), (prompt, n)
+        s = out.stats
+        assert s.n_generated == n and identity_holds(s)
+        post += s.n_post_verify_rounds
+    if gamma > 1:
+        assert post > 0  # post-verify rounds (pending drafts) were exercised
+
+
+def test_gamma_auto_is_theorem_1(pair32):
+    decoder = PEARLDecoder(*pair32, "auto", SamplingConfig(temperature=0))
+    out = decoder.generate(torch.tensor([[1, 2]]), 6)
+    c = decoder.costs
+    assert decoder.gamma == out.stats.gamma == max(1, min(16, round(c["t_target_s"] / c["t_draft_s"])))
+    assert decoder.settings()["gamma"] == "auto"
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_greedy_stops_at_eos_like_the_target(pair32, gamma):
+    draft, target = pair32
+    decoder = PEARLDecoder(draft, target, gamma, SamplingConfig(temperature=0))
+    for prompt, at in itertools.product(PROMPTS, (2, 7)):
+        ids = torch.tensor([prompt])
+        free = target.generate(ids, max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+        eos = free[at]  # emitted mid-way, often inside an accepted draft block
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        out = decoder.generate(ids, max_new_tokens=20, eos_token_id=eos)
+        assert out.tokens.tolist() == ref.tolist()
+        assert out.stats.n_generated == free.index(eos) + 1 and identity_holds(out.stats)
+
+
+def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
+    """P(generated sequence) by enumeration with the target alone: n_tokens, or fewer ending at EOS."""
+    vocab = target.config.vocab_size
+    dist = {}
+
+    def walk(ids, prob, out):
+        if len(out) == n_tokens or (out and out[-1] == eos):
+            dist[tuple(out)] = prob
+            return
+        with torch.no_grad():
+            probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
+        for tok in range(vocab):
+            if float(probs[tok]) > 0:
+                walk(ids + [tok], prob * float(probs[tok]), out + [tok])
+
+    walk(list(prompt), 1.0, [])
+    return dist
+
+
+DIST_CASES = [
+    (2, SamplingConfig(temperature=1.0), None),
+    (3, SamplingConfig(temperature=0.8, top_k=3), 2),  # EOS = token 2: inside blocks and at the limit
+]
+
+
+@pytest.mark.parametrize("gamma,sampling,eos", DIST_CASES)
+def test_sampled_output_has_target_distribution(pair6, gamma, sampling, eos):
+    """All generated tokens (3, the length limit, so pending drafts are cut there) follow the
+    target's exact warped distribution, with EOS ending a sequence early in the last case."""
+    draft, target = pair6
+    prompt, n_tokens, n_samples = [0, 1], 3, 1200
+    expected = exact_distribution(target, prompt, n_tokens, sampling, eos)
+    decoder = PEARLDecoder(draft, target, gamma, sampling)
+    g = torch.Generator().manual_seed(1234)
+    seqs, accepted, post = [], 0, 0
+    for _ in range(n_samples):
+        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, generator=g, eos_token_id=eos)
+        seqs.append(tuple(out.tokens[0, len(prompt):].tolist()))
+        accepted += sum(out.stats.accept_lengths)
+        post += out.stats.n_post_verify_rounds
+        assert identity_holds(out.stats)
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    assert accepted > n_samples // 2 and post > n_samples // 10  # both modes exercised
+
+
+def test_distribution_test_rejects_the_draft_alone(pair6):
+    """Negative control: PEARL with the draft in the target's seat fails the same test."""
+    draft, target = pair6
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(target, [0, 1], 3, sampling)
+    decoder = PEARLDecoder(target, draft, 2, sampling)
+    g = torch.Generator().manual_seed(7)
+    seqs = [tuple(decoder.generate(torch.tensor([[0, 1]]), 3, generator=g).tokens[0, 2:].tolist())
+            for _ in range(600)]
+    assert chi_square_pvalue(seqs, expected) < 1e-6
+
+
+def _delay(model, rng: random.Random, max_s: float):
+    return model.register_forward_pre_hook(lambda *a: time.sleep(rng.random() * max_s))
+
+
+def test_same_seed_same_output_whatever_the_threads_timing(pair32):
+    """Random sleeps before each draft or target forward change which side finishes first; the
+    output, the rounds and the counts must not change."""
+    draft, target = pair32
+    decoder = PEARLDecoder(draft, target, 3, SamplingConfig(temperature=1.0, top_k=10))
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]]), 30, generator=torch.Generator().manual_seed(seed))
+        s = out.stats
+        return out.tokens.tolist(), s.accept_lengths, s.candidate_lengths, s.n_draft_calls, s.n_discarded
+
+    plain = [run(s) for s in (0, 1)]
+    assert plain[0] != plain[1]
+    rng = random.Random(0)
+    for who in ("draft", "target", "both"):
+        handles = [_delay(m, rng, 0.004) for name, m in (("draft", draft), ("target", target))
+                   if who in (name, "both")]
+        try:
+            assert [run(s) for s in (0, 1)] == plain, who
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def test_models_run_concurrently_and_the_overlap_is_measured(pair32):
+    """The draft runs on another thread than the target, and with both sides slowed to 10 ms a
+    forward the measured overlap covers most of the shorter side."""
+    draft, target = pair32
+    threads = {"draft": set(), "target": set()}
+
+    def slow(name):
+        def hook(*args):
+            threads[name].add(threading.get_ident())
+            time.sleep(0.01)
+        return hook
+
+    hooks = [m.register_forward_pre_hook(slow(name)) for name, m in (("draft", draft), ("target", target))]
+    try:
+        out = PEARLDecoder(draft, target, 2, SamplingConfig(temperature=0)).generate(torch.tensor([[1, 2]]), 12)
+    finally:
+        for h in hooks:
+            h.remove()
+    s = out.stats
+    assert threads["draft"] and threads["target"] == {threading.get_ident()}
+    assert not threads["draft"] & threads["target"]
+    assert 0 < s.overlap_time_s <= min(s.draft_time_s, s.target_time_s) + 1e-6
+    assert s.overlap_share > 0.5
+    assert s.wall_time_s >= s.draft_time_s + s.target_time_s - s.overlap_time_s - 1e-3
+
+
+def test_stats_are_consistent(pair32):
+    draft, target = pair32
+    out = PEARLDecoder(draft, target, 3, SamplingConfig(temperature=1.0)).generate(
+        torch.tensor([[2, 5]]), 50, generator=torch.Generator().manual_seed(0))
+    s = out.stats
+    assert s.n_generated == 50 == out.tokens.shape[1] - 2
+    assert identity_holds(s)
+    rounds = len(s.accept_lengths)
+    assert s.n_target_calls == rounds == s.n_pre_verify_rounds + s.n_post_verify_rounds
+    assert sum(s.accept_lengths) + (rounds - s.n_no_target_token) == s.n_generated  # no EOS: nothing cut
+    assert all(a <= c <= 3 for a, c in zip(s.accept_lengths, s.candidate_lengths, strict=True))
+    assert s.n_post_verify_rounds > 0 and s.n_no_target_token > 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)])
+def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
+    draft, target = pair32
+    out = PEARLDecoder(draft, target, 4, sampling).generate(
+        torch.tensor([[3, 1, 4]]), 40, generator=torch.Generator().manual_seed(3), return_caches=True)
+    tokens = out.tokens[0]
+    assert min(out.stats.accept_lengths) < max(out.stats.candidate_lengths)  # rollbacks happened
+    for name, model in (("target", target), ("draft", draft)):
+        cache = out.caches[name]
+        length = cache.get_seq_length()
+        assert length == len(tokens) - 1 if name == "target" else length <= len(tokens) - 1
+        fresh = new_cache(model)
+        with torch.no_grad():
+            model(tokens[:length].unsqueeze(0), past_key_values=fresh, use_cache=True)
+        for l1, l2 in zip(cache.layers, fresh.layers, strict=True):
+            torch.testing.assert_close(l1.keys, l2.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(l1.values, l2.values, atol=1e-5, rtol=1e-4)
+
+
+def test_verify_without_bonus():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert verify(torch.tensor([1, 2]), q, p, bonus=False) == (2, None)
+    assert verify(torch.tensor([1, 2]), None, p, greedy=True, bonus=False) == (2, None)
+    assert verify(torch.tensor([1, 0]), None, p, greedy=True, bonus=False) == (1, 2)
+    n, token = verify(torch.tensor([1, 1]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]), p, bonus=False)
+    assert (n, token) == (1, 2)  # p(1) = 0 at the second row: rejected, residual = p
+    with pytest.raises(ValueError, match="K >= 1"):
+        verify(torch.tensor([], dtype=torch.long), q[:0], p[:0], bonus=False)
+
+
+@pytest.mark.parametrize("gamma", [0, -1, 1.5, True, "theorem"])
+def test_bad_gamma_is_refused(pair32, gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        PEARLDecoder(*pair32, gamma)
+
+
+# -- infer: method=pearl in the harness, its rows and the report ----------------------------------
+def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
+    from test_infer import make_cfg
+
+    import infer.app as app
+    from infer.report import build_report
+    from infer.results import read_rows
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=2", "progress=false",
+            "sampling=greedy", f"out={tmp_path}/out/${{method.name}}"]
+    rows = {}
+    for name, overrides in {"target_only": ["method=target_only"],
+                            "pearl": ["method=pearl", "method.gamma=3"],
+                            "pearl_auto_svip": ["method=pearl", "method.stop=svip", "method.threshold=0.5"]}.items():
+        rows[name] = read_rows(app.run(make_cfg(*base, *overrides))["path"])
+    reference = [r["output_ids"] for r in rows["target_only"]]
+    for name in ("pearl", "pearl_auto_svip"):
+        assert [r["output_ids"] for r in rows[name]] == reference, name
+        for r in rows[name]:
+            assert r["method"] == "pearl" and r["wall_time_s"] > 0 and r["forward_time_s"] is None
+            assert 0 <= r["overlap_time_s"] <= min(r["draft_time_s"], r["target_time_s"]) + 1e-6
+            assert r["n_pre_verify_rounds"] + r["n_post_verify_rounds"] == r["n_target"]
+            assert r["n_draft"] + r["n_target"] == r["n_generated"] + r["n_discarded"] + r["n_no_target_token"]
+    assert rows["pearl"][0]["tag"] == "g3" and rows["pearl"][0]["gamma_used"] == 3
+    auto = rows["pearl_auto_svip"][0]
+    assert auto["tag"] == "gauto_svip_h0.5_c0.15" and auto["settings"]["gamma"] == "auto"
+    assert auto["gamma_used"] >= 1 and set(auto["theorem1_costs"]) == {"t_draft_s", "t_target_s"}
+    report = build_report(tmp_path / "out", tmp_path / "report")
+    entries = {e["tag"]: e for e in report["groups"][0]["entries"]}
+    assert entries["g3"]["both_busy_share"] is not None and entries["g3"]["predicted_tokens_per_s"] is None
+    assert entries["g3"]["speedup"] is not None and entries["g3"]["gamma_used"] == [3]
+    assert "| pearl | g3 |" in report["text"] and "both busy" in report["text"]
+
+
+@pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=specdecpp", "stop"),
+                                            ("method.switch_interval=-1", "switch_interval")])
+def test_infer_pearl_bad_settings_are_refused(override, match):
+    from test_infer import make_cfg
+
+    from infer.methods import resolve_method
+
+    cfg = make_cfg("method=pearl", override)
+    with pytest.raises(ValueError, match=match):
+        resolve_method(cfg.method, "draft", SamplingConfig())
