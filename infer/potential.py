@@ -93,7 +93,7 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
         raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
-    draft = load_model(draft_ref, device="cpu", dtype="float32")
+    draft = load_model(draft_ref, device="cpu", dtype=meta.get("dtype", "float32"))  # the precision that labelled the data
     for head in heads:
         head.attach(draft)
     filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]

@@ -12,6 +12,8 @@ cost ratio: median time of one forward pass of one token with a KV cache, batch 
     target's cost of scoring n = 2..8 tokens at once (a verification of n - 1 candidates).
 coverage: for a draft with a reduced output vocabulary, the target's probability mass inside the
     draft's token set (the draft's q is zero outside it).
+precision: --dtype (default fast, as conf/pair/demo.yaml: bf16 on CPUs with native bf16 dot products,
+    else float32); --compare-dtype float32 times the same pair at float32 in the same loop.
 --costs-out FILE: t_draft, t_target and target_by_width as JSON, for
     `python -m infer.potential DATA --costs FILE`.
 Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
@@ -30,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
-from specdecpp.models import ReducedOutput, output_vocab_size
+from specdecpp.models import ReducedOutput, load_model, output_vocab_size, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -102,8 +104,8 @@ def fixed_k_speedup(alpha: float, cost_ratio: float, k: int) -> float:
 
 
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
-            timing_steps: int, seed: int) -> dict:
-    draft, target, tokenizer = load_pair(draft_path, target_path, device="cpu", dtype="float32")
+            timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = ()) -> dict:
+    draft, target, tokenizer = load_pair(draft_path, target_path, device="cpu", dtype=dtype)
     per_source = {}
     for source in sources:
         split = "test"
@@ -122,14 +124,29 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
                               "acceptance_per_prompt_std": torch.stack([a.mean() for a in alphas]).std().item()}
     context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
                               64, None, seed)  # a prompt and 64 response tokens: a mid-generation cache
-    timed = step_times({"draft": draft, "target": target}, context, timing_steps, {"target": list(range(2, 9))})
+    models = {"draft": draft, "target": target}
+    others = [resolve_dtype(d, draft.device) for d in compare_dtypes]
+    others = [d for d in dict.fromkeys(others) if d != target.dtype]
+    for other in others:  # the same pair at another precision, timed in the same loop
+        name = str(other).removeprefix("torch.")
+        models[f"draft@{name}"] = load_model(draft_path, "cpu", other)
+        models[f"target@{name}"] = load_model(target_path, "cpu", other)
+    timed = step_times(models, context, timing_steps,
+                       {name: list(range(2, 9)) for name in models if name.startswith("target")})
     times = {name: t[1] for name, t in timed.items()}
+    compare = {}
+    for other in others:
+        name = str(other).removeprefix("torch.")
+        compare[name] = {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
+                         "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
+                         "target_by_width_s": timed[f"target@{name}"]}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
         s["positions"] for s in per_source.values())
     speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
     best_k = max(speedups, key=speedups.get)
-    return {"draft": draft_path, "target": target_path, "sampling": SAMPLING.to_dict(),
+    return {"draft": draft_path, "target": target_path, "dtype": str(target.dtype).removeprefix("torch."),
+            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(),
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
@@ -160,6 +177,12 @@ def table(result: dict) -> str:
               "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
+    if result.get("dtype"):
+        lines.insert(len(rows) + 2, f"precision: {result['dtype']}")
+    for name, c in result.get("compare_dtypes", {}).items():
+        lines.append(f"same loop, {name}: draft step {c['draft_step_s'] * 1e3:.1f} ms, target step "
+                     f"{c['target_step_s'] * 1e3:.1f} ms, cost ratio {c['cost_ratio']:.3f}; target by width (ms): "
+                     + ", ".join(f"n={n}: {t * 1e3:.1f}" for n, t in sorted(c["target_by_width_s"].items())))
     return "\n".join(lines)
 
 
@@ -174,6 +197,10 @@ def main() -> None:
     parser.add_argument("--timing-steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="fast", help="precision of both models: fast (default, as the demo pair: "
+                        "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
+    parser.add_argument("--compare-dtype", nargs="*", default=[], metavar="DTYPE",
+                        help="also time the pair at these precisions in the same loop (e.g. float32)")
     parser.add_argument("--out", type=Path, default=Path("reports/demo/pair.json"))
     parser.add_argument("--costs-out", type=Path, help="also write t_draft, t_target, target_by_width "
                         "(JSON for python -m infer.potential --costs)")
@@ -185,14 +212,15 @@ def main() -> None:
         args.target = args.target or str(demo_target_path())
         args.draft = args.draft or str(demo_draft_path())
     result = measure(args.draft, args.target, args.sources, args.limit, args.max_new_tokens,
-                     args.timing_steps, args.seed)
+                     args.timing_steps, args.seed, args.dtype, tuple(args.compare_dtype))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     if args.costs_out:
         args.costs_out.parent.mkdir(parents=True, exist_ok=True)
         args.costs_out.write_text(json.dumps({"t_draft": result["draft_step_s"], "t_target": result["target_step_s"],
                                               "target_by_width": result["target_by_width_s"],
-                                              "measured_by": "scripts/measure_pair.py", "threads": result["threads"]}, indent=1))
+                                              "dtype": result["dtype"], "measured_by": "scripts/measure_pair.py",
+                                              "threads": result["threads"]}, indent=1))
     print(table(result))
     print(f"\nwritten to {args.out}")
 
