@@ -98,11 +98,11 @@ def _median_ms(times) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def _draft_process(draft_dir, context, ready, stop, result) -> None:
+def _draft_process(draft_dir, dtype, context, ready, stop, result) -> None:
     from specdecpp.models import load_model
 
     torch.set_num_threads(1)
-    model = load_model(draft_dir, "cpu")
+    model = load_model(draft_dir, "cpu", dtype)
     _forward_loop(model, context, 1, 5)
     ready.set()
     times = _forward_loop(model, context, 1, 0, stop=stop)
@@ -135,7 +135,7 @@ def measure_overlap(draft, target, draft_dir: str, context: torch.Tensor, steps:
     sys.setswitchinterval(interval)
     ctx = multiprocessing.get_context("spawn")
     ready, stop, result = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_draft_process, args=(draft_dir, context, ready, stop, result))
+    proc = ctx.Process(target=_draft_process, args=(draft_dir, draft.dtype, context, ready, stop, result))
     proc.start()
     ready.wait(120)
     for width in (1, 4):
@@ -219,6 +219,8 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (top-k 50 otherwise)")
     parser.add_argument("--overlap", action="store_true",
                         help="first measure how much draft and target slow each other when run at once")
+    parser.add_argument("--dtype", default="fast", help="precision of both models (default fast, as the demo pair: "
+                        "bf16 on CPUs with native bf16, else float32) | auto | float32 | bfloat16")
     parser.add_argument("--out", help="write the rows and the summary as JSON here")
     parser.add_argument("--from-json", help="print the table of a run saved with --out (decodes nothing)")
     args = parser.parse_args(argv)
@@ -235,7 +237,7 @@ def main(argv=None) -> None:
         args.target = args.target or str(demo_target_path())
         args.draft = args.draft or str(demo_draft_path())
     torch.set_num_threads(1)
-    draft, target, tok = load_pair(args.draft, args.target, "cpu")
+    draft, target, tok = load_pair(args.draft, args.target, "cpu", args.dtype)
     eos = sorted(eos_token_ids(tok, target))
     prompts = [(f"bundled/{p.id}", p) for p in load_prompts("bundled", split="test", limit=args.prompts)]
     prompts += [(f"humaneval/{p.id}", p) for p in load_prompts("humaneval", split="test", limit=args.prompts)]
@@ -263,7 +265,7 @@ def main(argv=None) -> None:
     text, summary = table(methods, len(prompts), overlap)
     auto = next((m.decoder for m in methods if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"float32; load average (1/5/15 min) before {load_before}, after {load_after}; "
+               f"{str(target.dtype).removeprefix('torch.')}; load average (1/5/15 min) before {load_before}, after {load_after}; "
                f"{(time.time() - t_start) / 60:.1f} min")
     print(f"\n{len(prompts)} prompts ({args.prompts} bundled test + {args.prompts} HumanEval), "
           f"{args.max_new_tokens} new tokens, {'greedy' if sampling.greedy else f'T={args.temperature:g}, top-k 50'}, "

@@ -268,6 +268,25 @@ def test_cache_is_reused_and_an_interrupted_build_resumes(tiny_dataset, tiny_pai
     assert all(torch.equal(a, b) for a, b in zip(shipped.row(3), resumed.row(3), strict=True))
 
 
+def test_a_bf16_draft_keys_its_own_cache_with_its_own_features(tiny_dataset, tiny_pair, draft, tmp_path):
+    """Features of a draft computing in bf16 (pair.dtype=fast/bfloat16) are not a float32 draft's:
+    they go to another cache, and they are the bf16 draft's hidden states."""
+    import copy
+
+    from datasets import load_from_disk
+
+    split = load_from_disk(str(tiny_dataset))["train"]
+    fp32 = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=24)
+    bf16_draft = copy.deepcopy(draft).to(torch.bfloat16)
+    bf16 = feature_cache(split, "train", bf16_draft, tiny_pair.draft, tmp_path, 0.15, 7, batch_size=24,
+                         draft_precision="bfloat16")
+    assert bf16.directory != fp32.directory and bf16.info["draft_precision"] == "bfloat16"
+    assert "draft_precision" not in fp32.info  # float32 caches keep their old keys
+    a, b = np.asarray(fp32.features), np.asarray(bf16.features)
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    np.testing.assert_allclose(b, a, atol=0.1, rtol=0.05)  # bf16 rounding, not other features
+
+
 def test_two_jobs_building_one_cache_at_once_run_the_draft_once(tiny_dataset, tiny_pair, draft, tmp_path,
                                                                 monkeypatch):
     """A parallel sweep launcher: the second job waits on the build lock, then reads the cache."""

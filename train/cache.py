@@ -9,7 +9,8 @@ every head of a sweep can train on them without running the draft again. Layout 
 - ``cache.json``: what the key was made of, and ``complete``; ``progress.json``: rows done so far.
 
 The key hashes the split's fingerprint, the draft's identity (:func:`draft_identity`, read from
-its files: no weights are loaded), the mixing ratio and seed and the storage dtype, so a change to
+its files: no weights are loaded) and the precision it computes in, the mixing ratio and seed and
+the storage dtype, so a change to
 any of them builds a new cache, and a cache hit never loads the draft (a 20-head sweep loads it
 once, to build the cache). An interrupted build resumes at the last finished chunk; a job that
 finds another building the same cache (a parallel sweep launcher, the other DDP ranks) waits for
@@ -96,11 +97,13 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str | os.PathLike,
                   mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8,
-                  spec: dict | None = None, feature_size: int | None = None) -> FeatureCache:
+                  spec: dict | None = None, feature_size: int | None = None,
+                  draft_precision: str = "float32") -> FeatureCache:
     """Open the cache for this (split, draft, mixing, head features), building or finishing it
     first if needed. ``draft`` is the loaded draft or a function that loads it: called only to
     build. ``spec``/``feature_size``: the head's :meth:`feature_spec` and feature size (None: the
-    paper's head, the draft's hidden states)."""
+    paper's head, the draft's hidden states). ``draft_precision``: the dtype the draft computes in
+    (features of a bf16 draft differ from a float32 one's, so they key another cache)."""
     if dtype not in DTYPES:
         raise ValueError(f"data.cache_dtype must be one of {list(DTYPES)}, got {dtype!r}")
     loaded = hasattr(draft, "config")
@@ -111,6 +114,8 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
             "mix_seed": int(mix_seed), "dtype": dtype}
     if spec is not None and spec.get("kind", "resnet") != "resnet":  # the paper's head keeps its old keys
         info.update(features=spec, feature_size=int(feature_size))
+    if draft_precision != "float32":  # float32 caches keep their old keys
+        info["draft_precision"] = draft_precision
     key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cache_dir) / f"{split_name}-{key}"
     directory.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,8 @@ class HeadDataModule(L.LightningDataModule):
     def __init__(self, splits, *, train_split: str, val_split: str | None, draft, draft_ref: str,
                  batch_size: int, num_workers: int, mix_ratio: float, mix_seed: int, seed: int,
                  cache_features: bool, cache_dir: str, cache_dtype: str, feature_batch_size: int,
-                 feature_spec: dict | None = None, feature_size: int | None = None) -> None:
+                 feature_spec: dict | None = None, feature_size: int | None = None,
+                 draft_precision: str = "float32") -> None:
         super().__init__()
         for name in (train_split, val_split):
             if name is not None and name not in splits:
@@ -148,6 +149,7 @@ class HeadDataModule(L.LightningDataModule):
         self.cache_features, self.cache_dir, self.cache_dtype = cache_features, cache_dir, cache_dtype
         self.feature_batch_size = feature_batch_size
         self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.head)
+        self.draft_precision = draft_precision  # the dtype the draft computes its features in (cache key)
         self._sets: dict[str, Dataset] = {}
 
     def _rank(self) -> tuple[int, int]:
@@ -166,7 +168,7 @@ class HeadDataModule(L.LightningDataModule):
     def _cache(self, name: str):
         return feature_cache(self.splits[name], name, self.draft, self.draft_ref, self.cache_dir, self.mix_ratio,
                              self.mix_seed, self.cache_dtype, self.feature_batch_size, self.feature_spec,
-                             self.feature_size)
+                             self.feature_size, self.draft_precision)
 
     def dataset(self, name: str) -> Dataset:
         if name not in self._sets:
