@@ -79,7 +79,7 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
-    from specdecpp.models import new_cache
+    from specdecpp.models import keep_last, new_cache
 
     cache, times = new_cache(model), out if out is not None else []
     with torch.no_grad():
@@ -87,7 +87,8 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
         i = 0
         while (stop is None and i < steps) or (stop is not None and not stop.is_set()):
             t0 = time.perf_counter()
-            model(context[:, -width:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(context[:, -width:], past_key_values=cache, use_cache=True,
+                  logits_to_keep=keep_last(width, 1, context.device))
             times.append(time.perf_counter() - t0)
             cache.crop(-width)
             i += 1

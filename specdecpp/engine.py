@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import FinalHidden, new_cache, output_vocab_size, token_set
+from .models import FinalHidden, keep_last, new_cache, output_vocab_size, token_set
 from .policies import StopPolicy
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
@@ -99,7 +99,7 @@ class _Runner:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         kwargs = self.final.kwargs if self.final is not None else {}
         out = self.model(ids.unsqueeze(0), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=n_logits + pad, **kwargs)
+                         logits_to_keep=keep_last(n + pad, n_logits + pad, ids.device), **kwargs)
         end = out.logits.shape[1] - pad
         logits = out.logits[0, end - n_logits : end, : self.vocab]
         hidden = self.final.take(out)[0, -n_logits - pad :][:n_logits] if self.final is not None else None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import FinalHidden, new_cache, output_vocab_size, token_set
+from .models import FinalHidden, keep_last, new_cache, output_vocab_size, token_set
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
 
@@ -181,7 +181,8 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
             ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
             fresh = new_cache(target)
             new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
-                                past_key_values=fresh, use_cache=True, logits_to_keep=1).logits[:, -1, :vocab]
+                                past_key_values=fresh, use_cache=True,
+                                logits_to_keep=keep_last(ids.shape[1], 1, device)).logits[:, -1, :vocab]
             if rows:
                 mask = _join_rows(cache, mask, fresh, new_mask)
                 positions = torch.cat([positions, new_positions[:, -1:]])
@@ -256,15 +257,15 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
     n_max = max(len(r) for r in responses)
     offsets = [n_max - len(r) for r in responses]
     with FinalHidden(model) as final:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=1,
-                    **final.kwargs)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                    logits_to_keep=keep_last(ids.shape[1], 1, ids.device), **final.kwargs)
         hidden = final.take(out)[:, -n_max:]
     project = model.get_output_embeddings()
     own = out.logits[:, -1, :vocab].float()
     if project is not None and torch.allclose(project(hidden[:, -1])[:, :vocab].float(), own, rtol=1e-3, atol=1e-3):
         return lambda b, i, j: project(hidden[b, offsets[b] + i: offsets[b] + j])[:, :vocab]
     full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                 logits_to_keep=n_max).logits[..., :vocab]
+                 logits_to_keep=keep_last(ids.shape[1], n_max, ids.device)).logits[..., :vocab]
     return lambda b, i, j: full[b, offsets[b] + i: offsets[b] + j]
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .head import next_token_features
-from .models import FinalHidden
+from .models import FinalHidden, keep_last
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
 
@@ -103,7 +103,8 @@ def draft_features(draft, sequences: list[torch.Tensor], positions: list[torch.T
         ids[j, : len(seq)] = seq.to(device)
         attention[j, : len(seq)] = 1
     with FinalHidden(draft) as final:  # the last layer's states only, not every layer's
-        hidden = final.take(draft(input_ids=ids, attention_mask=attention, logits_to_keep=1, **final.kwargs))
+        hidden = final.take(draft(input_ids=ids, attention_mask=attention,
+                                  logits_to_keep=keep_last(ids.shape[1], 1, ids.device), **final.kwargs))
     return [hidden[j, pos.to(device)] for j, pos in enumerate(positions)]
 
 

@@ -131,3 +131,22 @@ def test_potential_scores_heads_on_the_draft_at_the_datasets_precision(monkeypat
     with pytest.raises(RuntimeError, match="loaded"):
         ip.heads_predictions(["h"], [], {"draft": "somewhere", "dtype": "bfloat16"})
     assert seen == {"ref": "somewhere", "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_last_gives_the_logits_of_the_plain_slice(dtype):
+    """The index form of logits_to_keep (what avoids bf16's slow strided path on CPU) gives the
+    same logits as transformers' own int slice, for the last k of n positions."""
+    from specdecpp.models import keep_last
+
+    model = tiny_lm(40, 32, 2, seed=3).to(dtype)
+    ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(0))
+    for k in (1, 3, 9, 12):
+        keep = keep_last(9, k, ids.device)
+        assert isinstance(keep, int) == (k >= 9)
+        with torch.no_grad():
+            got = model(ids, logits_to_keep=keep).logits
+            ref = model(ids, logits_to_keep=k).logits
+        assert got.shape == ref.shape == (1, min(k, 9), 40)
+        torch.testing.assert_close(got, ref)
+        assert got.is_contiguous()
