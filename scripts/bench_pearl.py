@@ -62,10 +62,13 @@ class Method:
             torch.set_num_threads(before)
 
 
-def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold, sampling=SAMPLING) -> list[Method]:
+def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold, sampling=SAMPLING,
+                  ks_2threads=()) -> list[Method]:
     methods = [Method("target_only t1", SpeculativeDecoder(draft, target, TargetOnly(), sampling), 1),
                Method("target_only t2", SpeculativeDecoder(draft, target, TargetOnly(), sampling), 2)]
     methods += [Method(f"fixed_k k{k}", SpeculativeDecoder(draft, target, FixedK(k), sampling), 1) for k in ks]
+    methods += [Method(f"fixed_k k{k} t2", SpeculativeDecoder(draft, target, FixedK(k), sampling), 2)
+                for k in ks_2threads]
     for g in gammas:
         methods.append(Method(f"pearl g{g}", PEARLDecoder(draft, target, g if g == "auto" else int(g), sampling), None))
     if svip_gamma:
@@ -213,6 +216,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="per prompt set (bundled test, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="sequential fixed K")
+    parser.add_argument("--ks-2threads", type=int, nargs="*", default=[],
+                        help="sequential fixed K also with 2 torch threads (the target's best count in bf16)")
     parser.add_argument("--gammas", nargs="+", default=["auto", "3", "4"], help="PEARL block lengths (auto: Theorem 1)")
     parser.add_argument("--svip-gamma", default=None, help="also PEARL at this gamma with SVIP ending blocks early")
     parser.add_argument("--svip-threshold", type=float, default=0.5)
@@ -243,7 +248,8 @@ def main(argv=None) -> None:
     prompts = [(f"bundled/{p.id}", p) for p in load_prompts("bundled", split="test", limit=args.prompts)]
     prompts += [(f"humaneval/{p.id}", p) for p in load_prompts("humaneval", split="test", limit=args.prompts)]
     sampling = SamplingConfig(temperature=args.temperature, top_k=50)
-    methods = build_methods(draft, target, args.ks, args.gammas, args.svip_gamma, args.svip_threshold, sampling)
+    methods = build_methods(draft, target, args.ks, args.gammas, args.svip_gamma, args.svip_threshold, sampling,
+                            args.ks_2threads)
     warm = torch.tensor([encode_prompt(tok, prompts[0][1].prompt)])
     overlap = None
     if args.overlap:
