@@ -1,7 +1,7 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
 # make test: the test suite.
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md).
-# make bench: the benchmark of docs/benchmarks.md (resumable; about 90 minutes on 2 cores).
+# make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
 # make reference-heads: rebuild demo/heads/ (data_gen on 200 prompts, the 20-head sweep, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
