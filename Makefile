@@ -123,7 +123,7 @@ bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixe
 bench: install bench-report  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"
 
-reference-heads:  # rebuild demo/heads/ (resumable; about an hour on 2 cores)
+reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on this 2-core CPU)
 	$(PYTHON) scripts/build_reference_heads.py
 
 test: install

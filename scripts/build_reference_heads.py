@@ -7,11 +7,12 @@ Two head kinds (docs/train.md): the paper's (``resnet``, heads/reference/wrej*) 
 one (``next``, heads/reference_next/next_wrej*). Each kind runs the same 20-experiment sweep on the
 same data with the same settings.
 
-data:   data_gen on the demo pair: bundled train prompts (default 200) and dev prompts (30) with
-        responses of up to 128 tokens (T=1, top-k 50) -> data/demo/reference (resumable shards).
+data:   data_gen on the demo pair: bundled train prompts (default 230, all of them) and dev prompts
+        (30) with responses of up to 192 tokens (T=1, top-k 50) -> data/demo/reference (resumable
+        shards): 32,597 train positions with the bf16 pair (the issue asks for >= 25,000).
 train:  the 20 experiments wrej{1,3,6,12}_d{0..4}, one Hydra multirun per kind sharing one
         draft-feature cache -> heads/reference/<name> and heads/reference_next/next_<name>. The paper's schedule (Adam, lr 5e-5, 3 epochs of batches of 32
-        prompts) is 21 optimiser steps on 200 prompts: it left every head at a dev AUROC of 0.54-0.55
+        prompts) is 21 optimiser steps on 200-230 prompts: it left every head at a dev AUROC of 0.54-0.55
         and a dev KL above the constant predictor's (measured). So the heads train with the
         small_data preset's settings (lr 3e-3, batches of 8 prompts, 12 epochs = 300 steps) and keep
         the best-on-validation weights.
@@ -166,9 +167,9 @@ def stage_ship(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", choices=["data", "train", "select", "ship", "all"], default="all")
-    ap.add_argument("--train-prompts", type=int, default=200)
+    ap.add_argument("--train-prompts", type=int, default=230)
     ap.add_argument("--dev-prompts", type=int, default=30)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--data", default="data/demo/reference")
     ap.add_argument("--heads", default="heads/reference")
