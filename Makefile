@@ -2,7 +2,7 @@
 # make test: the test suite.
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
-# make reference-heads: rebuild demo/heads/ (data_gen on 200 prompts, the 20-head sweep, selection).
+# make reference-heads: rebuild demo/heads/ (data_gen on 230 prompts x 192 tokens, both kinds' 20-head sweeps, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
 #   make demo DEMO_TRAIN_PROMPTS=230 DEMO_TEST_PROMPTS=70 DEMO_HUMANEVAL_PROMPTS=164 DEMO_TOKENS=256
