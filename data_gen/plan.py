@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import specdecpp
+from specdecpp.models import dtype_name
 from specdecpp.prompts import Prompt, load_prompts
 
 # A source's own splits when `splits` is null. A JSONL file is one training split unless its rows
@@ -107,7 +108,7 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
     """Everything saved in specdecpp_meta.json."""
     return {
         **settings_meta(cfg),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target.dtype),
         "draft_hidden_size": int(draft.config.hidden_size),
         "vocab_size": int(vocab),
         "code_version": code_version(),

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from specdecpp.models import eos_token_ids, load_pair
+from specdecpp.models import dtype_name, eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 
@@ -123,7 +123,7 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "timed": timed,
+        "device": str(device), "dtype": dtype_name(dtype), "timed": timed,
         "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
         "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
         "candidate_lengths": stats.candidate_lengths, **times,

@@ -40,7 +40,7 @@ from specdecpp import (
     load_pair,
 )
 from specdecpp.demo import demo_draft_path, demo_target_path
-from specdecpp.models import eos_token_ids
+from specdecpp.models import dtype_name, eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -272,7 +272,7 @@ def main(argv=None) -> None:
     text, summary = table(methods, len(prompts), overlap)
     auto = next((m.decoder for m in methods if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{str(target.dtype).removeprefix('torch.')}; load average (1/5/15 min) before {load_before}, after {load_after}; "
+               f"{dtype_name(target.dtype)}; load average (1/5/15 min) before {load_before}, after {load_after}; "
                f"{(time.time() - t_start) / 60:.1f} min")
     print(f"\n{len(prompts)} prompts ({args.prompts} bundled test + {args.prompts} HumanEval), "
           f"{args.max_new_tokens} new tokens, {'greedy' if sampling.greedy else f'T={args.temperature:g}, top-k 50'}, "

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
-from specdecpp.models import ReducedOutput, load_model, output_vocab_size, resolve_dtype
+from specdecpp.models import ReducedOutput, dtype_name, load_model, output_vocab_size, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -125,27 +125,22 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
                               64, None, seed)  # a prompt and 64 response tokens: a mid-generation cache
     models = {"draft": draft, "target": target}
-    others = [resolve_dtype(d, draft.device) for d in compare_dtypes]
-    others = [d for d in dict.fromkeys(others) if d != target.dtype]
-    for other in others:  # the same pair at another precision, timed in the same loop
-        name = str(other).removeprefix("torch.")
-        models[f"draft@{name}"] = load_model(draft_path, "cpu", other)
-        models[f"target@{name}"] = load_model(target_path, "cpu", other)
+    others = {dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)} - {dtype_name(target.dtype)}
+    for name in sorted(others):  # the same pair at another precision, timed in the same loop
+        models[f"draft@{name}"] = load_model(draft_path, "cpu", name)
+        models[f"target@{name}"] = load_model(target_path, "cpu", name)
     timed = step_times(models, context, timing_steps,
                        {name: list(range(2, 9)) for name in models if name.startswith("target")})
     times = {name: t[1] for name, t in timed.items()}
-    compare = {}
-    for other in others:
-        name = str(other).removeprefix("torch.")
-        compare[name] = {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
-                         "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
-                         "target_by_width_s": timed[f"target@{name}"]}
+    compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
+                      "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
+                      "target_by_width_s": timed[f"target@{name}"]} for name in sorted(others)}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
         s["positions"] for s in per_source.values())
     speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
     best_k = max(speedups, key=speedups.get)
-    return {"draft": draft_path, "target": target_path, "dtype": str(target.dtype).removeprefix("torch."),
+    return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype),
             "compare_dtypes": compare, "sampling": SAMPLING.to_dict(),
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,

@@ -31,6 +31,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how metas, rows and cache keys record a precision
+    (the name :func:`resolve_dtype` takes back)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
     """``auto``: bfloat16 on CUDA, float32 on CPU. ``fast``: bfloat16 on CUDA and on CPUs with
     native bf16 matrix instructions (:func:`cpu_has_native_bf16`), float32 on other CPUs."""

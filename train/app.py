@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdecpp.dataset import dataset_fingerprint
 from specdecpp.head import build_head
-from specdecpp.models import load_config, load_model, resolve_device, resolve_dtype
+from specdecpp.models import dtype_name, load_config, load_model, resolve_device, resolve_dtype
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
 from .data import HeadDataModule
@@ -177,7 +177,7 @@ def run(cfg: DictConfig) -> dict:
         mix_seed=data.mix_seed, seed=cfg.seed, cache_features=data.cache_features, cache_dir=data.cache_dir,
         cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size,
         feature_spec=head.feature_spec(), feature_size=head.feature_size,
-        draft_precision=str(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))).removeprefix("torch."))
+        draft_precision=dtype_name(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))))
     module = AcceptanceHeadModule(
         head, optimizer=instantiate(cfg.optimizer), w_rej=float(loss.w_rej), w_acc=float(loss.w_acc),
         warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,
