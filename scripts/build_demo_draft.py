@@ -73,12 +73,20 @@ def load_recipe(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def load_target():
+def load_target(dtype: str = "float32"):
+    """The demo target; ``dtype`` (``teacher_dtype`` in a recipe) is a specdecpp precision name:
+    ``fast`` is bf16 on CPUs that multiply it natively, the precision the demo pair decodes in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdecpp.models import resolve_dtype
+
     target_dir = demo_target_path()
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(target_dir)
+
+
+def teacher(recipe: dict):
+    return load_target(recipe.get("teacher_dtype", "float32"))
 
 
 # ---------------------------------------------------------------- generate
@@ -90,30 +98,66 @@ def conversation_opening(tokenizer, user_opening: str) -> list[int]:
     return tokenizer(text.split(marker)[0] + user_opening, add_special_tokens=False)["input_ids"]
 
 
-def generate(recipe: dict, work: Path) -> None:
+def prompt_shard_plan(recipe: dict) -> dict[str, tuple[list[int], int]]:
+    """``generate.prompts`` recipes: shard name -> (encoded chat prompt, seed). Training shard i
+    answers prompt i mod n of ``prompts.split`` (``batch_size`` sampled answers); validation shard
+    j answers prompt j of ``validation.split`` (``validation.batch_size`` answers)."""
+    from transformers import AutoTokenizer
+
+    from specdecpp.prompts import encode_prompt, load_prompts
+
+    gen = recipe["generate"]
+    tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
+    plan = {}
+    train_prompts = load_prompts(gen["prompts"]["source"], gen["prompts"]["split"])
+    for i in range(gen["shards"]):
+        prompt = train_prompts[i % len(train_prompts)]
+        plan[f"{i:04d}"] = (encode_prompt(tokenizer, prompt.prompt), recipe["seed"] * 100_003 + i)
+    val = gen["validation"]
+    for j, prompt in enumerate(load_prompts(gen["prompts"]["source"], val["split"], limit=val["prompts"])):
+        plan[f"val_{j:04d}"] = (encode_prompt(tokenizer, prompt.prompt), recipe["seed"] * 100_003 + 50_000 + j)
+    return plan
+
+
+def generate(recipe: dict, work: Path, part: tuple[int, int] = (0, 1)) -> None:
+    """Write the missing shards; ``part`` (k, n) takes every n-th of them, from the k-th, so n
+    processes can share the work (each shard is written once, atomically)."""
     gen = recipe["generate"]
     shard_dir = work / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(gen["shards"]) if not (shard_dir / f"{i:04d}.safetensors").is_file()]
+    if gen.get("prompts"):  # answers to a prompt set, one prompt per shard
+        plan = prompt_shard_plan(recipe)
+        rows = {name: gen["validation"]["batch_size"] if name.startswith("val_") else gen["batch_size"]
+                for name in plan}
+        names = sorted(plan, key=lambda n: (not n.startswith("val_"), n))  # validation shards first
+    else:  # self-instruct conversations; shard 0 is held out
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
+        plan = {f"{i:04d}": (conversation_opening(tokenizer, gen["user_openings"][i % len(gen["user_openings"])]),
+                             recipe["seed"] * 100_003 + i) for i in range(gen["shards"])}
+        rows = dict.fromkeys(plan, gen["batch_size"])
+        names = sorted(plan)
+    todo = [n for n in names[part[0]::part[1]] if not (shard_dir / f"{n}.safetensors").is_file()]
     if not todo:
-        print(f"all {gen['shards']} shards already in {shard_dir}")
+        print(f"all {len(names[part[0]::part[1]])} shards of this part already in {shard_dir}")
         return
-    target, tokenizer = load_target()
-    for i in tqdm(todo, desc="target conversations (shards)"):
-        opening = gen["user_openings"][i % len(gen["user_openings"])]
-        prompt = torch.tensor([conversation_opening(tokenizer, opening)]).repeat(gen["batch_size"], 1)
-        torch.manual_seed(recipe["seed"] * 100_003 + i)
+    target, tokenizer = teacher(recipe)
+    for name in tqdm(todo, desc="target answers (shards)"):
+        prompt_ids, seed = plan[name]
+        prompt = torch.tensor([prompt_ids]).repeat(rows[name], 1)
+        torch.manual_seed(seed)
         with torch.no_grad():
             out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                                   temperature=TEACHER.temperature, top_k=TEACHER.top_k,
                                   max_new_tokens=gen["max_new_tokens"], min_new_tokens=gen["max_new_tokens"],
                                   eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
                                   output_logits=True, return_dict_in_generate=True)
-        top = torch.stack(out.logits, dim=1).topk(gen["top_k_saved"], dim=-1)
+        top = torch.stack(out.logits, dim=1).float().topk(gen["top_k_saved"], dim=-1)
         tensors = {"tokens": out.sequences.to(torch.int32).contiguous(),
                    "topk_logits": top.values.to(torch.float16).contiguous(),
                    "topk_ids": top.indices.to(torch.int32).contiguous()}
-        path = shard_dir / f"{i:04d}.safetensors"
+        path = shard_dir / f"{name}.safetensors"
         save_file(tensors, str(path.with_suffix(".part")), metadata={"prompt_len": str(prompt.shape[1])})
         path.with_suffix(".part").replace(path)
 
@@ -152,7 +196,7 @@ def label(recipe: dict, work: Path) -> None:
     if not todo:
         print(f"all {lab['shards']} text shards already in {shard_dir}")
         return
-    target, tokenizer = load_target()
+    target, tokenizer = teacher(recipe)
     files = text_files(lab["files"])
     window = recipe["generate"]["max_new_tokens"] + 1  # rows of every shard predict as many positions
     windows = text_windows(tokenizer, files, lab["shards"] * lab["rows_per_shard"], window, recipe["seed"])
@@ -348,13 +392,18 @@ def make_batch(shard: dict, rng: np.random.Generator, batch_size: int) -> dict:
 
 
 @torch.no_grad()
-def acceptance(draft: ProjectedDraft, shard: dict, rows: int, vocab_ids: torch.Tensor | None = None) -> float:
-    """Mean per-position sum_v min(p(v), q(v)) at temperature 1, top-k 50."""
-    batch = {"tokens": shard["tokens"][:rows], "topk_logits": shard["topk_logits"][:rows],
-             "topk_ids": shard["topk_ids"][:rows], "prompt_len": shard["prompt_len"]}
-    hidden, p, teacher_ids = positions(draft, batch)
-    q = draft_topk_probs(draft, hidden, teacher_ids, vocab_ids=vocab_ids)
-    return torch.minimum(p, q).sum(-1).mean().item()
+def acceptance(draft: ProjectedDraft, shards: dict | list[dict], rows: int,
+               vocab_ids: torch.Tensor | None = None) -> float:
+    """Mean per-position sum_v min(p(v), q(v)) at temperature 1, top-k 50, over the first ``rows``
+    rows of each shard (every position of them weighs the same)."""
+    per_position = []
+    for shard in [shards] if isinstance(shards, dict) else shards:
+        batch = {"tokens": shard["tokens"][:rows], "topk_logits": shard["topk_logits"][:rows],
+                 "topk_ids": shard["topk_ids"][:rows], "prompt_len": shard["prompt_len"]}
+        hidden, p, teacher_ids = positions(draft, batch)
+        q = draft_topk_probs(draft, hidden, teacher_ids, vocab_ids=vocab_ids)
+        per_position.append(torch.minimum(p, q).sum(-1))
+    return torch.cat(per_position).mean().item()
 
 
 def lr_factor(step: int, warmup: int, total: int, restarts: list[int] | tuple[int, ...] = ()) -> float:
@@ -377,12 +426,21 @@ def save_atomic(obj, path: Path) -> None:
 
 def train(recipe: dict, work: Path) -> None:
     tr = recipe["train"]
-    shard_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))  # noqa: E731
     text_paths = lambda: sorted((work / "shards").glob("text_*.safetensors"))  # noqa: E731
-    while len(shard_paths()) < 2:
-        print("waiting for generate to write a validation shard and a training shard ...", flush=True)
+    if recipe["generate"].get("prompts"):  # validation: answers to held-out prompts (val_*)
+        conv_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))  # noqa: E731
+        val_paths = lambda: sorted((work / "shards").glob("val_*.safetensors"))  # noqa: E731
+        n_val = recipe["generate"]["validation"]["prompts"]
+    else:  # self-instruct conversations: shard 0 is held out
+        conv_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))[1:]  # noqa: E731
+        val_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))[:1]  # noqa: E731
+        n_val = 1
+    min_train = tr.get("min_train_shards", 1)
+    while len(val_paths()) < n_val or len(conv_paths()) < min_train:
+        print(f"waiting for generate: {len(val_paths())} of {n_val} validation shards, {len(conv_paths())} of "
+              f"{min_train} training shards ...", flush=True)
         time.sleep(60)
-    val_shard = read_shard(shard_paths()[0])
+    val_shard = [read_shard(path) for path in val_paths()]
     ckpt_path, best_path = work / "checkpoint.pt", work / "best.pt"
     target, _ = load_target()
     draft = (draft_from_artifact(recipe, target) if recipe.get("init")
@@ -406,7 +464,7 @@ def train(recipe: dict, work: Path) -> None:
     bar = tqdm(total=tr["steps"], initial=state["step"], desc="distill")
     while state["step"] < tr["steps"]:
         step = state["step"]
-        for pool, paths in ((train_shards, shard_paths()[1:]), (text_shards, text_paths())):
+        for pool, paths in ((train_shards, conv_paths()), (text_shards, text_paths())):
             for path in paths:
                 if path not in loaded:
                     pool.append(read_shard(path))
@@ -526,13 +584,18 @@ def main() -> None:
     parser.add_argument("stage", choices=["generate", "label", "train", "export", "vocab"])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "distill" / "default.yaml")
     parser.add_argument("--out", type=Path, default=DRAFT_ARTIFACT, help="export: artifact directory")
+    parser.add_argument("--part", default="0/1", metavar="K/N",
+                        help="generate: write only every N-th missing shard from the K-th (run N processes, K=0..N-1)")
     args = parser.parse_args()
+    part = tuple(int(x) for x in args.part.split("/"))
+    if len(part) != 2 or not 0 <= part[0] < part[1]:
+        raise SystemExit(f"--part must be K/N with 0 <= K < N; got {args.part!r}")
     recipe = load_recipe(args.config)
     torch.set_num_threads(recipe["threads"])
     work = cache_dir() / "distill" / args.config.stem
     work.mkdir(parents=True, exist_ok=True)
     if args.stage == "generate":
-        generate(recipe, work)
+        generate(recipe, work, part)
     elif args.stage == "label":
         label(recipe, work)
     elif args.stage == "train":

@@ -157,6 +157,50 @@ def test_distillation_draft_exports_to_the_same_model(tmp_path):
         torch.testing.assert_close(hf(ids).logits, draft(ids) @ draft.output_matrix().T, atol=5e-3, rtol=1e-3)
 
 
+def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair, monkeypatch):
+    """conf/distill/continue_bundled.yaml: shard i answers bundled train prompt i mod n, the val_*
+    shards answer dev prompts, every shard has its own seed, and no test prompt is ever used."""
+    import yaml
+
+    from specdecpp.prompts import encode_prompt, load_prompts
+
+    build = load_script("build_demo_draft")
+    monkeypatch.setattr(build, "demo_target_path", lambda: Path(tiny_pair.target))
+    recipe = yaml.safe_load((REPO / "conf" / "distill" / "continue_bundled.yaml").read_text())
+    recipe["generate"]["shards"] = 235  # past the end of the train split: it wraps around
+    plan = build.prompt_shard_plan(recipe)
+    train, dev = load_prompts("bundled", "train"), load_prompts("bundled", "dev")
+    val_n = recipe["generate"]["validation"]["prompts"]
+    assert sorted(plan) == sorted([f"{i:04d}" for i in range(235)] + [f"val_{j:04d}" for j in range(val_n)])
+    tok = tiny_pair.tokenizer
+    assert plan["0007"][0] == encode_prompt(tok, train[7].prompt)
+    assert plan["0232"][0] == encode_prompt(tok, train[2].prompt)  # 232 mod 230
+    assert plan["val_0003"][0] == encode_prompt(tok, dev[3].prompt)
+    assert len({seed for _, seed in plan.values()}) == len(plan)
+    test_ids = {tuple(encode_prompt(tok, t.prompt)) for t in load_prompts("bundled", "test")}
+    assert not test_ids & {tuple(ids) for ids, _ in plan.values()}
+
+
+def test_held_out_acceptance_weighs_every_position_of_every_shard():
+    build = load_script("build_demo_draft")
+    llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    draft = build.ProjectedDraft(llama, torch.randn(80, 24), torch.randn(24, 16), torch.randn(24, 16))
+
+    def shard(rows, prompt_len, new):
+        return {"tokens": torch.randint(80, (rows, prompt_len + new)), "topk_logits": torch.randn(rows, new, 64),
+                "topk_ids": torch.stack([torch.randperm(80)[:64] for _ in range(rows * new)]).reshape(rows, new, 64),
+                "prompt_len": prompt_len}
+
+    a, b = shard(2, 3, 5), shard(3, 6, 4)  # 10 and 12 positions
+    acc_a, acc_b = build.acceptance(draft, a, 8), build.acceptance(draft, b, 8)
+    assert 0 < acc_a < 1 and 0 < acc_b < 1 and acc_a != pytest.approx(acc_b)
+    assert build.acceptance(draft, [a, b], 8) == pytest.approx((10 * acc_a + 12 * acc_b) / 22)
+    assert build.acceptance(draft, [a, b], 1) == pytest.approx((5 * build.acceptance(draft, a, 1)
+                                                                 + 4 * build.acceptance(draft, b, 1)) / 9)
+
+
 def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
     build = load_script("build_demo_draft")
     llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,

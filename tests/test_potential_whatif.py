@@ -1,0 +1,71 @@
+"""scripts/potential_whatif.py: the what-if grid over a dataset's acceptance labels."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specdecpp import potential as pt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_whatif():
+    spec = importlib.util.spec_from_file_location("potential_whatif", REPO / "scripts" / "potential_whatif.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_constant_acceptance_fixed_k_follows_the_closed_form_and_a_perfect_head_cannot_win():
+    """i.i.d. acceptance alpha: fixed K's tokens per round is (1 - alpha^(K+1)) / (1 - alpha), so its
+    Eq. 2.3 speedup is known; a perfect head that knows P_i = alpha learns nothing per position,
+    so it can only mimic some fixed K (it is never ahead by more than sampling noise)."""
+    whatif = load_whatif()
+    rows = [{"p_acc": np.full(2000, 0.6), "draft_entropy": np.zeros(2000)} for _ in range(4)]
+    (rec,) = whatif.grid(rows, [1.0], [0.1], seeds=2)
+    k = int(rec["fixed_k"]["setting"].split("=")[1])
+    tpr = pt.expected_tokens_per_round(0.6, k)
+    # Eq. 2.3 with verification 1 / tpr and discard (K - (tpr - 1)) / tpr
+    closed = 1 / (0.1 + 0.1 * (k - (tpr - 1)) / tpr + 0.9 / tpr)
+    assert rec["fixed_k"]["speedup"] == pytest.approx(closed, rel=0.01)
+    assert closed == pytest.approx(max(1 / (0.1 + 0.1 * (j - pt.expected_tokens_per_round(0.6, j) + 1)
+                                            / pt.expected_tokens_per_round(0.6, j)
+                                            + 0.9 / pt.expected_tokens_per_round(0.6, j)) for j in range(1, 11)))
+    assert rec["informed"]["margin"] < 0.01 and rec["informed_lag_free"]["margin"] < 0.01
+    assert rec["oracle"]["margin"] > 0.2  # hindsight still wins: it sees the coin flips
+
+
+def test_raising_the_labels_raises_acceptance_and_keeps_their_order():
+    whatif = load_whatif()
+    rng = np.random.default_rng(0)
+    rows = [{"p_acc": rng.beta(0.6, 0.9, 300), "draft_entropy": rng.random(300)} for _ in range(6)]
+    recs = whatif.grid(rows, [1.0, 0.5, 0.25], [0.05], seeds=2)
+    means = [r["mean_acceptance"] for r in recs]
+    assert means[0] == pytest.approx(np.concatenate([r["p_acc"] for r in rows]).mean())
+    assert means[0] < means[1] < means[2]
+    out = whatif.transformed(rows, 0.5)
+    assert np.array_equal(np.argsort(out[0]["p_acc"]), np.argsort(rows[0]["p_acc"]))
+    # varied acceptances: the perfect head without the lag beats fixed K, and more so as P rises
+    margins = [r["informed_lag_free"]["margin"] for r in recs]
+    assert margins[0] > 0.02
+    assert recs[-1]["informed"]["speedup"] > recs[0]["informed"]["speedup"]
+    with pytest.raises(ValueError, match="gamma"):
+        whatif.transformed(rows, 0.0)
+
+
+def test_whatif_matches_infer_potential_at_gamma_one(tmp_path):
+    """gamma = 1 is the dataset itself: the best fixed K and informed speedups equal what the
+    potential module's own policies give on the same rows."""
+    whatif = load_whatif()
+    rng = np.random.default_rng(1)
+    rows = [{"p_acc": rng.beta(0.7, 0.8, 200), "draft_entropy": rng.random(200)} for _ in range(5)]
+    (rec,) = whatif.grid(rows, [1.0], [0.08], seeds=3)
+    policies = [pt.fixed_k(k) for k in range(1, 11)] + [pt.informed(h) for h in whatif.THRESHOLDS]
+    counts = pt.simulate(rows, policies, seeds=range(3))
+    records = pt.summarise(counts, policies, pt.Costs.from_ratio(0.08), n_boot=10)
+    assert rec["fixed_k"]["speedup"] == pytest.approx(pt.best(records, "fixed_k")["speedup"])
+    assert rec["informed"]["speedup"] == pytest.approx(pt.best(records, "informed")["speedup"])
