@@ -14,6 +14,12 @@ engine. The modes map to transformers' generation-config keys on the assistant:
 
 The assistant's settings are reset before every prompt, so every prompt starts from the
 configured values (transformers otherwise carries the heuristic's length over between calls).
+
+transformers' draft calls feed the tokens accepted since the last round (2-3 at a time) and keep
+one logit by slicing the hidden state; on a CPU in bf16 that slice sends oneDNN down a slow path
+(the demo draft's call costs about 7 ms instead of 2-4). ``GatherKeptLogits`` hands both models an
+index tensor instead during ``generate`` (the same logits, as our engine computes them), so HF is
+timed on the same footing as our methods.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from specdecpp.engine import RunStats
-from specdecpp.models import token_set
+from specdecpp.models import GatherKeptLogits, token_set
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -87,7 +93,8 @@ class HFAssistedRunner:
             seen[0] = draft_meter.calls
 
         torch.manual_seed(seed)  # transformers samples from the global generator
-        with draft_meter, ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
+        with GatherKeptLogits(self.draft, self.target), draft_meter, \
+                ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
                                        assistant_model=self.draft, generation_config=config,

@@ -184,6 +184,38 @@ def keep_last(total: int, k: int, device) -> int | torch.Tensor:
     return torch.arange(total - k, total, device=device)
 
 
+class GatherKeptLogits:
+    """While active, an integer ``logits_to_keep`` that any of ``models`` receives from code we do
+    not control (transformers' own ``generate``, e.g. assisted generation's draft calls, which feed
+    2-3 new tokens and keep 1 logit) is replaced by :func:`keep_last`'s index tensor: the same rows,
+    gathered instead of sliced, so oneDNN's bf16 fast path applies. ``with GatherKeptLogits(draft,
+    target): target.generate(...)``; the hooks are removed on exit."""
+
+    def __init__(self, *models) -> None:
+        self.models = models
+        self.handles: list = []
+
+    @staticmethod
+    def _hook(module, args, kwargs):
+        k = kwargs.get("logits_to_keep")
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
+        if ref is None or ref.shape[0] != 1 or k >= ref.shape[1]:
+            return None
+        return args, {**kwargs, "logits_to_keep": keep_last(ref.shape[1], k, ref.device)}
+
+    def __enter__(self) -> GatherKeptLogits:
+        self.handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.models]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 class FinalHidden:
     """Captures a causal LM's final hidden state (after the final norm) through a forward hook on
     its decoder, so the model runs without ``output_hidden_states`` (which keeps every layer's

@@ -150,3 +150,55 @@ def test_keep_last_gives_the_logits_of_the_plain_slice(dtype):
         assert got.shape == ref.shape == (1, min(k, 9), 40)
         torch.testing.assert_close(got, ref)
         assert got.is_contiguous()
+
+
+def test_gather_kept_logits_rewrites_short_keeps_and_leaves_hf_assisted_output_unchanged():
+    """transformers' assisted generation feeds its draft 2-3 tokens keeping 1 logit; inside
+    GatherKeptLogits those int keeps become keep_last's index (the bf16 fast path), every other
+    call is left alone, the generated tokens are the same, and the hooks go away on exit."""
+    from specdecpp.models import GatherKeptLogits
+
+    draft, target = tiny_lm(40, 16, 1, seed=5), tiny_lm(40, 32, 2, seed=6)
+    for m in (draft, target):
+        m.generation_config.eos_token_id = None
+        m.generation_config.pad_token_id = 0
+    seen = []
+    spy = lambda name: lambda mod, args, kwargs: seen.append(  # noqa: E731
+        (name, kwargs.get("input_ids").shape[1], kwargs.get("logits_to_keep")))
+    ids = torch.randint(1, 40, (1, 7), generator=torch.Generator().manual_seed(1))
+
+    def run(hooked: bool, do_sample: bool):
+        seen.clear()
+        handles = []
+        try:
+            if hooked:
+                ctx = GatherKeptLogits(draft, target)
+                ctx.__enter__()
+            # registered after GatherKeptLogits's hooks: the spy sees what the model receives
+            handles = [m.register_forward_pre_hook(spy(n), with_kwargs=True) for n, m in (("d", draft), ("t", target))]
+            draft.generation_config.num_assistant_tokens = 3
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            torch.manual_seed(0)
+            with torch.no_grad():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                                      do_sample=do_sample, top_k=20, max_new_tokens=24, min_new_tokens=24)
+        finally:
+            for h in handles:
+                h.remove()
+            if hooked:
+                ctx.__exit__(None, None, None)
+        return out, list(seen)
+
+    for do_sample in (False, True):
+        plain, plain_calls = run(False, do_sample)
+        hooked, hooked_calls = run(True, do_sample)
+        assert torch.equal(plain, hooked)
+        short = [c for c in plain_calls if isinstance(c[2], int) and 0 < c[2] < c[1]]
+        assert any(c[0] == "d" for c in short)  # the case exists: draft fed several tokens, keeping 1
+        for (name, n, k), (name2, n2, k2) in zip(plain_calls, hooked_calls, strict=True):
+            assert (name, n) == (name2, n2)
+            if isinstance(k, int) and 0 < k < n:
+                assert torch.is_tensor(k2) and k2.tolist() == list(range(n - k, n))
+            else:
+                assert k2 == k
+    assert not draft._forward_pre_hooks and not target._forward_pre_hooks
