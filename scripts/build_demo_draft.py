@@ -16,6 +16,11 @@ vocab: ranks the vocabulary by the target's expected token counts on the generat
 generate: the target samples whole conversations (it writes the user turn, then answers) at
     temperature 1, top-k 50; every generated position keeps the target's top logits as the teacher.
     One shard per batch, skipped when already written, so an interrupted run resumes.
+    With ``generate.prompts`` (conf/distill/continue_bundled.yaml) the target answers a prompt set
+    instead: shard i holds ``batch_size`` answers to prompt i mod n of ``prompts.split``, and the
+    ``val_*`` shards answers to ``validation.prompts`` prompts of ``validation.split``, on which
+    train selects (held out). ``--part K/N`` writes every N-th missing shard from the K-th, so N
+    processes share the work.
 label: the target's top logits on existing text (Python standard library source): more tokens
     per CPU-minute than sampling, less like chat answers.
 train: the draft's layers and its two embedding projections are trained with KL(p || q), p the
