@@ -449,7 +449,7 @@ def train(recipe: dict, work: Path) -> None:
     ckpt_path, best_path = work / "checkpoint.pt", work / "best.pt"
     target, _ = load_target()
     draft = (draft_from_artifact(recipe, target) if recipe.get("init")
-             else initial_draft(recipe, target, read_shard(shard_paths()[1])))
+             else initial_draft(recipe, target, read_shard(conv_paths()[0])))
     del target
     vocab_ids = output_vocab_ids(recipe)
     groups = [{"params": [p for n, p in draft.named_parameters() if "projection" not in n], "lr": tr["lr"]},
