@@ -201,6 +201,72 @@ def test_held_out_acceptance_weighs_every_position_of_every_shard():
                                                                  + 4 * build.acceptance(draft, b, 1)) / 9)
 
 
+@pytest.mark.parametrize("answers", [False, True], ids=["conversations", "prompt_answers"])
+def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(tmp_path, monkeypatch, answers):
+    """build_demo_draft train on tiny shards with a tiny target: conversations hold out shard 0,
+    prompt answers the val_* shards (no training batch comes from them); a run interrupted after a
+    checkpoint resumes and ends with the same weights and history as an uninterrupted one."""
+    from conftest import tiny_lm
+
+    build = load_script("build_demo_draft")
+    target = tiny_lm(400, 24, 1, seed=2)
+    monkeypatch.setattr(build, "load_target", lambda *a: (target, None))
+    recipe = {"seed": 0, "draft": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32},
+              "generate": ({"prompts": {"source": "bundled", "split": "train"},
+                            "validation": {"split": "dev", "prompts": 2, "batch_size": 2}} if answers else {}),
+              "train": {"steps": 6, "restarts": [], "batch_size": 2, "negatives": 32, "text_share": 0.0,
+                        "lr": 1e-3, "projection_lr": 1e-4, "warmup_steps": 2, "weight_decay": 0.0,
+                        "eval_every": 3, "eval_rows": 2, "checkpoint_every": 2, "hidden_samples": 16}}
+    names = ["val_0000", "val_0001", "0000", "0001"] if answers else ["0000", "0001", "0002"]
+    held_out = names[:2] if answers else names[:1]
+    for run in ("straight", "interrupted"):
+        g = torch.Generator().manual_seed(0)
+        (tmp_path / run / "shards").mkdir(parents=True)
+        for name in names:
+            rows, prompt_len, new = 3, 3, 5
+            save_file({"tokens": torch.randint(400, (rows, prompt_len + new), generator=g).int(),
+                       "topk_logits": torch.randn(rows, new, 64, generator=g).sort(-1, descending=True).values.half(),
+                       "topk_ids": torch.stack([torch.randperm(400, generator=g)[:64] for _ in range(rows * new)])
+                       .reshape(rows, new, 64).int()},
+                      str(tmp_path / run / "shards" / f"{name}.safetensors"), metadata={"prompt_len": str(prompt_len)})
+    held_tokens = [build.read_shard(tmp_path / "straight" / "shards" / f"{n}.safetensors")["tokens"] for n in held_out]
+    make_batch, batches = build.make_batch, []
+
+    def spy_batch(shard, rng, batch_size):
+        batches.append(shard["tokens"])
+        return make_batch(shard, rng, batch_size)
+
+    monkeypatch.setattr(build, "make_batch", spy_batch)
+    build.train(recipe, tmp_path / "straight")
+    assert len(batches) == 6 and not any(torch.equal(b, h) for b in batches for h in held_tokens)
+
+    save_atomic = build.save_atomic
+
+    def interrupt_at_step_4(obj, path):
+        save_atomic(obj, path)
+        if path.name == "checkpoint.pt" and obj["state"]["step"] == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "save_atomic", interrupt_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        build.train(recipe, tmp_path / "interrupted")
+    monkeypatch.setattr(build, "save_atomic", save_atomic)
+    build.train(recipe, tmp_path / "interrupted")  # resumes at step 4
+
+    straight, resumed = (torch.load(tmp_path / r / "checkpoint.pt", weights_only=False)
+                         for r in ("straight", "interrupted"))
+    assert straight["state"]["step"] == resumed["state"]["step"] == 6
+    assert [h["step"] for h in straight["state"]["history"]] == [0, 3, 6]
+    assert straight["state"]["history"] == resumed["state"]["history"]
+    for k, v in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][k], v, rtol=0, atol=0)
+    # step 0's figure is the initial draft's acceptance on exactly the held-out shards
+    first = build.initial_draft(recipe, target, build.read_shard(tmp_path / "straight" / "shards" / f"{names[-2 if answers else 1]}.safetensors"))
+    val = [build.read_shard(tmp_path / "straight" / "shards" / f"{n}.safetensors") for n in held_out]
+    assert straight["state"]["history"][0]["val_acceptance"] == pytest.approx(build.acceptance(first, val, 2))
+
+
 def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
     build = load_script("build_demo_draft")
     llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
