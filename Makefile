@@ -1,6 +1,7 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
 # make test: the test suite.
-# make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md).
+# make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
+#   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
 # make reference-heads: rebuild demo/heads/ (data_gen on 230 prompts x 192 tokens, both kinds' 20-head sweeps, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
@@ -88,6 +89,9 @@ potential: demo-pair bench-costs  # docs/demo.md: the potential table on held-ou
 	for set in bundled humaneval; do \
 		$(PYTHON) -m infer.potential data/demo/heldout_$$set --split test --costs reports/bench/costs.json \
 			$(foreach h,$(subst $(comma), ,$(REF_HEADS)),--head $(h)) --out reports/potential/$$set || exit 1; done
+	for set in bundled humaneval; do \
+		$(PYTHON) scripts/potential_whatif.py data/demo/heldout_$$set --split test --gammas 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05 \
+			--costs reports/bench/costs.json --ratios 0.08 0.04 --out reports/whatif/$$set || exit 1; done
 
 BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out from distillation and heads)
 BENCH_TOKENS ?= 96

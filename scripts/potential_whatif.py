@@ -105,11 +105,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="a data_gen output directory")
     ap.add_argument("--split", default="test")
-    ap.add_argument("--gammas", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.4, 0.25])
+    ap.add_argument("--gammas", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05])
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.137, 0.08, 0.05, 0.02])
+    ap.add_argument("--costs", help="also the cost ratio t_draft / t_target of this costs JSON "
+                                    "(scripts/measure_pair.py --costs-out, as for infer.potential)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.costs:
+        from infer.potential import load_costs
+
+        measured = round(load_costs(args.costs).ratio, 4)
+        args.ratios = [measured] + [c for c in args.ratios if c != measured]
     bad = [c for c in args.ratios if not 0 <= c < 1]
     if bad:
         raise SystemExit(f"--ratios: cost ratios must be in [0, 1); got {bad}")

@@ -69,3 +69,27 @@ def test_whatif_matches_infer_potential_at_gamma_one(tmp_path):
     records = pt.summarise(counts, policies, pt.Costs.from_ratio(0.08), n_boot=10)
     assert rec["fixed_k"]["speedup"] == pytest.approx(pt.best(records, "fixed_k")["speedup"])
     assert rec["informed"]["speedup"] == pytest.approx(pt.best(records, "informed")["speedup"])
+
+
+def test_cli_writes_its_files_adds_the_measured_ratio_and_names_bad_input(tiny_pair, tmp_path):
+    import json
+
+    from tests.test_train import random_rows, save_dataset
+
+    whatif = load_whatif()
+    data = save_dataset(tmp_path / "data", {"test": random_rows(8, tiny_pair.vocab, 3, max_len=30)},
+                        tiny_pair.draft, 32, tiny_pair.vocab)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"t_draft": 0.005, "t_target": 0.05}))
+    out = tmp_path / "whatif"
+    whatif.main([str(data), "--split", "test", "--gammas", "1", "0.5", "--ratios", "0.05", "0.02",
+                 "--costs", str(costs), "--seeds", "2", "--out", str(out)])
+    records = json.loads((out / "whatif.json").read_text())
+    assert [(r["gamma"], r["cost_ratio"]) for r in records] == [(g, c) for g in (1.0, 0.5) for c in (0.1, 0.05, 0.02)]
+    assert records[0]["mean_acceptance"] < records[3]["mean_acceptance"]
+    assert "| mean P |" in (out / "whatif.md").read_text()
+    assert (out / "whatif.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="--ratios"):
+        whatif.main([str(data), "--ratios", "1.5", "--out", str(out)])
+    with pytest.raises(ValueError, match="no split 'dev'"):
+        whatif.main([str(data), "--split", "dev", "--out", str(out)])
