@@ -2,7 +2,7 @@
 potential of one data_gen dataset (docs/potential.md, "How much better must my draft be?").
 
     python scripts/potential_whatif.py data/demo/heldout_bundled --split test \
-        --gammas 1 0.8 0.6 0.4 0.25 --ratios 0.137 0.08 0.05 0.02 --out reports/whatif/bundled
+        --costs reports/bench/costs.json --ratios 0.08 0.04 --out reports/whatif/bundled   # make potential
 
 For each gamma, every label P_i of the dataset is replaced by P_i ** gamma (gamma < 1 raises the
 acceptances while keeping their order and their spread across positions: an easy position stays
