@@ -29,6 +29,14 @@ def load_script(name: str):
     return module
 
 
+def tiny_projected_draft(build, vocab: int):
+    """A width-16, one-layer ProjectedDraft over a random [vocab, 24] target embedding."""
+    llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    return build.ProjectedDraft(llama, torch.randn(vocab, 24), torch.randn(24, 16), torch.randn(24, 16))
+
+
 @pytest.fixture
 def fake_target(tmp_path, tiny_pair):
     """A directory with the tiny tokenizer and a random embedding matrix of the real target's width."""
@@ -183,10 +191,7 @@ def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair, mon
 
 def test_held_out_acceptance_weighs_every_position_of_every_shard():
     build = load_script("build_demo_draft")
-    llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
-    torch.manual_seed(0)
-    draft = build.ProjectedDraft(llama, torch.randn(80, 24), torch.randn(24, 16), torch.randn(24, 16))
+    draft = tiny_projected_draft(build, 80)
 
     def shard(rows, prompt_len, new):
         return {"tokens": torch.randint(80, (rows, prompt_len + new)), "topk_logits": torch.randn(rows, new, 64),
@@ -269,10 +274,7 @@ def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(
 
 def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
     build = load_script("build_demo_draft")
-    llama = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 64}
-    torch.manual_seed(0)
-    draft = build.ProjectedDraft(llama, torch.randn(30, 24), torch.randn(24, 16), torch.randn(24, 16))
+    draft = tiny_projected_draft(build, 30)
     hidden = torch.randn(5, 16)
     teacher_ids = torch.stack([torch.randperm(30)[:4] for _ in range(5)])
     full = (hidden @ draft.output_matrix().T).log_softmax(-1).gather(-1, teacher_ids)
