@@ -29,6 +29,7 @@ from specdecpp import potential as pt
 
 DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointing to scripts/potential_whatif.py
 
 
 def load_costs(path: str | Path) -> pt.Costs:
@@ -250,6 +251,13 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
             b = pt.best(records, name, "speedup_by_width")
             best_lines.append(f"with t_target(n): {name} best {b['label']} {b['speedup_by_width']:.3f}x vs fixed K "
                               f"{fw['label']} {fw['speedup_by_width']:.3f}x ({100 * (b['speedup_by_width'] / fw['speedup_by_width'] - 1):+.1f}%)")
+    informed, lag_free = margins.get("informed"), margins.get("informed_lag_free")
+    if informed and lag_free and informed["margin"] < WHATIF_BELOW:
+        best_lines.append(
+            f"verdict: even a perfect head with Algorithm 2's lag is {100 * informed['margin']:+.1f}% over fixed K "
+            f"here (the paper's pair: +7-11%), without the lag {100 * lag_free['margin']:+.1f}%; how much more the "
+            f"draft would have to accept: python scripts/potential_whatif.py {data_dir} --split {split} "
+            f"--ratios {costs.ratio:.3f} --out WHATIF_DIR")
     context = {"data": str(data_dir), "split": split, "prompts": len(rows),
                "positions": int(sum(len(r["p_acc"]) for r in rows)),
                "mean_p_acc": float(np.concatenate([r["p_acc"] for r in rows]).mean()),
