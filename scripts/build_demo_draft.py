@@ -592,7 +592,10 @@ def main() -> None:
     parser.add_argument("--part", default="0/1", metavar="K/N",
                         help="generate: write only every N-th missing shard from the K-th (run N processes, K=0..N-1)")
     args = parser.parse_args()
-    part = tuple(int(x) for x in args.part.split("/"))
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+    except ValueError:
+        part = ()
     if len(part) != 2 or not 0 <= part[0] < part[1]:
         raise SystemExit(f"--part must be K/N with 0 <= K < N; got {args.part!r}")
     recipe = load_recipe(args.config)

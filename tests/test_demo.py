@@ -412,3 +412,11 @@ def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     assert same_model(identity, str(draft_dir)) and same_model(str(draft_dir), identity)
     assert not same_model(identity[:-1] + "0", str(draft_dir))
     assert not same_model(identity, str(demo_cache / "target"))
+
+
+@pytest.mark.parametrize("part", ["2/2", "1", "0/0", "a/b"])
+def test_generate_part_must_name_one_of_n_parts(monkeypatch, part):
+    build = load_script("build_demo_draft")
+    monkeypatch.setattr(sys, "argv", ["build_demo_draft.py", "generate", "--part", part])
+    with pytest.raises(SystemExit, match="--part must be K/N"):
+        build.main()
