@@ -6,8 +6,8 @@ transformers' draft calls feed the 2-3 tokens accepted since the last round and 
 slicing the hidden state, which on a CPU in bf16 takes oneDNN's slow path. This times the harness's
 own ``HFAssistedRunner`` (what ``method=hf_assisted`` runs; --mode, --num-assistant-tokens) on
 bundled test prompts, with ``GatherKeptLogits`` and with it swapped for a no-op, interleaved prompt by prompt with the
-same seed, checks that both produce the same tokens, and prints tokens/s of each with the paired
-ratio and its 95% bootstrap interval over prompts, plus the mean time of a draft call of each kind.
+same seed, checks that both produce the same tokens, and prints tokens/s of each (pooled) with the paired
+ratio and its 95% bootstrap interval over prompts (infer.summary.paired_speedup_ci), plus the mean time of a draft call of each kind.
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ import numpy as np
 import torch
 
 
+def tokens_per_s(rows: list[dict]) -> float:
+    """Pooled, as infer.report computes it: all tokens over all wall time."""
+    return sum(r["n_generated"] for r in rows) / sum(r["wall_time_s"] for r in rows)
+
+
 def main() -> None:
     import infer.hf_assisted as hf
+    from infer.summary import paired_speedup_ci
     from specdecpp.demo import demo_draft_path, demo_target_path
     from specdecpp.models import dtype_name, load_model, load_tokenizer
     from specdecpp.prompts import encode_prompt, load_prompts
@@ -55,27 +61,25 @@ def main() -> None:
 
     prompts = load_prompts("bundled", "test", limit=args.prompts)
     run(torch.tensor([encode_prompt(tok, prompts[0].prompt)]), 0, True)  # warm-up, untimed
-    rates, draft_ms = {False: [], True: []}, {False: [], True: []}
+    rows, draft_ms = {False: [], True: []}, {False: [], True: []}
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([encode_prompt(tok, prompt.prompt)])
         outs = {}
         for gathered in ((False, True) if i % 2 == 0 else (True, False)):  # alternate who goes first
             out, stats, _ = run(ids, i, gathered)
             outs[gathered] = out
-            rates[gathered].append(stats.n_generated / stats.wall_time_s)
+            rows[gathered].append({"prompt_id": prompt.id, "timed": True, "n_generated": stats.n_generated,
+                                   "wall_time_s": stats.wall_time_s})
             draft_ms[gathered].append(1000 * stats.draft_time_s / max(stats.n_draft_calls, 1))
-        print(f"prompt {i}: plain {rates[False][-1]:.2f} tok/s, gathered {rates[True][-1]:.2f} tok/s, "
-              f"same tokens: {outs[False] == outs[True]}", flush=True)
-    plain, gathered = np.array(rates[False]), np.array(rates[True])
-    rng = np.random.default_rng(0)
-    boots = [gathered[idx].mean() / plain[idx].mean()
-             for idx in (rng.integers(0, len(plain), len(plain)) for _ in range(2000))]
-    lo, hi = np.quantile(boots, [0.025, 0.975])
+        print(f"prompt {i}: plain {tokens_per_s(rows[False][-1:]):.2f} tok/s, gathered "
+              f"{tokens_per_s(rows[True][-1:]):.2f} tok/s, same tokens: {outs[False] == outs[True]}", flush=True)
+    plain, gathered = tokens_per_s(rows[False]), tokens_per_s(rows[True])
+    lo, hi = paired_speedup_ci(rows[True], rows[False], n_boot=2000)
     print(f"\n{dtype_name(target.dtype)}, {args.threads} thread(s), {len(prompts)} bundled test prompts x "
           f"{args.max_new_tokens} tokens, T=1/top-k 50, HF assisted {args.mode} n={args.num_assistant_tokens}")
-    print(f"plain:    {plain.mean():.2f} tok/s, draft call {np.mean(draft_ms[False]):.2f} ms")
-    print(f"gathered: {gathered.mean():.2f} tok/s, draft call {np.mean(draft_ms[True]):.2f} ms")
-    print(f"ratio gathered / plain: {gathered.mean() / plain.mean():.3f}x [{lo:.3f}, {hi:.3f}]")
+    print(f"plain:    {plain:.2f} tok/s, draft call {np.mean(draft_ms[False]):.2f} ms")
+    print(f"gathered: {gathered:.2f} tok/s, draft call {np.mean(draft_ms[True]):.2f} ms")
+    print(f"ratio gathered / plain: {gathered / plain:.3f}x [{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":

@@ -103,16 +103,13 @@ def conversation_opening(tokenizer, user_opening: str) -> list[int]:
     return tokenizer(text.split(marker)[0] + user_opening, add_special_tokens=False)["input_ids"]
 
 
-def prompt_shard_plan(recipe: dict) -> dict[str, tuple[list[int], int]]:
+def prompt_shard_plan(recipe: dict, tokenizer) -> dict[str, tuple[list[int], int]]:
     """``generate.prompts`` recipes: shard name -> (encoded chat prompt, seed). Training shard i
     answers prompt i mod n of ``prompts.split`` (``batch_size`` sampled answers); validation shard
     j answers prompt j of ``validation.split`` (``validation.batch_size`` answers)."""
-    from transformers import AutoTokenizer
-
     from specdecpp.prompts import encode_prompt, load_prompts
 
     gen = recipe["generate"]
-    tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
     plan = {}
     train_prompts = load_prompts(gen["prompts"]["source"], gen["prompts"]["split"])
     for i in range(gen["shards"]):
@@ -130,15 +127,15 @@ def generate(recipe: dict, work: Path, part: tuple[int, int] = (0, 1)) -> None:
     gen = recipe["generate"]
     shard_dir = work / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
     if gen.get("prompts"):  # answers to a prompt set, one prompt per shard
-        plan = prompt_shard_plan(recipe)
+        plan = prompt_shard_plan(recipe, tokenizer)
         rows = {name: gen["validation"]["batch_size"] if name.startswith("val_") else gen["batch_size"]
                 for name in plan}
         names = sorted(plan, key=lambda n: (not n.startswith("val_"), n))  # validation shards first
     else:  # self-instruct conversations; shard 0 is held out
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(demo_target_path())
         plan = {f"{i:04d}": (conversation_opening(tokenizer, gen["user_openings"][i % len(gen["user_openings"])]),
                              recipe["seed"] * 100_003 + i) for i in range(gen["shards"])}
         rows = dict.fromkeys(plan, gen["batch_size"])
@@ -147,7 +144,7 @@ def generate(recipe: dict, work: Path, part: tuple[int, int] = (0, 1)) -> None:
     if not todo:
         print(f"all {len(names[part[0]::part[1]])} shards of this part already in {shard_dir}")
         return
-    target, tokenizer = teacher(recipe)
+    target, _ = teacher(recipe)
     for name in tqdm(todo, desc="target answers (shards)"):
         prompt_ids, seed = plan[name]
         prompt = torch.tensor([prompt_ids]).repeat(rows[name], 1)
@@ -431,14 +428,14 @@ def save_atomic(obj, path: Path) -> None:
 
 def train(recipe: dict, work: Path) -> None:
     tr = recipe["train"]
-    text_paths = lambda: sorted((work / "shards").glob("text_*.safetensors"))  # noqa: E731
+    def shards(pattern: str) -> list[Path]:
+        return sorted((work / "shards").glob(f"{pattern}.safetensors"))
+
     if recipe["generate"].get("prompts"):  # validation: answers to held-out prompts (val_*)
-        conv_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))  # noqa: E731
-        val_paths = lambda: sorted((work / "shards").glob("val_*.safetensors"))  # noqa: E731
+        conv_paths, val_paths = (lambda: shards("[0-9]*")), (lambda: shards("val_*"))
         n_val = recipe["generate"]["validation"]["prompts"]
     else:  # self-instruct conversations: shard 0 is held out
-        conv_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))[1:]  # noqa: E731
-        val_paths = lambda: sorted((work / "shards").glob("[0-9]*.safetensors"))[:1]  # noqa: E731
+        conv_paths, val_paths = (lambda: shards("[0-9]*")[1:]), (lambda: shards("[0-9]*")[:1])
         n_val = 1
     min_train = tr.get("min_train_shards", 1)
     while len(val_paths()) < n_val or len(conv_paths()) < min_train:
@@ -469,7 +466,7 @@ def train(recipe: dict, work: Path) -> None:
     bar = tqdm(total=tr["steps"], initial=state["step"], desc="distill")
     while state["step"] < tr["steps"]:
         step = state["step"]
-        for pool, paths in ((train_shards, conv_paths()), (text_shards, text_paths())):
+        for pool, paths in ((train_shards, conv_paths()), (text_shards, shards("text_*"))):
             for path in paths:
                 if path not in loaded:
                     pool.append(read_shard(path))

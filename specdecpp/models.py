@@ -202,7 +202,7 @@ class GatherKeptLogits:
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         ref = ids if ids is not None else kwargs.get("inputs_embeds")
-        if ref is None or ref.shape[0] != 1 or k >= ref.shape[1]:
+        if ref is None or ref.shape[0] != 1:
             return None
         return args, {**kwargs, "logits_to_keep": keep_last(ref.shape[1], k, ref.device)}
 

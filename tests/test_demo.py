@@ -165,7 +165,7 @@ def test_distillation_draft_exports_to_the_same_model(tmp_path):
         torch.testing.assert_close(hf(ids).logits, draft(ids) @ draft.output_matrix().T, atol=5e-3, rtol=1e-3)
 
 
-def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair, monkeypatch):
+def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair):
     """conf/distill/continue_bundled.yaml: shard i answers bundled train prompt i mod n, the val_*
     shards answer dev prompts, every shard has its own seed, and no test prompt is ever used."""
     import yaml
@@ -173,10 +173,9 @@ def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair, mon
     from specdecpp.prompts import encode_prompt, load_prompts
 
     build = load_script("build_demo_draft")
-    monkeypatch.setattr(build, "demo_target_path", lambda: Path(tiny_pair.target))
     recipe = yaml.safe_load((REPO / "conf" / "distill" / "continue_bundled.yaml").read_text())
     recipe["generate"]["shards"] = 235  # past the end of the train split: it wraps around
-    plan = build.prompt_shard_plan(recipe)
+    plan = build.prompt_shard_plan(recipe, tiny_pair.tokenizer)
     train, dev = load_prompts("bundled", "train"), load_prompts("bundled", "dev")
     val_n = recipe["generate"]["validation"]["prompts"]
     assert sorted(plan) == sorted([f"{i:04d}" for i in range(235)] + [f"val_{j:04d}" for j in range(val_n)])
