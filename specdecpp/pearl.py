@@ -35,7 +35,6 @@ N_draft + N_target = N + N_discarded + N_no_target_token (``PEARLStats.n_no_targ
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -43,11 +42,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import GenerateOutput, RunStats, _Runner, check_generate_args
-from .models import output_vocab_size, token_set
+from .engine import GenerateOutput, RunStats
+from .models import output_vocab_size
 from .policies import StopPolicy
-from .sampling import SamplingConfig, sample, warp
-from .verify import verify
+from .rounds import (
+    Block,
+    Clock,
+    Drafter,
+    ExactRule,
+    ModelRunner,
+    Sequence,
+    check_generate_args,
+    check_pair_devices,
+)
+from .sampling import SamplingConfig
 
 MAX_AUTO_GAMMA = 16
 
@@ -74,14 +82,14 @@ class PEARLStats(RunStats):
 
 
 def _time_forwards(model, vocab: int, context: torch.Tensor, steps: int) -> float:
-    """Median seconds of a cached one-token forward after ``context``."""
-    runner, times = _Runner(model, vocab, want_hidden=False), []
+    """Median seconds of a cached one-token forward after ``context`` (CUDA synchronised)."""
+    runner, clock, times = ModelRunner(model, vocab, want_hidden=False), Clock(context.device), []
     runner.feed(context)
     for i in range(steps + 2):
-        t0 = time.perf_counter()
+        t0 = clock.now()
         runner.feed(context[i % len(context)].view(1))
         if i >= 2:  # two warm-up calls
-            times.append(time.perf_counter() - t0)
+            times.append(clock.now() - t0)
     return sorted(times)[len(times) // 2]
 
 
@@ -157,13 +165,6 @@ class _DraftWorker:
         self.pool.shutdown(wait=True)
 
 
-def _now(device: torch.device) -> float:
-    """perf_counter after the calling thread's own CUDA stream is done (never the other's)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return time.perf_counter()
-
-
 class PEARLDecoder:
     """PEARL with pre-verify and post-verify rounds; ``generate`` and its output as
     :class:`~specdecpp.SpeculativeDecoder`'s (the stats are :class:`PEARLStats`).
@@ -184,12 +185,11 @@ class PEARLDecoder:
             raise ValueError(f"PEARLDecoder: gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         if policy is not None and not isinstance(policy, StopPolicy):
             raise TypeError(f"PEARLDecoder: policy must be a StopPolicy or None, got {type(policy).__name__}")
-        if draft.device != target.device:
-            raise ValueError(f"draft is on {draft.device} but target on {target.device}; load them on one device")
+        self.device = check_pair_devices(draft, target)
         self.draft, self.target, self.policy = draft, target, policy
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
-        self.device = target.device
+        self.rule = ExactRule(self.sampling)
         self.num_threads, self.switch_interval = num_threads, switch_interval
         self.gamma_setting = gamma
         self.gamma: int | None = None if gamma == "auto" else gamma
@@ -204,30 +204,6 @@ class PEARLDecoder:
             self.costs = {"t_draft_s": t_draft, "t_target_s": t_target}
         return self.gamma
 
-    def _draft_block(self, runner: _Runner, seq: torch.Tensor, start: int, count: int,
-                     gen: torch.Generator | None, eos: set[int]):
-        """Draft seq[start : start + k] (k <= count) after seq[:start]; return (k, q rows, t0, t1).
-        Stops early at EOS or where the policy says."""
-        t0 = _now(self.device)
-        cfg, policy, q_rows, k = self.sampling, self.policy, [], 0
-        needs_hidden = policy is not None and policy.needs_hidden
-        if policy is not None:
-            policy.new_round()
-        while k < count:
-            logits, hidden = runner.feed(seq[runner.length : start + k])
-            if cfg.greedy:
-                y = logits[-1].argmax(-1)
-            else:
-                q_k = warp(logits[-1], cfg)
-                y = sample(q_k, gen)
-                q_rows.append(q_k)
-            seq[start + k] = y
-            k += 1
-            if (policy is not None and policy.should_stop(k, logits[-1], hidden[-1] if needs_hidden else None)) \
-                    or (eos and int(y) in eos):
-                break
-        return k, q_rows, t0, _now(self.device)
-
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
                  generator: torch.Generator | None = None,
@@ -235,78 +211,54 @@ class PEARLDecoder:
                  return_caches: bool = False) -> GenerateOutput:
         check_generate_args(prompt_ids, max_new_tokens)
         gamma = self.resolve_gamma()
-        eos, cfg = token_set(eos_token_id), self.sampling
         # two streams of randomness fixed up front: the draft's samples and the verification's
         seeds = torch.randint(0, 2**62, (2,), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
         draft_gen, verify_gen = (torch.Generator(self.device).manual_seed(s) for s in seeds)
-        draft = _Runner(self.draft, self.vocab, want_hidden=self.policy is not None and self.policy.needs_hidden)
-        target = _Runner(self.target, self.vocab, want_hidden=False)
-        stats = PEARLStats(gamma=gamma)
-        prompt_len = prompt_ids.shape[1]
-        end = prompt_len + max_new_tokens  # no token is drafted at or beyond it
-        seq = torch.empty(end + 1, dtype=torch.long, device=self.device)
-        seq[:prompt_len] = prompt_ids[0]
-        n, q_pending = prompt_len, []  # committed: seq[:n]; pending drafts: seq[n : n + len(q_pending)]
-        m = 0  # number of pending drafts (q_pending is empty under greedy decoding)
-        t_start = time.perf_counter()
+        clock = Clock(self.device)  # each thread's reading waits for its own CUDA stream only
+        seq = Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
+        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock)
+        target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
+        q_pending, m = [], 0  # pending drafts: seq.tokens[n : n + m] (q_pending empty under greedy)
+        t_start = clock.now()
 
-        with _cpu_threads(self.device, self.num_threads, self.switch_interval), draft, \
+        with _cpu_threads(self.device, self.num_threads, self.switch_interval), drafter, \
                 _DraftWorker(self.device, self.num_threads) as worker:
-            while n < end:
-                count = min(gamma, end - n - m)  # the next block, never past the length limit
-                if m and eos and int(seq[n + m - 1]) in eos:
+            while not seq.finished:
+                n = seq.n
+                count = min(gamma, seq.room - m)  # the next block, never past the length limit
+                if m and drafter.stop_at_eos and int(seq.tokens[n + m - 1]) in seq.eos:
                     count = 0  # the pending drafts end on EOS: nothing can follow it
                 if count:
-                    worker.submit(lambda start=n + m, count=count: self._draft_block(
-                        draft, seq, start, count, draft_gen, eos))
-                t0 = _now(self.device)
-                # p(. | seq[:n + i]) for i = 0..m: tests the m pending drafts and the block's first
-                logits = target.feed(seq[target.length : n + m], n_logits=m + 1)[0]
-                t1 = _now(self.device)
-                k, q_new, d0, d1 = worker.result() if count else (0, [], t1, t1)
+                    worker.submit(lambda start=n + m, count=count: drafter.block(seq.tokens, start, count, draft_gen))
+                t0 = clock.now()
+                # p(. | tokens[:n + i]) for i = 0..m: tests the m pending drafts and the block's first
+                logits = target.feed(seq.tokens[target.length : n + m], n_logits=m + 1)[0]
+                t1 = clock.now()
+                block = worker.result() if count else Block(0, [], t1, t1)
 
-                stats.n_post_verify_rounds += m > 0
+                n_test = m + min(block.k, 1)
+                n_acc, token = self.rule(seq.tokens[n : n + n_test], q_pending + block.q[:1],
+                                         logits[:n_test], verify_gen, bonus=False)
+                kept = seq.commit(n_acc, token)
                 stats.n_pre_verify_rounds += m == 0
-                n_test = m + min(k, 1)
-                tested = seq[n : n + n_test]
-                if cfg.greedy:
-                    n_acc, token = verify(tested, None, logits[:n_test], greedy=True, bonus=False)
-                else:
-                    q = torch.stack(q_pending + q_new[:1])
-                    n_acc, token = verify(tested, q, warp(logits[:n_test], cfg), verify_gen, bonus=False)
-                if token is not None:  # a rejection: the residual token replaces the draft
-                    seq[n + n_acc] = token
-                new = seq[n : n + n_acc + (token is not None)].tolist()
-                hit_eos = next((i for i, t in enumerate(new) if t in eos), None)
-                kept = len(new) if hit_eos is None else hit_eos + 1
-                rejected = token is not None or hit_eos is not None
-                stats.n_discarded += len(new) - kept  # committed, then cut after an EOS
-                if rejected:  # every untested or rejected draft is dropped
-                    stats.n_discarded += (m + k) - n_acc
+                stats.n_post_verify_rounds += m > 0
+                stats.n_no_target_token += token is None
+                discarded = n_acc + (token is not None) - kept  # committed, then cut after an EOS
+                if token is not None or seq.finished:  # every untested or rejected draft is dropped
+                    discarded += (m + block.k) - n_acc
                     q_pending, m = [], 0
                 else:  # all tested drafts accepted: the block's rest is pending
-                    q_pending, m = q_new[1:], max(k - 1, 0)
-                n += kept
-                target.rollback(n - 1)
-                draft.rollback(min(draft.length, n + m - 1))
+                    q_pending, m = block.q[1:], block.k - 1
+                target.rollback(seq.n - 1)
+                drafter.runner.rollback(seq.n + m - 1)
+                stats.add_round(block.k, n_test, n_acc, discarded, block.t1 - block.t0, t1 - t0)
+                stats.overlap_time_s += max(0.0, min(block.t1, t1) - max(block.t0, t0))
 
-                stats.n_draft_calls += k
-                stats.n_target_calls += 1
-                stats.n_no_target_token += token is None
-                stats.accept_lengths.append(n_acc)
-                stats.candidate_lengths.append(n_test)
-                stats.draft_time_s += d1 - d0
-                stats.target_time_s += t1 - t0
-                stats.overlap_time_s += max(0.0, min(d1, t1) - max(d0, t0))
-                if hit_eos is not None:
-                    break
-            stats.n_discarded += m  # drafts still pending at the limit are never returned
-
-        stats.wall_time_s = _now(self.device) - t_start
-        stats.n_generated = n - prompt_len
-        return GenerateOutput(tokens=seq[:n].unsqueeze(0).clone(), stats=stats,
-                              caches={"draft": draft.cache, "target": target.cache} if return_caches else None)
+        stats.wall_time_s = clock.now() - t_start
+        stats.n_generated = seq.n_generated
+        return GenerateOutput(tokens=seq.output(), stats=stats, caches={
+            "draft": drafter.runner.cache, "target": target.cache} if return_caches else None)
 
     def settings(self) -> dict:
         return {"gamma": self.gamma_setting, "policy": None if self.policy is None else self.policy.name,

@@ -288,10 +288,11 @@ def test_draft_runs_without_every_layers_states_and_hidden_only_for_the_head(pai
 
 
 def test_unsynced_clock_never_synchronises(monkeypatch):
-    from specdecpp.engine import Clock
+    from specdecpp.rounds import Clock
 
     syncs = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    stream = type("Stream", (), {"synchronize": lambda self: syncs.append(1)})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
     cuda = torch.device("cuda")
     marks = Clock(cuda, sync=False)
     marks.now()
@@ -304,7 +305,7 @@ def test_unsynced_clock_never_synchronises(monkeypatch):
 def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
     """scripts/bench_verify_cost.py: 2-3 tokens cost more than 4 on CPU; the runner pads them and
     crops the padding from the cache again, the real positions unchanged."""
-    from specdecpp.engine import CPU_TOKEN_MULTIPLE, _Runner
+    from specdecpp.rounds import CPU_TOKEN_MULTIPLE, ModelRunner
 
     _, target = pair32
     assert CPU_TOKEN_MULTIPLE == 4
@@ -314,7 +315,7 @@ def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
     ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
     try:
         for n in (1, 2, 3, 4, 5):
-            runner = _Runner(target, 32, want_hidden=True)
+            runner = ModelRunner(target, 32, want_hidden=True)
             with runner:
                 runner.feed(ids[:4])
                 seen.clear()

@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 from conftest import tiny_lm
-from stats import chi_square_pvalue
 from test_engine import noisy_copy
 
-from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify, warp
+from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify
 from specdecpp.models import new_cache
 
 
@@ -75,63 +74,6 @@ def test_greedy_stops_at_eos_like_the_target(pair32, gamma):
         out = decoder.generate(ids, max_new_tokens=20, eos_token_id=eos)
         assert out.tokens.tolist() == ref.tolist()
         assert out.stats.n_generated == free.index(eos) + 1 and identity_holds(out.stats)
-
-
-def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
-    """P(generated sequence) by enumeration with the target alone: n_tokens, or fewer ending at EOS."""
-    vocab = target.config.vocab_size
-    dist = {}
-
-    def walk(ids, prob, out):
-        if len(out) == n_tokens or (out and out[-1] == eos):
-            dist[tuple(out)] = prob
-            return
-        with torch.no_grad():
-            probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
-        for tok in range(vocab):
-            if float(probs[tok]) > 0:
-                walk(ids + [tok], prob * float(probs[tok]), out + [tok])
-
-    walk(list(prompt), 1.0, [])
-    return dist
-
-
-DIST_CASES = [
-    (2, SamplingConfig(temperature=1.0), None),
-    (3, SamplingConfig(temperature=0.8, top_k=3), 2),  # EOS = token 2: inside blocks and at the limit
-]
-
-
-@pytest.mark.parametrize("gamma,sampling,eos", DIST_CASES)
-def test_sampled_output_has_target_distribution(pair6, gamma, sampling, eos):
-    """All generated tokens (3, the length limit, so pending drafts are cut there) follow the
-    target's exact warped distribution, with EOS ending a sequence early in the last case."""
-    draft, target = pair6
-    prompt, n_tokens, n_samples = [0, 1], 3, 1200
-    expected = exact_distribution(target, prompt, n_tokens, sampling, eos)
-    decoder = PEARLDecoder(draft, target, gamma, sampling)
-    g = torch.Generator().manual_seed(1234)
-    seqs, accepted, post = [], 0, 0
-    for _ in range(n_samples):
-        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, generator=g, eos_token_id=eos)
-        seqs.append(tuple(out.tokens[0, len(prompt):].tolist()))
-        accepted += sum(out.stats.accept_lengths)
-        post += out.stats.n_post_verify_rounds
-        assert identity_holds(out.stats)
-    assert chi_square_pvalue(seqs, expected) > 1e-4
-    assert accepted > n_samples // 2 and post > n_samples // 10  # both modes exercised
-
-
-def test_distribution_test_rejects_the_draft_alone(pair6):
-    """Negative control: PEARL with the draft in the target's seat fails the same test."""
-    draft, target = pair6
-    sampling = SamplingConfig(temperature=1.0)
-    expected = exact_distribution(target, [0, 1], 3, sampling)
-    decoder = PEARLDecoder(target, draft, 2, sampling)
-    g = torch.Generator().manual_seed(7)
-    seqs = [tuple(decoder.generate(torch.tensor([[0, 1]]), 3, generator=g).tokens[0, 2:].tolist())
-            for _ in range(600)]
-    assert chi_square_pvalue(seqs, expected) < 1e-6
 
 
 def _delay(model, rng: random.Random, max_s: float):

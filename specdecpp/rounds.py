@@ -1,0 +1,265 @@
+"""The one round core of every decoder: draft a block under a stop policy, verify it with an
+acceptance rule, commit with EOS, roll both caches back, count the stats.
+
+A decoder's ``generate`` is a loop over these parts, so each one reads on one screen and none
+repeats another's bookkeeping:
+
+- :class:`ModelRunner`: one model and its KV cache (feed tokens, roll back by cropping).
+- :class:`Drafter`: drafts a block of candidates from the draft runner under a
+  :class:`~specdecpp.policies.StopPolicy`; the policy always gets ``(k, logits, hidden, token)``.
+- :class:`ExactRule`: the acceptance rule, speculative sampling's ``min(1, p/q)`` test with the
+  ``(p - q)+`` residual (:func:`~specdecpp.verify.verify`). A lossy rule (a cascade's target
+  ``pi``) or a tree's node-by-node rule is another object with the same call.
+- :class:`Sequence`: the committed tokens and the drafts after them in one buffer;
+  :meth:`Sequence.commit` writes the verified tokens, cuts at EOS and says what was kept.
+- :meth:`RunStats.add_round <specdecpp.engine.RunStats.add_round>` counts a round.
+- :class:`Clock`: wall time with CUDA synchronised where a reading must count queued kernels.
+
+Conventions: ``p`` is the TARGET's warped distribution and ``q`` the DRAFT's (see verify.py).
+Both caches hold every committed token except the newest one, which the next forward feeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .compat import cache_kwargs
+from .models import FinalHidden, keep_last, new_cache, token_set
+from .policies import StopPolicy
+from .sampling import SamplingConfig, sample, warp
+from .verify import verify
+
+# Token counts a CPU forward is padded to (a multiple of; see ModelRunner.feed). 1 turns padding off.
+CPU_TOKEN_MULTIPLE = 4
+
+
+class ModelRunner:
+    """One model and its KV cache. ``length`` tokens are cached; rollback = crop. With
+    ``want_hidden`` the final hidden state is captured by a hook (:class:`FinalHidden`), never
+    every layer's; use it as a context manager so the hook is removed."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool) -> None:
+        self.model, self.vocab, self.want_hidden = model, vocab, want_hidden
+        self.cache = new_cache(model)
+        self.final = FinalHidden(model) if want_hidden else None
+
+    def __enter__(self) -> ModelRunner:
+        if self.final is not None:
+            self.final.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.final is not None:
+            self.final.__exit__(*exc)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def feed(self, ids: torch.Tensor, n_logits: int = 1):
+        """Append ``ids`` [n] to the cache; return logits [n_logits, V] (and hidden [n_logits, H]).
+
+        On CPU, n > 1 tokens are padded to a multiple of ``CPU_TOKEN_MULTIPLE`` with copies of the
+        last token, which are cropped from the cache again: the CPU GEMM kernels are slower for 2-3
+        rows than for 4 (and 5-7 than 8), so an unpadded forward over 2-3 tokens costs more than
+        over 4 (scripts/bench_verify_cost.py). Causal attention keeps the real positions exact."""
+        n = ids.shape[0]
+        pad = (-n) % CPU_TOKEN_MULTIPLE if n > 1 and ids.device.type == "cpu" else 0
+        if pad:
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
+        kwargs = self.final.kwargs if self.final is not None else {}
+        out = self.model(ids.unsqueeze(0), use_cache=True, **cache_kwargs(self.model, self.cache),
+                         logits_to_keep=keep_last(n + pad, n_logits + pad, ids.device), **kwargs)
+        end = out.logits.shape[1] - pad
+        logits = out.logits[0, end - n_logits : end, : self.vocab]
+        hidden = self.final.take(out)[0, -n_logits - pad :][:n_logits] if self.final is not None else None
+        if pad:
+            self.cache.crop(-pad)
+        return logits, hidden
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (no-op if fewer are cached)."""
+        extra = self.length - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+
+class Clock:
+    """perf_counter, after synchronising the calling thread's CUDA stream so that its queued
+    kernels are counted (a second thread's stream is left alone). ``sync=False`` on CUDA reads the
+    time without waiting (only meaningful around a final synchronised mark); ``exact`` tells
+    whether a reading counts the queued work (always on CPU)."""
+
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.sync = sync
+
+    @property
+    def exact(self) -> bool:
+        return self.sync or not self.cuda
+
+    def now(self) -> float:
+        if self.cuda and self.sync:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+
+class _NeverStop(StopPolicy):
+    """A block runs to its length (PEARL without a policy)."""
+
+    name = "none"
+    max_candidates = 1 << 30
+    needs_hidden = reads_values = False
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return False
+
+
+@dataclass
+class Block:
+    """A drafted block: ``k`` candidates written to the sequence buffer and, unless greedy, the
+    rows ``q`` [k, V] they were sampled from. ``t0``/``t1`` bracket the drafting."""
+
+    k: int
+    q: list
+    t0: float
+    t1: float
+
+
+class Drafter:
+    """Drafts candidate blocks with the draft model under a stop policy.
+
+    Candidate ``y_k`` is drawn from ``q_k = warp(draft logits)`` (the argmax under greedy
+    decoding), then the policy is asked ``should_stop(k, logits, hidden, y_k)``. EOS among the
+    candidates ends a block only where the policy reads values on the host anyway (a device sync
+    per candidate otherwise); else the verification's commit cuts at EOS.
+    """
+
+    def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
+                 eos: set[int], clock: Clock) -> None:
+        self.policy = policy if policy is not None else _NeverStop()
+        self.sampling, self.eos, self.clock = sampling, eos, clock
+        self.needs_hidden = self.policy.needs_hidden
+        self.stop_at_eos = bool(eos) and self.policy.reads_values
+        self.runner = ModelRunner(model, vocab, want_hidden=self.needs_hidden)
+
+    def __enter__(self) -> Drafter:
+        self.runner.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.__exit__(*exc)
+
+    def block(self, seq: torch.Tensor, start: int, count: int, gen: torch.Generator | None) -> Block:
+        """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``."""
+        t0 = self.clock.now()
+        cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
+        policy.new_round()
+        while k < count:
+            logits, hidden = runner.feed(seq[runner.length : start + k])
+            if cfg.greedy:  # the argmax; verification needs no q
+                y = logits[-1].argmax(-1)
+            else:
+                q_k = warp(logits[-1], cfg)
+                y = sample(q_k, gen)
+                q_rows.append(q_k)
+            seq[start + k] = y
+            k += 1
+            if policy.should_stop(k, logits[-1], hidden[-1] if self.needs_hidden else None, y) or \
+                    (self.stop_at_eos and int(y) in self.eos):
+                break
+        return Block(k, q_rows, t0, self.clock.now())
+
+
+class ExactRule:
+    """Speculative sampling's exact acceptance rule: accept ``y_i`` with ``min(1, p_i(y_i) /
+    q_i(y_i))``, resample a rejection from ``Norm[(p_i - q_i)+]`` (greedy: accept iff ``y_i`` is the
+    target's argmax). The output has exactly the target's warped distribution.
+
+    ``__call__(tokens [K], q rows, target logits [K (+1), V], generator, bonus)`` returns
+    ``(n_accepted, next_token)``; another rule (a cascade's lossy target, a tree's node-by-node
+    test) is an object with the same call and its own ``lossy`` flag."""
+
+    lossy = False
+    name = "exact"
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+
+    def __call__(self, tokens: torch.Tensor, q_rows: list, logits: torch.Tensor,
+                 gen: torch.Generator | None, bonus: bool = True) -> tuple[int, int | None]:
+        if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
+            return verify(tokens, None, logits, greedy=True, bonus=bonus)
+        p = warp(logits, self.sampling)
+        q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
+        return verify(tokens, q, p, gen, bonus=bonus)
+
+
+class Sequence:
+    """The committed tokens ``tokens[:n]`` and any drafts after them, in one buffer of room for
+    the prompt plus ``max_new_tokens`` plus one."""
+
+    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int,
+                 eos_token_id: int | Iterable[int] | None, device: torch.device) -> None:
+        self.prompt_len = prompt_ids.shape[-1]
+        self.end = self.prompt_len + max_new_tokens  # no token is committed at or beyond it
+        self.eos = token_set(eos_token_id)
+        self.tokens = torch.empty(self.end + 1, dtype=torch.long, device=device)
+        self.tokens[: self.prompt_len] = prompt_ids.reshape(-1)
+        self.n = self.prompt_len
+        self.finished = False
+
+    @property
+    def n_generated(self) -> int:
+        return self.n - self.prompt_len
+
+    @property
+    def room(self) -> int:
+        """Tokens that may still be committed."""
+        return self.end - self.n
+
+    def commit(self, n_accepted: int, token: int | None) -> int:
+        """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
+        from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS
+        is cut and ends the sequence. Returns how many tokens were kept."""
+        if token is not None:
+            self.tokens[self.n + n_accepted] = token
+        new = self.tokens[self.n : self.n + n_accepted + (token is not None)].tolist()
+        hit = next((i for i, t in enumerate(new) if t in self.eos), None)
+        kept = len(new) if hit is None else hit + 1
+        self.n += kept
+        self.finished = hit is not None or self.n >= self.end
+        return kept
+
+    def output(self) -> torch.Tensor:
+        return self.tokens[: self.n].unsqueeze(0).clone()
+
+
+def check_generate_args(prompt_ids, max_new_tokens) -> None:
+    """The argument checks every decoder's ``generate`` shares."""
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be a LongTensor of shape [1, L], got "
+                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def device_generator(generator: torch.Generator | None, device: torch.device):
+    """Sampling happens on the models' device; derive a generator there deterministically."""
+    if generator is None or generator.device.type == device.type:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
+
+
+def check_pair_devices(draft, target) -> torch.device:
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device} but target on {target.device}; load them on one device")
+    return target.device

@@ -1,0 +1,193 @@
+"""The exactness tests every decoder passes before any speed claim, on the CPU and (marker ``gpu``)
+on CUDA: greedy output equals the target's own greedy decoding, sampled output follows the target's
+exact warped distribution (chi-square against enumeration, EOS included), and the same generator
+seed gives the same output.
+
+``DECODERS`` is the registry: a new decoder (a tree, a batch, a cascade against its own target) adds
+its factories here and inherits every test. Each factory gets ``(draft, target, sampling, heads)``
+where ``heads`` holds a paper head (lag 1) and a lag-free head (lag 0) whose stop decisions vary
+with the drafted tokens on the test prompt."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_lm
+from stats import chi_square_pvalue
+from test_engine import noisy_copy
+
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    NextTokenHead,
+    PEARLDecoder,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+    warp,
+)
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+DECODERS = {
+    "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
+    "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
+    "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
+    "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
+    "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    "pearl-gamma2": lambda d, t, s, h: PEARLDecoder(d, t, 2, s),
+    "pearl-svip": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4)),
+    "pearl-paper_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4)),
+    "pearl-lag_free_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4)),
+}
+
+PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
+
+
+def _pair6():
+    target = tiny_lm(5, 16, 2, seed=21, scale=0.8, heads=2)
+    return noisy_copy(target, 0.25, seed=22), target
+
+
+def _heads(draft) -> dict:
+    """A paper head and a lag-free head over the 16-wide draft, each centred on the test prompt so
+    that whether a round stops depends on the drafted tokens."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        paper, lag_free = AcceptanceHead(16, 1), NextTokenHead(16, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        paper.out.weight.normal_(0, 1.0, generator=g)
+        contexts = torch.tensor([PROMPT + [a] for a in range(5)])  # e_1 decides stop-at-2 vs go on
+        hidden = draft(contexts, output_hidden_states=True).hidden_states[-1][:, -1]
+        paper.out.bias.sub_(paper(hidden).median() + 0.1)
+        lag_free.out.weight.normal_(0, 1.0, generator=g)
+        lag_free.attach(draft)
+        out = draft(torch.tensor([PROMPT]), output_hidden_states=True)
+        e0, logits = out.hidden_states[-1][0, -1], out.logits[0, -1]
+        scores = torch.stack([lag_free.score(e0, logits, torch.tensor(y)) for y in range(5)])
+        lag_free.out.bias.sub_(scores.median() + 0.05)
+    return {"paper": paper, "next": lag_free}
+
+
+@pytest.fixture(scope="module")
+def cpu_pair6():
+    draft, target = _pair6()
+    return draft, target, _heads(draft)
+
+
+@pytest.fixture(scope="module")
+def cpu_pair32():
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    draft = noisy_copy(target, 0.3, seed=6)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        heads = {"paper": AcceptanceHead(32, 2), "next": NextTokenHead(32, 1)}
+    return draft, target, heads
+
+
+def on(device: str, pair):
+    """The pair and heads on ``device`` (copies; the CPU originals stay for the references)."""
+    if device == "cpu":
+        return pair
+    draft, target, heads = pair
+    return (copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device),
+            {k: copy.deepcopy(h).to(device) for k, h in heads.items()})
+
+
+def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
+    """P(generated sequence) by enumeration with the target alone: n_tokens, or fewer ending at EOS."""
+    dist = {}
+
+    def walk(ids, prob, out):
+        if len(out) == n_tokens or (out and out[-1] == eos):
+            dist[tuple(out)] = prob
+            return
+        with torch.no_grad():
+            probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
+        for tok in range(probs.shape[-1]):
+            if float(probs[tok]) > 0:
+                walk(ids + [tok], prob * float(probs[tok]), out + [tok])
+
+    walk(list(prompt), 1.0, [])
+    return dist
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_greedy_equals_target_greedy(cpu_pair32, name, device):
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
+    cpu_target = cpu_pair32[1]
+    for prompt, n in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21)):
+        ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n)
+        assert out.tokens.cpu().tolist() == ref.tolist(), (name, prompt, n)
+        assert out.stats.n_generated == n
+
+
+SAMPLINGS = [
+    pytest.param(SamplingConfig(temperature=1.0), None, id="T1"),
+    pytest.param(SamplingConfig(temperature=0.8, top_k=3), 2, id="T0.8-top3-eos2"),  # EOS = token 2
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling,eos", SAMPLINGS)
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
+    """The first 3 generated tokens (fewer when EOS ends a sequence) follow the target's exact
+    warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
+    stop decisions vary inside the window (checked); PEARL generates 3, so pending drafts are cut
+    at the length limit."""
+    draft, target, heads = on(device, cpu_pair6)
+    expected = exact_distribution(cpu_pair6[1], PROMPT, 3, sampling, eos)
+    decoder = DECODERS[name](draft, target, sampling, heads)
+    g = torch.Generator().manual_seed(1234)
+    seqs, first_k, accepted, post = [], set(), 0, 0
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos,
+                               max_new_tokens=3 if name.startswith("pearl") else 4)
+        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()))
+        first_k.add(out.stats.candidate_lengths[0])
+        accepted += sum(out.stats.accept_lengths)
+        post += getattr(out.stats, "n_post_verify_rounds", 0)
+    assert chi_square_pvalue(seqs, expected) > 1e-4, name
+    if name.startswith("pearl-"):
+        assert post > 30  # PEARL's post-verify rounds (pending drafts) were exercised
+    if name != "chain-target_only":
+        assert accepted > 300  # the acceptance path is exercised, not only resampling
+    if name.startswith("chain-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):
+        assert len(first_k) >= 2, first_k  # the adaptive stop really varies
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_same_seed_same_output(cpu_pair32, name, device):
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]], device=device), 24,
+                               generator=torch.Generator().manual_seed(seed))
+        return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
+
+    first = run(0)
+    assert run(0) == first and run(1) != first
+
+
+def test_the_distribution_test_rejects_the_draft_alone(cpu_pair6):
+    """Negative control for the chi-square test above: the draft in the target's seat fails it."""
+    draft, target, heads = cpu_pair6
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(target, PROMPT, 3, sampling)
+    decoder = DECODERS["pearl-paper_head"](target, draft, sampling, heads)
+    g = torch.Generator().manual_seed(7)
+    seqs = [tuple(decoder.generate(torch.tensor([PROMPT]), 3, generator=g).tokens[0, 2:].tolist())
+            for _ in range(1200)]
+    assert chi_square_pvalue(seqs, expected) < 1e-6
