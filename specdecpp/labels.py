@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import cache_kwargs
 from .models import FinalHidden, keep_last, new_cache, output_vocab_size, token_set
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
@@ -181,7 +182,7 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
             ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
             fresh = new_cache(target)
             new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
-                                past_key_values=fresh, use_cache=True,
+                                use_cache=True, **cache_kwargs(target, fresh),
                                 logits_to_keep=keep_last(ids.shape[1], 1, device)).logits[:, -1, :vocab]
             if rows:
                 mask = _join_rows(cache, mask, fresh, new_mask)
@@ -224,7 +225,7 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
         positions = positions + 1
         step = torch.tensor(next_ids, device=device).unsqueeze(-1)
         logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
+                        use_cache=True, **cache_kwargs(target, cache)).logits[:, -1, :vocab]
     return responses, None if kept is None else [_stack_support(steps) for steps in kept]
 
 

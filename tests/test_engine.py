@@ -18,6 +18,7 @@ from specdecpp import (
     TargetOnly,
     warp,
 )
+from specdecpp.compat import cache_kwargs
 from specdecpp.models import new_cache
 
 
@@ -206,7 +207,7 @@ def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
         assert length == len(tokens) - 1 if name == "target" else length <= len(tokens) - 1
         fresh = new_cache(model)
         with torch.no_grad():
-            model(tokens[:length].unsqueeze(0), past_key_values=fresh, use_cache=True)
+            model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
         for (k1, v1), (k2, v2) in zip(_cache_tensors(cache), _cache_tensors(fresh), strict=True):
             assert k1.shape == k2.shape
             torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)

@@ -12,6 +12,7 @@ from conftest import tiny_lm
 from test_engine import noisy_copy
 
 from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify
+from specdecpp.compat import cache_kwargs
 from specdecpp.models import new_cache
 
 
@@ -157,7 +158,7 @@ def test_caches_after_many_rounds_equal_fresh_prefill(pair32, sampling):
         assert length == len(tokens) - 1 if name == "target" else length <= len(tokens) - 1
         fresh = new_cache(model)
         with torch.no_grad():
-            model(tokens[:length].unsqueeze(0), past_key_values=fresh, use_cache=True)
+            model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
         for l1, l2 in zip(cache.layers, fresh.layers, strict=True):
             torch.testing.assert_close(l1.keys, l2.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(l1.values, l2.values, atol=1e-5, rtol=1e-4)
