@@ -26,33 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from specdecpp import potential as pt
+from specdecpp.costmodel import Costs, load_costs
 
 DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointing to scripts/potential_whatif.py
-
-
-def load_costs(path: str | Path) -> pt.Costs:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--costs {str(path)!r}: file not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--costs {str(path)!r}: not valid JSON ({exc})") from exc
-    if "t_draft" not in data and "groups" in data:  # infer.report's summary.json
-        fits = [g["fit"] for g in data["groups"] if g.get("fit")]
-        if not fits:
-            raise ValueError(f"--costs {str(path)!r}: the report has no fitted cost model")
-        data = fits[0]
-    if "t_draft" not in data or "t_target" not in data:
-        raise ValueError(f"--costs {str(path)!r}: needs keys t_draft and t_target (seconds per forward)")
-    width = data.get("target_by_width")
-    costs = pt.Costs(float(data["t_draft"]), float(data["t_target"]),
-                     {int(k): float(v) for k, v in width.items()} if width else None)
-    if not (0 < costs.t_draft < costs.t_target):
-        raise ValueError(f"--costs {str(path)!r}: need 0 < t_draft < t_target, got {costs.t_draft} and {costs.t_target}")
-    return costs
 
 
 def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> tuple[list[dict], dict, list]:
@@ -217,7 +195,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
         limit: int | None = None, n_boot: int = 1000, quiet: bool = False) -> dict:
     if (cost_ratio is None) == (costs_file is None):
         raise ValueError("give exactly one of --cost-ratio R or --costs FILE")
-    costs = pt.Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
+    costs = Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     rows, meta, raw = dataset_rows(data_dir, split, limit)
@@ -239,8 +217,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
         b = pt.best(records, name)
         line = f"{name}: best {b['label']} at {b['speedup']:.3f}x {_ci(b['speedup_ci95'])}"
         if name != "fixed_k":
-            lo_hi = pt.paired_margin_interval(results[b["label"]], results[fixed["label"]],
-                                              lambda c: pt.speedup_eq23(c, costs.ratio), n_boot)
+            lo_hi = pt.margin_interval(results[b["label"]], results[fixed["label"]], costs, n_boot=n_boot)
             margin = b["speedup"] / fixed["speedup"] - 1
             margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             line += f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), 95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]"
