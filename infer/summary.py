@@ -9,7 +9,13 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from specdecpp.costmodel import CostFit, Costs, fit_cost_model, latency_by_width, predicted_tokens_per_s
+from specdecpp.costmodel import (
+    CostFit,
+    Costs,
+    fit_cost_model,
+    latency_by_width,
+    predicted_tokens_per_s,
+)
 from specdecpp.stats import paired_ratio_interval
 
 from .methods import METHODS

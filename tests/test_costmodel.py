@@ -7,8 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from specdecpp.costmodel import (SCHEMA, Costs, expected_tokens_per_round, fixed_k_speedup, latency_by_width,
-                                 load_costs, predicted_latency_per_token, save_costs, speedup_over_target_only)
+from specdecpp.costmodel import (
+    SCHEMA,
+    Costs,
+    expected_tokens_per_round,
+    fixed_k_speedup,
+    latency_by_width,
+    load_costs,
+    predicted_latency_per_token,
+    save_costs,
+    speedup_over_target_only,
+)
 
 
 def test_eq23_forms_agree_and_work_on_arrays():
