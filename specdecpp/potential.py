@@ -306,3 +306,47 @@ def summarise(results: Mapping[str, list[Counts]], policies: Sequence[Policy], c
 def best(records: Sequence[dict], name: str, key: str = "speedup") -> dict | None:
     candidates = [r for r in records if r["name"] == name and key in r]
     return max(candidates, key=lambda r: r[key]) if candidates else None
+
+
+# -- what if the draft accepted more? ------------------------------------------------------------
+
+WHATIF_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def raise_labels(rows: Sequence[Mapping[str, np.ndarray]], gamma: float) -> list[dict]:
+    """The rows with every acceptance probability raised to ``gamma`` (1 leaves them unchanged;
+    gamma < 1 raises them, keeping their order and spread across positions)."""
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    return [{**r, "p_acc": np.power(r["p_acc"], gamma)} for r in rows]
+
+
+def whatif_grid(rows: Sequence[Mapping[str, np.ndarray]], gammas: Sequence[float], ratios: Sequence[float],
+                seeds: int = 5, max_k: int = 10) -> list[dict]:
+    """One record per (gamma, cost ratio): the mean acceptance of the raised labels and the best
+    Eq. 2.3 speedup (and setting) of fixed K 1..max_k, the informed Algorithm 2 (with the head's lag),
+    the same perfect head without the lag and the oracle; each family's ``margin`` over fixed K."""
+    bad = [c for c in ratios if not 0 <= c < 1]
+    if bad:
+        raise ValueError(f"cost ratios must be in [0, 1), got {bad}")
+    families = {"fixed_k": [fixed_k(k) for k in range(1, max_k + 1)],
+                "informed": [informed(h) for h in WHATIF_THRESHOLDS],
+                "informed_lag_free": [informed_lag_free(h) for h in WHATIF_THRESHOLDS],
+                "oracle": [oracle()]}
+    policies = [p for group in families.values() for p in group]
+    records = []
+    for gamma in gammas:
+        rows_g = raise_labels(rows, gamma)
+        counts = simulate(rows_g, policies, seeds=range(seeds))
+        totals = {p.label: _sum(counts[p.label]) for p in policies}
+        mean_p = float(np.concatenate([r["p_acc"] for r in rows_g]).mean())
+        for c in ratios:
+            rec = {"gamma": gamma, "mean_acceptance": mean_p, "cost_ratio": c}
+            for family, group in families.items():
+                speed = {p.label: speedup_eq23(totals[p.label], c) for p in group}
+                best_label = max(speed, key=speed.get)
+                rec[family] = {"speedup": speed[best_label], "setting": best_label}
+            for family in ("informed", "informed_lag_free", "oracle"):
+                rec[family]["margin"] = rec[family]["speedup"] / rec["fixed_k"]["speedup"] - 1.0
+            records.append(rec)
+    return records

@@ -134,7 +134,7 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
     md = (out / "potential.md").read_text()
     assert "| fixed_k | k=1 |" in md and "t_target(n)" in md
     # a weak pair is told where to look next (the what-if grid), a strong one is not
-    assert ("scripts/potential_whatif.py" in md) == (result["margins"]["informed"]["margin"] < cli.WHATIF_BELOW)
+    assert ("--whatif-gammas" in md) == (result["margins"]["informed"]["margin"] < cli.WHATIF_BELOW)
     assert (out / "potential.png").stat().st_size > 10_000
 
 
@@ -181,4 +181,5 @@ def test_the_verdict_line_points_to_the_whatif_grid_only_below_its_margin(potent
     cli.run(str(potential_dataset), split="test", cost_ratio=0.1, seeds=1, max_k=3, thresholds=(0.5,),
             svip_thresholds=(0.3,), out=str(tmp_path / "p"), n_boot=10, quiet=True)
     md = (tmp_path / "p" / "potential.md").read_text()
-    assert ("verdict:" in md and f"potential_whatif.py {potential_dataset} --split test --ratios 0.100" in md) == shown
+    command = f"python -m infer.potential {potential_dataset} --split test --cost-ratio 0.100 --whatif-gammas"
+    assert ("verdict:" in md and command in md) == shown
