@@ -71,7 +71,7 @@ def time_forwards(calls: Mapping[Hashable, Callable[[], object]], *, repeats: in
 
 
 def time_forward(call: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
-                 reset: Callable[[], object] | None = None) -> Timing:
+                 reset: Callable[[], object] | None = None, until: Callable[[], bool] | None = None) -> Timing:
     """:func:`time_forwards` of one call: ``time_forward(fn, reset=undo).median`` is its seconds."""
-    return time_forwards({0: call}, repeats=repeats, warmup=warmup,
+    return time_forwards({0: call}, repeats=repeats, warmup=warmup, until=until,
                          resets=None if reset is None else {0: reset})[0]
