@@ -52,8 +52,8 @@ demo-head: demo-data
 	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=cpu logger=none
 
-demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (scripts/measure_pair.py)
-	test -f reports/demo/costs.json || $(PYTHON) scripts/measure_pair.py --limit 1 --max-new-tokens 16 \
+demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs)
+	test -f reports/demo/costs.json || $(PYTHON) -m infer.costs --limit 1 --max-new-tokens 16 \
 		--timing-steps 20 --out reports/demo/pair.json --costs-out reports/demo/costs.json
 
 demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
@@ -90,8 +90,8 @@ potential: demo-pair bench-costs  # docs/demo.md: the potential table on held-ou
 		$(PYTHON) -m infer.potential data/demo/heldout_$$set --split test --costs reports/bench/costs.json \
 			$(foreach h,$(subst $(comma), ,$(REF_HEADS)),--head $(h)) --out reports/potential/$$set || exit 1; done
 	for set in bundled humaneval; do \
-		$(PYTHON) scripts/potential_whatif.py data/demo/heldout_$$set --split test --gammas 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05 \
-			--costs reports/bench/costs.json --ratios 0.08 0.04 --out reports/whatif/$$set || exit 1; done
+		$(PYTHON) -m infer.potential data/demo/heldout_$$set --split test --whatif-gammas 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05 \
+			--costs reports/bench/costs.json --whatif-ratios 0.08 0.04 --out reports/whatif/$$set || exit 1; done
 
 BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out from distillation and heads)
 BENCH_TOKENS ?= 96
@@ -104,7 +104,7 @@ BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=
 	'~comparison.oracle'
 
 bench-costs: demo-pair
-	test -f reports/bench/costs.json || $(PYTHON) scripts/measure_pair.py --limit 10 --max-new-tokens 96 \
+	test -f reports/bench/costs.json || $(PYTHON) -m infer.costs --limit 10 --max-new-tokens 96 \
 		--timing-steps 60 --out reports/bench/pair.json --costs-out reports/bench/costs.json
 
 bench-run: demo-pair

@@ -134,27 +134,11 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
     }
 
 
-def execute(job: Job, models) -> dict:
-    """Decode every prompt still to do, appending one row per prompt as it finishes."""
-    draft, target, tokenizer = models
-    runner = build_runner(job.spec, draft, target, job.sampling, profile=job.profile)
-    eos, seed = sorted(eos_token_ids(tokenizer, target)), job.run_keys["seed"]
-    encoded = [(q, torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)) for q in job.todo]
-    if encoded and runner.timed and job.warmup_tokens > 0:  # untimed, unrecorded
-        runner.generate(encoded[0][1], min(job.warmup_tokens, job.max_new_tokens), seed, eos)
-    writer = ResultWriter(job.path)
-    bar = tqdm(encoded, desc=f"{job.spec.name} {job.spec.tag}", disable=not job.progress, unit="prompt")
-    for prompt, ids in bar:
-        output_ids, stats, extra = runner.generate(ids, job.max_new_tokens, prompt_seed(seed, prompt.id), eos)
-        writer.append(make_row(job, prompt, ids.shape[1], output_ids, stats, extra, runner.timed,
-                               target.device, target.dtype))
-    return summarize(job)
-
-
-def execute_interleaved(jobs: list[Job], models) -> list[dict]:
-    """Decode prompt by prompt, every job's method on a prompt before the next prompt, so a drift
-    in machine load touches every method alike (the comparison is then paired in time as well as
-    in prompts). Rows are appended to each job's own file as they finish (resumable)."""
+def execute(jobs: list[Job], models) -> list[dict]:
+    """Decode every prompt still to do of every job, prompt by prompt: every job's method on a
+    prompt before the next prompt, so a drift in machine load touches every method alike (the
+    comparison is then paired in time as well as in prompts; one job is simply its prompts in
+    order). Rows are appended to each job's own file as they finish (resumable)."""
     draft, target, tokenizer = models
     runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile) for job in jobs]
     writers = [ResultWriter(job.path) for job in jobs]
@@ -172,8 +156,8 @@ def execute_interleaved(jobs: list[Job], models) -> list[dict]:
                 runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
     todo = [{q.id for q in job.todo} for job in jobs]
     total = sum(len(t) for t in todo)
-    with tqdm(total=total, desc=f"{len(jobs)} methods, interleaved", disable=not jobs or not jobs[0].progress,
-              unit="run") as bar:
+    desc = f"{jobs[0].spec.name} {jobs[0].spec.tag}" if len(jobs) == 1 else f"{len(jobs)} methods, interleaved"
+    with tqdm(total=total, desc=desc, disable=not jobs or not jobs[0].progress, unit="run") as bar:
         for pid, ids in encoded.items():
             for job, runner, writer, ids_todo in zip(jobs, runners, writers, todo, strict=True):
                 if pid not in ids_todo:
@@ -211,4 +195,4 @@ def run(cfg) -> dict:
     if not job.todo:
         log.info("%s is complete (%d rows); nothing to do", job.path, job.n_done)
         return summarize(job)
-    return execute(job, load_models(job.pair))
+    return execute([job], load_models(job.pair))[0]

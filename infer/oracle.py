@@ -1,14 +1,14 @@
 """The greedy oracle on a real pair: decode the prompt greedily with the target, then one draft
 forward pass over prompt + continuation gives the draft's greedy prediction at every position;
-:func:`specdecpp.metrics.greedy_oracle` turns the two into the oracle's counts (no timing)."""
+:func:`specdecpp.potential.greedy_oracle` turns the two into the oracle's counts (no timing)."""
 
 from __future__ import annotations
 
 import torch
 
 from specdecpp import SpeculativeDecoder, TargetOnly
-from specdecpp.metrics import greedy_oracle
 from specdecpp.models import output_vocab_size
+from specdecpp.potential import greedy_oracle
 from specdecpp.sampling import SamplingConfig
 
 

@@ -1,4 +1,5 @@
 """python -m infer.potential DATA_DIR [--cost-ratio R | --costs FILE] [--head DIR ...] [--out DIR]
+   python -m infer.potential DATA_DIR [--cost-ratio R | --costs FILE] --whatif-gammas G ... [--whatif-ratios C ...]
 
 "Can a learned stop predictor pay off on my pair?", answered from a data_gen dataset alone, before
 any decoding: replays speculative rounds along each labelled response with Bernoulli(P_i)
@@ -9,10 +10,15 @@ Eq. 2.3 at the cost ratio, with 95% bootstrap intervals over prompts, and with t
 width-dependent target cost when ``--costs`` has one. Writes potential.md, potential.json and
 potential.png to ``--out`` (default: DATA_DIR/potential) and prints the table.
 
-``--costs FILE``: JSON with ``t_draft`` and ``t_target`` (seconds per forward) and optionally
-``target_by_width`` ({"1": s, "2": s, ...}: the target scoring n tokens after a cached prefix), as
-written by ``scripts/measure_pair.py --costs-out FILE``; a ``summary.json`` of ``infer.report``
-also works (its first fitted group's t_draft and t_target).
+``--costs FILE``: the pair's ``costs.json`` (``specdecpp.costmodel``: ``t_draft`` and ``t_target``,
+seconds per forward, and optionally ``target_by_width``, the target scoring n tokens after a cached
+prefix), as written by ``python -m infer.costs --costs-out FILE``; a ``summary.json`` of
+``infer.report`` also works (its first fitted group's t_draft and t_target).
+
+``--whatif-gammas G ...``: instead, the what-if grid (``infer.whatif``): how much more would the
+draft have to accept for learned stopping to pay off? Every label P_i raised to each gamma, at the
+cost ratio of ``--costs`` / ``--cost-ratio`` and each of ``--whatif-ratios``; writes whatif.md,
+whatif.json and whatif.png to ``--out`` (default: DATA_DIR/whatif).
 """
 
 from __future__ import annotations
@@ -26,33 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from specdecpp import potential as pt
+from specdecpp.costmodel import Costs, load_costs
+
+from . import whatif
 
 DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointing to scripts/potential_whatif.py
-
-
-def load_costs(path: str | Path) -> pt.Costs:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--costs {str(path)!r}: file not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--costs {str(path)!r}: not valid JSON ({exc})") from exc
-    if "t_draft" not in data and "groups" in data:  # infer.report's summary.json
-        fits = [g["fit"] for g in data["groups"] if g.get("fit")]
-        if not fits:
-            raise ValueError(f"--costs {str(path)!r}: the report has no fitted cost model")
-        data = fits[0]
-    if "t_draft" not in data or "t_target" not in data:
-        raise ValueError(f"--costs {str(path)!r}: needs keys t_draft and t_target (seconds per forward)")
-    width = data.get("target_by_width")
-    costs = pt.Costs(float(data["t_draft"]), float(data["t_target"]),
-                     {int(k): float(v) for k, v in width.items()} if width else None)
-    if not (0 < costs.t_draft < costs.t_target):
-        raise ValueError(f"--costs {str(path)!r}: need 0 < t_draft < t_target, got {costs.t_draft} and {costs.t_target}")
-    return costs
+WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointing to the what-if grid
 
 
 def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> tuple[list[dict], dict, list]:
@@ -217,7 +203,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
         limit: int | None = None, n_boot: int = 1000, quiet: bool = False) -> dict:
     if (cost_ratio is None) == (costs_file is None):
         raise ValueError("give exactly one of --cost-ratio R or --costs FILE")
-    costs = pt.Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
+    costs = Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     rows, meta, raw = dataset_rows(data_dir, split, limit)
@@ -239,8 +225,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
         b = pt.best(records, name)
         line = f"{name}: best {b['label']} at {b['speedup']:.3f}x {_ci(b['speedup_ci95'])}"
         if name != "fixed_k":
-            lo_hi = pt.paired_margin_interval(results[b["label"]], results[fixed["label"]],
-                                              lambda c: pt.speedup_eq23(c, costs.ratio), n_boot)
+            lo_hi = pt.margin_interval(results[b["label"]], results[fixed["label"]], costs, n_boot=n_boot)
             margin = b["speedup"] / fixed["speedup"] - 1
             margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             line += f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), 95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]"
@@ -256,8 +241,8 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
         best_lines.append(
             f"verdict: even a perfect head with Algorithm 2's lag is {100 * informed['margin']:+.1f}% over fixed K "
             f"here (the paper's pair: +7-11%), without the lag {100 * lag_free['margin']:+.1f}%; how much more the "
-            f"draft would have to accept: python scripts/potential_whatif.py {data_dir} --split {split} "
-            f"--ratios {costs.ratio:.3f} --out WHATIF_DIR")
+            f"draft would have to accept: python -m infer.potential {data_dir} --split {split} "
+            f"--cost-ratio {costs.ratio:.3f} --whatif-gammas 1 0.6 0.3 0.1 --out WHATIF_DIR")
     context = {"data": str(data_dir), "split": split, "prompts": len(rows),
                "positions": int(sum(len(r["p_acc"]) for r in rows)),
                "mean_p_acc": float(np.concatenate([r["p_acc"] for r in rows]).mean()),
@@ -278,6 +263,24 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     return {"records": records, "margins": margins, "out": str(out_dir), "context": context}
 
 
+def run_whatif(data_dir: str, split: str = "test", gammas=whatif.DEFAULT_GAMMAS, ratios=(),
+               cost_ratio: float | None = None, costs_file: str | None = None, seeds: int = 5, max_k: int = 10,
+               out: str | None = None, limit: int | None = None, quiet: bool = False) -> list[dict]:
+    """The what-if grid (``infer.whatif``) at the measured or given cost ratio, then ``ratios``."""
+    if cost_ratio is not None and costs_file is not None:
+        raise ValueError("give at most one of --cost-ratio R or --costs FILE")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    ratios = list(ratios)
+    if cost_ratio is not None or costs_file is not None:
+        c = round((Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)).ratio, 4)
+        ratios = [c] + [r for r in ratios if r != c]
+    rows, _, _ = dataset_rows(data_dir, split, limit)
+    if not rows:
+        raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
+    return whatif.run(rows, str(data_dir), split, gammas, ratios, out or Path(data_dir) / "whatif", seeds, max_k, quiet)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="a data_gen output directory")
@@ -291,11 +294,23 @@ def main(argv=None) -> None:
     ap.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS))
     ap.add_argument("--svip-thresholds", type=float, nargs="+", default=list(DEFAULT_SVIP))
     ap.add_argument("--limit", type=int, help="only the first N prompts")
-    ap.add_argument("--out", help="output directory (default DATA/potential)")
+    ap.add_argument("--out", help="output directory (default DATA/potential, or DATA/whatif with --whatif-gammas)")
+    ap.add_argument("--whatif-gammas", type=float, nargs="+", metavar="G",
+                    help="run the what-if grid instead: labels P ** G for each G (e.g. 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05)")
+    ap.add_argument("--whatif-ratios", type=float, nargs="+", default=[], metavar="C",
+                    help="with --whatif-gammas: more cost ratios t_draft / t_target beside the measured one")
     args = ap.parse_args(argv)
+    if args.whatif_ratios and not args.whatif_gammas:
+        ap.error("--whatif-ratios needs --whatif-gammas")
+    if args.whatif_gammas and args.head:
+        ap.error("--head does not apply to the what-if grid (it replays perfect heads on raised labels)")
     try:
-        run(args.data, args.split, args.cost_ratio, args.costs, args.head, args.draft, args.seeds, args.max_k,
-            args.thresholds, args.svip_thresholds, args.out, args.limit)
+        if args.whatif_gammas:
+            run_whatif(args.data, args.split, args.whatif_gammas, args.whatif_ratios, args.cost_ratio, args.costs,
+                       args.seeds, args.max_k, args.out, args.limit)
+        else:
+            run(args.data, args.split, args.cost_ratio, args.costs, args.head, args.draft, args.seeds, args.max_k,
+                args.thresholds, args.svip_thresholds, args.out, args.limit)
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"infer.potential: {exc}")
 

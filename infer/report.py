@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from specdecpp.costmodel import Costs, load_costs
+
 from .plots import pareto_plot, throughput_plot
 from .results import read_result_dir
 from .summary import R2_WARNING, summarize_results
@@ -62,22 +64,21 @@ def _slug(*parts: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts)).strip("-")
 
 
-def load_costs(path: str | Path | None) -> dict | None:
+def report_costs(path: str | Path | None) -> Costs | None:
+    """The ``--costs`` file (``specdecpp.costmodel.load_costs``); the report uses its width curve."""
     if path is None:
         return None
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--costs {str(path)!r}: file not found (write it with scripts/measure_pair.py --costs-out)")
-    costs = json.loads(path.read_text())
-    if "t_draft" not in costs or not costs.get("target_by_width"):
-        raise ValueError(f"--costs {str(path)!r}: needs t_draft and target_by_width")
+    costs = load_costs(path)
+    if not costs.target_by_width:
+        raise ValueError(f"costs file {str(path)!r} has no target_by_width curve, which the report's "
+                         "t_target(n) column needs; measure it with `python -m infer.costs --costs-out FILE`")
     return costs
 
 
 def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path | None = None) -> dict:
     """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries."""
     rows = read_result_dir(Path(results_dir))
-    groups = summarize_results(rows, load_costs(costs))
+    groups = summarize_results(rows, report_costs(costs))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections, images = [f"# Inference report: {results_dir}\n"], []
@@ -100,7 +101,7 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "(the same resampled prompts for both); Eq. 2.3 speedup: 1 / (t_draft + "
         "t_draft*discard + (t_target - t_draft)*verification) with the fitted costs, over target_only's; "
         "Eq. 2.3 speedup, t_target(n): the same with a verification of K candidates costing the measured "
-        "t_target(K + 1) (`--costs`, from scripts/measure_pair.py --costs-out); measured/Eq. 2.3 "
+        "t_target(K + 1) (`--costs`, from `python -m infer.costs --costs-out`); measured/Eq. 2.3 "
         "< 1: slower than our engine's fitted per-forward costs predict for these counts; outside "
         "forwards = share of wall time not spent in the two models' forward passes (timed by hooks: "
         "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); both busy "
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m infer.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
     parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
-    parser.add_argument("--costs", help="JSON with t_draft and target_by_width (scripts/measure_pair.py --costs-out): "
+    parser.add_argument("--costs", help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): "
                         "adds Eq. 2.3 with the width-dependent target cost")
     args = parser.parse_args(argv)
     out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))

@@ -5,11 +5,18 @@ rates predicts exactly total wall time / total N, the inverse of the measured th
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
-from specdecpp.metrics import CostFit, fit_cost_model, predicted_tokens_per_s
+from specdecpp.costmodel import (
+    CostFit,
+    Costs,
+    fit_cost_model,
+    latency_by_width,
+    predicted_tokens_per_s,
+)
+from specdecpp.stats import paired_ratio_interval
 
 from .methods import METHODS
 
@@ -88,39 +95,32 @@ def _order(entry: dict) -> tuple:
 R2_WARNING = 0.9  # below this the constant-cost model (Eq. 2.1) does not explain the measured times
 
 
-def width_latency(rows: list[dict], costs: dict) -> float | None:
-    """Seconds per token predicted with a width-dependent target cost: t_draft * N_draft plus, per
-    round, t_target(K + 1) for a verification of K candidates (``costs``: t_draft and
-    target_by_width {n: seconds}, e.g. from scripts/measure_pair.py --costs-out)."""
-    curve = sorted((int(n), float(t)) for n, t in (costs.get("target_by_width") or {}).items())
-    if not curve or any("candidate_lengths" not in r for r in rows):
+def width_latency(rows: list[dict], costs: Costs) -> float | None:
+    """Seconds per token predicted with a width-dependent target cost (``specdecpp.costmodel``):
+    t_draft * N_draft plus, per round, t_target(K + 1) for a verification of K candidates."""
+    if not costs.target_by_width or any("candidate_lengths" not in r for r in rows):
         return None
-    xs, ys = [x for x, _ in curve], [y for _, y in curve]
     n = sum(r["n_generated"] for r in rows)
-    total = costs["t_draft"] * sum(r["n_draft"] for r in rows)
-    total += sum(float(np.interp(k + 1, xs, ys)) for r in rows for k in r["candidate_lengths"])
-    return total / n if n else None
+    widths = Counter(k for r in rows for k in r["candidate_lengths"])
+    return latency_by_width(costs, n, sum(r["n_draft"] for r in rows), costs.verification_cost(widths)) if n else None
 
 
 def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float] | None:
-    """95% bootstrap interval of tokens/s(rows) / tokens/s(base_rows) over prompts resampled with
-    replacement, the same prompts for both (pooled: sum of tokens / sum of wall time)."""
+    """95% bootstrap interval (``specdecpp.stats``) of tokens/s(rows) / tokens/s(base_rows) over
+    prompts resampled with replacement, the same prompts for both (pooled: sum of tokens / sum of
+    wall time); None with fewer than two prompts timed in both."""
     by_id = {r["prompt_id"]: r for r in rows if r.get("timed")}
     base = {r["prompt_id"]: r for r in base_rows if r.get("timed")}
     ids = sorted(set(by_id) & set(base))
     if len(ids) < 2:
         return None
-    arr = np.array([[by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"]]
-                    for i in ids], dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(ids), (n_boot, len(ids)))
-    s = arr[idx].sum(axis=1)  # [n_boot, 4]
-    ratios = (s[:, 0] / s[:, 1]) / (s[:, 2] / s[:, 3])
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    cols = np.array([[by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"]]
+                     for i in ids], dtype=float).T
+    return paired_ratio_interval(*cols, n_resamples=n_boot, seed=seed, level=level)
 
 
-def summarize_group(rows: list[dict], costs: dict | None = None) -> dict:
+def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
     by_run = defaultdict(list)
     for row in rows:
@@ -145,8 +145,9 @@ def summarize_group(rows: list[dict], costs: dict | None = None) -> dict:
             "greedy": rows[0]["sampling"]["temperature"] == 0}
 
 
-def summarize_results(rows: list[dict], costs: dict | None = None) -> list[dict]:
-    """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (t_draft and
-    target_by_width) adds Eq. 2.3 with the width-dependent target cost."""
+def summarize_results(rows: list[dict], costs: Costs | None = None) -> list[dict]:
+    """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (a
+    ``specdecpp.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
+    target cost."""
     return [{**dict(zip(GROUP_KEYS, key, strict=True)), **summarize_group(group, costs)}
             for key, group in group_rows(rows).items()]

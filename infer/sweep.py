@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .app import execute, execute_interleaved, load_models, prepare, set_threads, summarize
+from .app import execute, load_models, prepare, set_threads, summarize
 from .methods import METHODS
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def run(cfg) -> list[dict]:
         jobs.append(prepare(sub, head_path=first_head))  # every check before any model loads
     if cfg.get("interleave") and jobs:
         pending = [job for job in jobs if job.todo]
-        by_path = {job.path: s for job, s in zip(pending, execute_interleaved(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}
+        by_path = {job.path: s for job, s in zip(pending, execute(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}
         return [by_path.get(job.path) or summarize(job) for job in jobs]
     summaries = []
     for job in jobs:
@@ -70,7 +70,7 @@ def run(cfg) -> list[dict]:
             log.info("%s is complete; skipped", job.path)
             summaries.append(summarize(job))
             continue
-        summaries.append(execute(job, load_models(job.pair)))
+        summaries.append(execute([job], load_models(job.pair))[0])
     return summaries
 
 

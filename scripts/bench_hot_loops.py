@@ -51,21 +51,25 @@ def decode_speed(draft, target, policy, sampling, device, prompt_len: int, new: 
     return statistics.median(speeds)
 
 
+def crop_to(cache, length: int) -> None:
+    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
     from specdecpp.models import new_cache
+    from specdecpp.timing import time_forward
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)
-    times = []
-    for _ in range(repeats):
-        cache = new_cache(draft)
-        draft(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        sync(device)
-        t0 = time.perf_counter()
-        draft(ids[:, -1:], past_key_values=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    cache = new_cache(draft)
+    draft(ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    timing = time_forward(lambda: draft(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                        output_hidden_states=hidden, logits_to_keep=1),
+                          reset=lambda: crop_to(cache, 199), repeats=repeats)
+    return 1000 * timing.median
 
 
 def labelling_peak_mb(draft, target, device, batch: int, length: int) -> float:

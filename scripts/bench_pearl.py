@@ -78,23 +78,30 @@ def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold, samplin
     return methods
 
 
+def crop_to(cache, length: int) -> None:
+    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: list | None = None,
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
     from specdecpp.models import keep_last, new_cache
+    from specdecpp.timing import time_forward
 
     cache, times = new_cache(model), out if out is not None else []
+    keep = keep_last(width, 1, context.device)
     with torch.no_grad():
         model(context, past_key_values=cache, use_cache=True)
-        i = 0
-        while (stop is None and i < steps) or (stop is not None and not stop.is_set()):
-            t0 = time.perf_counter()
-            model(context[:, -width:], past_key_values=cache, use_cache=True,
-                  logits_to_keep=keep_last(width, 1, context.device))
-            times.append(time.perf_counter() - t0)
-            cache.crop(-width)
-            i += 1
+        length = cache.get_seq_length() - width
+        crop_to(cache, length)
+        timing = time_forward(lambda: model(context[:, -width:], past_key_values=cache, use_cache=True, logits_to_keep=keep),
+                              reset=lambda: crop_to(cache, length), repeats=steps, warmup=0,
+                              **({"until": stop.is_set} if stop is not None else {}))
+    times.extend(timing.times)
     return times
 
 

@@ -15,10 +15,10 @@ the pieces (linear layers alone, attention alone) to locate a non-monotone step.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from specdecpp.timing import time_forward
 
 
 def smollm_shape(seed: int = 0, layers: int = 30):
@@ -31,20 +31,24 @@ def smollm_shape(seed: int = 0, layers: int = 30):
     return LlamaForCausalLM(cfg).float().eval().requires_grad_(False)
 
 
+def crop_to(cache, length: int) -> None:
+    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 @torch.no_grad()
 def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
     from specdecpp.models import new_cache
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(repeats + 1):
-        cache = new_cache(model)
-        model(ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        model(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=n)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[1:])
+    cache = new_cache(model)
+    model(ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    timing = time_forward(lambda: model(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=n),
+                          reset=lambda: crop_to(cache, prefix), repeats=repeats, warmup=1)
+    return 1000 * timing.median
 
 
 @torch.no_grad()
@@ -54,14 +58,12 @@ def engine_feed_ms(model, prefix: int, n: int, repeats: int) -> float:
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (prefix + n,), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(repeats + 1):
-        runner = _Runner(model, vocab, want_hidden=False)
-        runner.feed(ids[:prefix])
-        t0 = time.perf_counter()
-        runner.feed(ids[prefix:], n_logits=n)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[1:])
+    runner = _Runner(model, vocab, want_hidden=False)
+    runner.feed(ids[:prefix])
+    length = runner.length
+    timing = time_forward(lambda: runner.feed(ids[prefix:], n_logits=n), reset=lambda: runner.rollback(length),
+                          repeats=repeats, warmup=1)
+    return 1000 * timing.median
 
 
 @torch.no_grad()
@@ -78,12 +80,7 @@ def parts_ms(model, prefix: int, n: int, repeats: int) -> dict:
     mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)[None, None]
 
     def timed(fn) -> float:
-        out = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(out[1:])
+        return 1000 * time_forward(fn, repeats=repeats, warmup=1).median
 
     def all_linears():
         for lin in linears:

@@ -17,7 +17,7 @@ train:  the 20 experiments wrej{1,3,6,12}_d{0..4}, one Hydra multirun per kind s
         small_data preset's settings (lr 3e-3, batches of 8 prompts, 12 epochs = 300 steps) and keep
         the best-on-validation weights.
 select: `python -m infer.potential` on the DEV split with every head and the measured costs
-        (scripts/measure_pair.py --costs-out): the heads ranked by their best Eq. 2.3 speedup; the two
+        (python -m infer.costs --costs-out): the heads ranked by their best Eq. 2.3 speedup; the two
         best of each kind (and their three best thresholds) go to demo/heads/selection.json
         (``heads``: the paper's, ``lag_free_heads``), which `make bench` reads. No test prompt is
         used to choose.
@@ -79,7 +79,7 @@ def stage_train(args) -> None:
 
 def stage_select(args) -> None:
     if not Path(args.costs).is_file():
-        run([sys.executable, "scripts/measure_pair.py", "--limit", "2", "--max-new-tokens", "32",
+        run([sys.executable, "-m", "infer.costs", "--limit", "2", "--max-new-tokens", "32",
              "--timing-steps", "40", "--out", str(Path(args.costs).with_name("pair_for_heads.json")),
              "--costs-out", args.costs])
     heads = {kind: [head_dir(args, kind, n) for n in EXPERIMENTS] for kind in kinds(args)}

@@ -22,12 +22,14 @@ that started at s; ``ctx`` holds the row's arrays. Built in:
   the ceiling of a lag-free head;
 - :func:`head_rule`: the same rule with a trained head's predictions P_hat_i instead of P_i;
 - :func:`svip`: stop when sqrt(c * H(q_i)) > h at the candidate just drafted (no lag);
-- :func:`oracle`: hindsight: drafts exactly the candidates that will be accepted (no discards).
+- :func:`oracle`: hindsight: drafts exactly the candidates that will be accepted (no discards);
+  :func:`greedy_oracle` gives its rounds on a greedy generation as the engine's ``RunStats``.
 
 Costs: Eq. 2.3 with a cost ratio c = t_draft / t_target gives the speedup over target-only,
 ``1 / (c + c * discard_rate + (1 - c) * verification_rate)``; with a measured width-dependent
 target cost t_target(n) (a verification of K candidates scores K + 1 tokens) the latency is
-``(t_draft * N_draft + sum_rounds t_target(K_r + 1)) / N`` against target-only's ``t_target(1)``.
+``(t_draft * N_draft + sum_rounds t_target(K_r + 1)) / N`` against target-only's ``t_target(1)``;
+both formulas live in :mod:`specdecpp.costmodel`, the intervals in :mod:`specdecpp.stats`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .costmodel import Costs, latency_by_width, speedup_over_target_only
+from .stats import bootstrap_interval
 
 StopRule = Callable[[int, int, dict], bool]
 
@@ -141,6 +146,35 @@ def oracle(max_candidates: int = 10_000) -> Policy:
     return Policy("oracle", {}, lambda s, k, ctx: False, max_candidates)
 
 
+def greedy_oracle(target_ids: Sequence[int], draft_predictions: Sequence[int]):
+    """Statistics (a ``RunStats``) of the hindsight-optimal stop policy under greedy decoding
+    (Lemma 2.1): :func:`oracle`'s rounds on hard labels P_i = [Y_i == X_i].
+
+    ``target_ids`` = X_1..X_N, the target's greedy continuation of a prompt; ``draft_predictions``
+    = Y_1..Y_N with Y_i = argmax q(. | prompt, X_<i), the draft's greedy prediction at each
+    position. A round starting at position s drafts the maximal run Y_s..Y_{s+m-1} that equals
+    X_s..X_{s+m-1} (capped so the round stays within N tokens), the target accepts all m and emits
+    X_{s+m}. Hence N_discarded = 0 and N_target = number of rounds. Times are left at zero.
+    """
+    from .engine import RunStats
+
+    n = len(target_ids)
+    if len(draft_predictions) != n:
+        raise ValueError(f"greedy_oracle: {n} target tokens but {len(draft_predictions)} draft predictions")
+    stats = RunStats(n_generated=n)
+    s = 0
+    while s < n:
+        m = 0
+        while s + m < n - 1 and draft_predictions[s + m] == target_ids[s + m]:
+            m += 1
+        stats.n_target_calls += 1
+        stats.n_draft_calls += m
+        stats.accept_lengths.append(m)
+        stats.candidate_lengths.append(m)
+        s += m + 1
+    return stats
+
+
 def simulate_row(p_acc: np.ndarray, uniforms: np.ndarray, policy: Policy, ctx: dict | None = None) -> Counts:
     """Replay rounds along one response of N = len(p_acc) tokens."""
     n = len(p_acc)
@@ -189,45 +223,17 @@ def simulate(rows: Sequence[Mapping[str, np.ndarray]], policies: Sequence[Policy
     return out
 
 
-# -- costs -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Costs:
-    """t_draft and t_target per forward (seconds, or any unit: only ratios matter), and optionally
-    the target's cost of scoring n tokens at once, ``target_by_width[n]`` (n = 1 is one token)."""
-
-    t_draft: float
-    t_target: float
-    target_by_width: Mapping[int, float] | None = None
-
-    @property
-    def ratio(self) -> float:
-        return self.t_draft / self.t_target
-
-    @classmethod
-    def from_ratio(cls, ratio: float) -> Costs:
-        if not (0.0 <= ratio < 1.0):
-            raise ValueError(f"cost ratio t_draft / t_target must be in [0, 1), got {ratio!r}")
-        return cls(t_draft=ratio, t_target=1.0)
-
-    def target_cost(self, width: int) -> float:
-        """t_target(width), interpolated linearly between measured widths, held flat beyond."""
-        curve = sorted((int(n), float(t)) for n, t in (self.target_by_width or {}).items())
-        if not curve:
-            raise ValueError("no width-dependent target cost given")
-        xs, ys = [x for x, _ in curve], [y for _, y in curve]
-        return float(np.interp(width, xs, ys))
-
+# -- costs and intervals (Eq. 2.3 and t_target(n) from specdecpp.costmodel) --------------------
 
 def speedup_eq23(counts: Counts, ratio: float) -> float:
     """Eq. 2.3 relative to target-only: 1 / (c + c * discard + (1 - c) * verification)."""
-    return 1.0 / (ratio + ratio * counts.discard_rate + (1.0 - ratio) * counts.verification_rate)
+    return float(speedup_over_target_only(ratio, counts.discard_rate, counts.verification_rate))
 
 
 def speedup_by_width(counts: Counts, costs: Costs) -> float:
     """Latency with a verification of K candidates costing t_target(K + 1), against t_target(1)."""
-    total = costs.t_draft * counts.drafted + sum(r * costs.target_cost(k + 1) for k, r in counts.widths.items())
-    return costs.target_cost(1) * counts.tokens / total
+    latency = latency_by_width(costs, counts.tokens, counts.drafted, costs.verification_cost(counts.widths))
+    return costs.target_cost(1) / latency
 
 
 def _sum(counts: Sequence[Counts], idx: np.ndarray | None = None) -> Counts:
@@ -237,30 +243,42 @@ def _sum(counts: Sequence[Counts], idx: np.ndarray | None = None) -> Counts:
     return total
 
 
-def bootstrap_interval(per_row: Sequence[Counts], metric: Callable[[Counts], float], n_boot: int = 1000,
-                       seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of ``metric`` over prompts resampled with replacement."""
-    rng = np.random.default_rng(seed)
-    n = len(per_row)
-    tokens = np.array([c.tokens for c in per_row], dtype=float)
-    if n == 0 or tokens.sum() == 0:
+def _columns(per_row: Sequence[Counts], costs: Costs, by_width: bool) -> list[np.ndarray]:
+    """Per prompt: tokens, rounds, discarded, drafted, and the verifications' cost at t_target(n)."""
+    cols = [[c.tokens, c.rounds, c.discarded, c.drafted,
+             costs.verification_cost(c.widths) if by_width else 0.0] for c in per_row]
+    return list(np.asarray(cols, dtype=np.float64).reshape(-1, 5).T)
+
+
+def _pooled_speedup(costs: Costs, by_width: bool, tokens, rounds, discarded, drafted, verify, axis=-1):
+    """Eq. 2.3 (or the width form) of the counts pooled along ``axis`` (vectorized over resamples)."""
+    n = np.sum(tokens, axis=axis)
+    if by_width:
+        return costs.target_cost(1) / latency_by_width(costs, n, np.sum(drafted, axis=axis), np.sum(verify, axis=axis))
+    return speedup_over_target_only(costs.ratio, np.sum(discarded, axis=axis) / n, np.sum(rounds, axis=axis) / n)
+
+
+def speedup_interval(per_row: Sequence[Counts], costs: Costs, by_width: bool = False, n_boot: int = 1000,
+                     seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the pooled speedup over prompts resampled with replacement
+    (``specdecpp.stats``); (nan, nan) with fewer than two prompts."""
+    if sum(c.tokens for c in per_row) == 0:
         return (math.nan, math.nan)
-    values = [metric(_sum(per_row, rng.integers(0, n, n))) for _ in range(n_boot)]
-    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    def stat(*cols, axis=-1):
+        return _pooled_speedup(costs, by_width, *cols, axis=axis)
+    return bootstrap_interval(stat, *_columns(per_row, costs, by_width), n_resamples=n_boot, seed=seed, level=level)
 
 
-def paired_margin_interval(a: Sequence[Counts], b: Sequence[Counts], metric: Callable[[Counts], float],
-                           n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of metric(a) / metric(b) - 1 over the same resampled prompts."""
-    rng = np.random.default_rng(seed)
-    n = len(a)
-    values = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, n, n)
-        values.append(metric(_sum(a, idx)) / metric(_sum(b, idx)) - 1.0)
-    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+def margin_interval(a: Sequence[Counts], b: Sequence[Counts], costs: Costs, by_width: bool = False,
+                    n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of speedup(a) / speedup(b) - 1 over the same resampled prompts (paired)."""
+    if len(a) != len(b):
+        raise ValueError(f"margin_interval: {len(a)} prompts against {len(b)}; a paired margin needs the same prompts")
+    def stat(*cols, axis=-1):
+        return _pooled_speedup(costs, by_width, *cols[:5], axis=axis) / _pooled_speedup(costs, by_width, *cols[5:],
+                                                                                         axis=axis) - 1.0
+    return bootstrap_interval(stat, *_columns(a, costs, by_width), *_columns(b, costs, by_width), paired=True,
+                              n_resamples=n_boot, seed=seed, level=level)
 
 
 def summarise(results: Mapping[str, list[Counts]], policies: Sequence[Policy], costs: Costs,
@@ -277,10 +295,10 @@ def summarise(results: Mapping[str, list[Counts]], policies: Sequence[Policy], c
                "verification_rate": total.verification_rate, "discard_rate": total.discard_rate,
                "tokens_per_round": total.tokens_per_round,
                "speedup": speedup_eq23(total, ratio),
-               "speedup_ci95": bootstrap_interval(per_row, lambda c: speedup_eq23(c, ratio), n_boot)}
+               "speedup_ci95": speedup_interval(per_row, costs, n_boot=n_boot)}
         if costs.target_by_width:
             rec["speedup_by_width"] = speedup_by_width(total, costs)
-            rec["speedup_by_width_ci95"] = bootstrap_interval(per_row, lambda c: speedup_by_width(c, costs), n_boot)
+            rec["speedup_by_width_ci95"] = speedup_interval(per_row, costs, by_width=True, n_boot=n_boot)
         records.append(rec)
     return records
 
@@ -290,6 +308,45 @@ def best(records: Sequence[dict], name: str, key: str = "speedup") -> dict | Non
     return max(candidates, key=lambda r: r[key]) if candidates else None
 
 
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """Closed form for i.i.d. acceptance alpha and fixed K: (1 - alpha^(K+1)) / (1 - alpha)."""
-    return float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+# -- what if the draft accepted more? ------------------------------------------------------------
+
+WHATIF_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def raise_labels(rows: Sequence[Mapping[str, np.ndarray]], gamma: float) -> list[dict]:
+    """The rows with every acceptance probability raised to ``gamma`` (1 leaves them unchanged;
+    gamma < 1 raises them, keeping their order and spread across positions)."""
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    return [{**r, "p_acc": np.power(r["p_acc"], gamma)} for r in rows]
+
+
+def whatif_grid(rows: Sequence[Mapping[str, np.ndarray]], gammas: Sequence[float], ratios: Sequence[float],
+                seeds: int = 5, max_k: int = 10) -> list[dict]:
+    """One record per (gamma, cost ratio): the mean acceptance of the raised labels and the best
+    Eq. 2.3 speedup (and setting) of fixed K 1..max_k, the informed Algorithm 2 (with the head's lag),
+    the same perfect head without the lag and the oracle; each family's ``margin`` over fixed K."""
+    bad = [c for c in ratios if not 0 <= c < 1]
+    if bad:
+        raise ValueError(f"cost ratios must be in [0, 1), got {bad}")
+    families = {"fixed_k": [fixed_k(k) for k in range(1, max_k + 1)],
+                "informed": [informed(h) for h in WHATIF_THRESHOLDS],
+                "informed_lag_free": [informed_lag_free(h) for h in WHATIF_THRESHOLDS],
+                "oracle": [oracle()]}
+    policies = [p for group in families.values() for p in group]
+    records = []
+    for gamma in gammas:
+        rows_g = raise_labels(rows, gamma)
+        counts = simulate(rows_g, policies, seeds=range(seeds))
+        totals = {p.label: _sum(counts[p.label]) for p in policies}
+        mean_p = float(np.concatenate([r["p_acc"] for r in rows_g]).mean())
+        for c in ratios:
+            rec = {"gamma": gamma, "mean_acceptance": mean_p, "cost_ratio": c}
+            for family, group in families.items():
+                speed = {p.label: speedup_eq23(totals[p.label], c) for p in group}
+                best_label = max(speed, key=speed.get)
+                rec[family] = {"speedup": speed[best_label], "setting": best_label}
+            for family in ("informed", "informed_lag_free", "oracle"):
+                rec[family]["margin"] = rec[family]["speedup"] / rec["fixed_k"]["speedup"] - 1.0
+            records.append(rec)
+    return records

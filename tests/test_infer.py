@@ -21,7 +21,8 @@ from infer.report import build_report
 from infer.report import main as report_main
 from infer.results import ResultWriter, prompt_seed, read_rows
 from specdecpp import AcceptanceHead
-from specdecpp.metrics import fit_cost_model, greedy_oracle, predicted_latency_per_token
+from specdecpp.costmodel import Costs, fit_cost_model, predicted_latency_per_token, save_costs
+from specdecpp.potential import greedy_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"method", "settings", "tag", "pair", "prompts", "sampling", "seed", "prompt_id", "n_generated",
@@ -411,11 +412,10 @@ def test_report_intervals_width_costs_and_fit_warning(tmp_path):
     assert paired_speedup_ci(base, base) == pytest.approx((1.0, 1.0))  # a method against itself
     assert paired_speedup_ci(k2[:1], base[:1]) is None  # one prompt: no interval
     # t_target(n): 1 -> 50 ms, 3 -> 80 ms; per prompt 20 drafts x 10 ms + 10 verifications of 3 tokens
-    costs = {"t_draft": 0.01, "target_by_width": {"1": 0.05, "2": 0.07, "4": 0.09}}
+    costs = Costs(0.01, 0.05, {1: 0.05, 2: 0.07, 4: 0.09})
     assert width_latency(k2, costs) == pytest.approx((20 * 0.01 + 10 * 0.08) / 25)
     assert width_latency(base, costs) == pytest.approx(0.05)
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps(costs))
+    path = save_costs(costs, tmp_path / "costs.json")
     res = tmp_path / "results" / "run.jsonl"
     res.parent.mkdir()
     res.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -427,9 +427,12 @@ def test_report_intervals_width_costs_and_fit_warning(tmp_path):
     assert group["fit"]["r2"] < 0.9 and group["fit_warning"]  # noisy walls: the warning is printed
     text = report["report"].read_text()
     assert "Warning: R^2" in text and f"[{lo:.2f}, {hi:.2f}]" in text
-    with pytest.raises(ValueError, match="target_by_width"):
-        bad = tmp_path / "bad.json"
-        bad.write_text(json.dumps({"t_draft": 0.01}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"t_draft": 0.01, "t_target": 0.05}))  # no width curve: the column needs one
+    with pytest.raises(ValueError, match=r"bad\.json.*target_by_width"):
+        build_report(res.parent, tmp_path / "r2", costs=bad)
+    bad.write_text(json.dumps({"t_draft": 0.01, "target_by_width": {"1": 0.05}}))
+    with pytest.raises(ValueError, match=r"bad\.json.*t_draft and t_target"):
         build_report(res.parent, tmp_path / "r2", costs=bad)
 
 

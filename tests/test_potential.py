@@ -10,6 +10,7 @@ import torch
 
 from infer import potential as cli
 from specdecpp import potential as pt
+from specdecpp.costmodel import Costs, expected_tokens_per_round
 from specdecpp.head import AcceptanceHead
 from tests.test_train import random_rows, save_dataset
 
@@ -23,7 +24,7 @@ def iid_row(n: int, alpha: float) -> dict:
 def test_fixed_k_matches_the_closed_form_for_iid_acceptance(alpha, k):
     n = 60_000
     counts = pt.simulate([iid_row(n, alpha)], [pt.fixed_k(k)], seeds=[0])[pt.fixed_k(k).label][0]
-    expected_tokens = pt.expected_tokens_per_round(alpha, k)  # (1 - a^(K+1)) / (1 - a)
+    expected_tokens = expected_tokens_per_round(alpha, k)  # (1 - a^(K+1)) / (1 - a)
     expected_accepted = sum(alpha**j for j in range(1, k + 1))
     # one standard error of the mean tokens per round is at most sqrt(k^2 / rounds); 5 of them
     tol = 5 * k / np.sqrt(n / expected_tokens)
@@ -83,13 +84,13 @@ def test_eq23_speedup_and_width_costs():
     c = pt.Counts(tokens=100, rounds=40, drafted=80, discarded=20, widths={2: 40})
     assert pt.speedup_eq23(c, 0.1) == pytest.approx(1 / (0.1 + 0.1 * 0.2 + 0.9 * 0.4))
     # width-dependent: 80 draft forwards of 1 + 40 verifications of 3 tokens (cost 1.5) vs 100 x 1.0
-    costs = pt.Costs(0.1, 1.0, {1: 1.0, 2: 1.2, 4: 1.8})
+    costs = Costs(0.1, 1.0, {1: 1.0, 2: 1.2, 4: 1.8})
     assert pt.speedup_by_width(c, costs) == pytest.approx(100 / (0.1 * 80 + 40 * 1.5))
     # with a flat curve the width form is Eq. 2.3 with the same ratio
-    flat = pt.Costs(0.1, 1.0, {1: 1.0, 8: 1.0})
+    flat = Costs(0.1, 1.0, {1: 1.0, 8: 1.0})
     assert pt.speedup_by_width(c, flat) == pytest.approx(pt.speedup_eq23(c, 0.1))
     with pytest.raises(ValueError, match="cost ratio"):
-        pt.Costs.from_ratio(1.5)
+        Costs.from_ratio(1.5)
     with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
         pt.informed(1.2)
 
@@ -98,8 +99,8 @@ def test_bootstrap_interval_covers_the_point_and_shrinks_with_more_prompts():
     rows = [iid_row(64, a) for a in np.tile([0.2, 0.8], 20)]  # any 4 prompts vary as much as all 40
     res = pt.simulate(rows, [pt.fixed_k(3)], seeds=[0, 1])["fixed_k k=3"]
     point = pt.speedup_eq23(pt._sum(res), 0.1)
-    lo, hi = pt.bootstrap_interval(res, lambda c: pt.speedup_eq23(c, 0.1), n_boot=300)
-    lo4, hi4 = pt.bootstrap_interval(res[:4], lambda c: pt.speedup_eq23(c, 0.1), n_boot=300)
+    lo, hi = pt.speedup_interval(res, Costs.from_ratio(0.1), n_boot=300)
+    lo4, hi4 = pt.speedup_interval(res[:4], Costs.from_ratio(0.1), n_boot=300)
     assert lo < point < hi
     assert hi - lo < hi4 - lo4
 
@@ -133,7 +134,7 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
     md = (out / "potential.md").read_text()
     assert "| fixed_k | k=1 |" in md and "t_target(n)" in md
     # a weak pair is told where to look next (the what-if grid), a strong one is not
-    assert ("scripts/potential_whatif.py" in md) == (result["margins"]["informed"]["margin"] < cli.WHATIF_BELOW)
+    assert ("--whatif-gammas" in md) == (result["margins"]["informed"]["margin"] < cli.WHATIF_BELOW)
     assert (out / "potential.png").stat().st_size > 10_000
 
 
@@ -180,4 +181,5 @@ def test_the_verdict_line_points_to_the_whatif_grid_only_below_its_margin(potent
     cli.run(str(potential_dataset), split="test", cost_ratio=0.1, seeds=1, max_k=3, thresholds=(0.5,),
             svip_thresholds=(0.3,), out=str(tmp_path / "p"), n_boot=10, quiet=True)
     md = (tmp_path / "p" / "potential.md").read_text()
-    assert ("verdict:" in md and f"potential_whatif.py {potential_dataset} --split test --ratios 0.100" in md) == shown
+    command = f"python -m infer.potential {potential_dataset} --split test --cost-ratio 0.100 --whatif-gammas"
+    assert ("verdict:" in md and command in md) == shown

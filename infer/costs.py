@@ -1,21 +1,28 @@
-"""Measure a draft/target pair: per-token acceptance, forward-cost ratio and Eq. 2.3 fixed-K speedup.
+"""python -m infer.costs [--pair demo | --draft D --target T] --costs-out FILE: what a pair costs.
 
-    python scripts/measure_pair.py                                  # the demo pair
-    python scripts/measure_pair.py --draft DIR --target DIR --out reports/pair.json
+Measures a draft/target pair side by side: per-forward costs (the cost model's ``costs.json``,
+``specdecpp.costmodel``), per-token acceptance and Eq. 2.3's fixed-K speedup.
 
+    python -m infer.costs --costs-out reports/demo/costs.json              # the demo pair (conf/pair/demo.yaml)
+    python -m infer.costs --draft DIR --target DIR --out reports/pair.json --costs-out reports/costs.json
+
+costs: median seconds of one cached forward of one token, batch 1, draft and target, through the
+    decoding engine's own model call, timed by ``specdecpp.timing.time_forwards``
+    (``torch.utils.benchmark.Timer``: CUDA-synchronised) and interleaved call by call so that
+    machine load affects both alike; in the same loop the target's cost of scoring n = 2..8 tokens
+    at once (a verification of n - 1 candidates): the width curve t_target(n).
 acceptance: the target samples a response to each held-out prompt (temperature 1, top-k 50);
     at every response position, alpha_i = sum_v min(p_i(v), q_i(v)) with p and q the warped
     (temperature 1, top-k 50) target and draft distributions given the same prefix; the mean of
     alpha_i is the expected acceptance of one drafted token.
-cost ratio: median time of one forward pass of one token with a KV cache, batch 1, draft over
-    target, measured alternately so that machine load affects both alike; in the same loop the
-    target's cost of scoring n = 2..8 tokens at once (a verification of n - 1 candidates).
 coverage: for a draft with a reduced output vocabulary, the target's probability mass inside the
     draft's token set (the draft's q is zero outside it).
-precision: --dtype (default fast, as conf/pair/demo.yaml: bf16 on CPUs with native bf16 dot products,
-    else float32); --compare-dtype float32 times the same pair at float32 in the same loop.
---costs-out FILE: t_draft, t_target and target_by_width as JSON, for
-    `python -m infer.potential DATA --costs FILE`.
+precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on CPUs with native
+    bf16 dot products, else float32); --compare-dtype float32 times the same pair at float32 in the
+    same loop.
+--costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, provenance),
+    read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
+--out FILE: everything measured (acceptance per prompt source, the fixed-K table) as JSON.
 Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
     (1 - alpha) tokens per round at cost K r + 1 target passes: speedup = tokens / cost.
 """
@@ -24,16 +31,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
+from specdecpp.costmodel import Costs, fixed_k_speedup, save_costs
 from specdecpp.models import ReducedOutput, dtype_name, load_model, output_vocab_size, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp.timing import time_forwards
+
+PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
 
@@ -41,12 +51,13 @@ SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
 def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id, seed: int) -> torch.Tensor:
     """prompt + a response sampled from the target's warped distribution: LongTensor [1, L + n]."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=target.device)
     with torch.no_grad():
         out = target(ids, use_cache=True)
         cache = out.past_key_values
         for _ in range(max_new_tokens):
-            token = torch.multinomial(warp(out.logits[:, -1], SAMPLING), 1, generator=generator)
+            probs = warp(out.logits[:, -1].float(), SAMPLING).cpu()  # drawn on the CPU: one generator anywhere
+            token = torch.multinomial(probs, 1, generator=generator).to(ids.device)
             ids = torch.cat([ids, token], dim=1)
             if eos_token_id is not None and token.item() == eos_token_id:
                 break
@@ -61,7 +72,8 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
         p = warp(target(ids[:, :-1]).logits[0, prompt_len - 1:], SAMPLING)
         q = warp(draft(ids[:, :-1]).logits[0, prompt_len - 1:, : p.shape[-1]], SAMPLING)
     layer = draft.get_output_embeddings()
-    covered = p[:, layer.token_ids].sum(-1) if isinstance(layer, ReducedOutput) else torch.ones(p.shape[0])
+    covered = (p[:, layer.token_ids].sum(-1) if isinstance(layer, ReducedOutput)
+               else torch.ones(p.shape[0], device=p.device))
     return torch.minimum(p, q).sum(-1), covered
 
 
@@ -69,43 +81,32 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
                ) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
     batch 1, through the decoding engine's own model call (``specdecpp.engine._Runner.feed``: on a
-    CPU it pads 2-3 tokens to 4, as decoding does); every (model, n) in turn in each step, so
-    machine load affects all alike."""
+    CPU it pads 2-3 tokens to 4, as decoding does), the cache rolled back after each (untimed);
+    every (model, n) in turn in each step (``specdecpp.timing.time_forwards``), so machine load
+    affects all alike."""
     from specdecpp.engine import _Runner
-    from specdecpp.models import output_vocab_size
 
     widths = widths or {}
-    jobs = [(name, n) for name in models for n in [1, *[w for w in widths.get(name, []) if w != 1]]]
-    runners, times = {}, {job: [] for job in jobs}
+    calls, resets = {}, {}
     with torch.no_grad():
         for name, model in models.items():
-            runners[name] = _Runner(model, output_vocab_size(model), want_hidden=False)
-            runners[name].feed(context[0, :-9])
-        for i in range(steps + 3):
-            for name, n in jobs:
-                runner = runners[name]
-                length = runner.length
-                tokens = context[0, -9 : -9 + n]
-                start = time.perf_counter()
-                runner.feed(tokens, n_logits=n)
-                if i >= 3:  # warm-up steps are not timed
-                    times[(name, n)].append(time.perf_counter() - start)
-                runner.rollback(length)
+            runner = _Runner(model, output_vocab_size(model), want_hidden=False)
+            runner.feed(context[0, :-9].to(model.device))
+            length, tail = runner.length, context[0, -9:].to(model.device)
+            for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
+                calls[(name, n)] = (lambda r=runner, t=tail[:n], n=n: r.feed(t, n_logits=n))
+                resets[(name, n)] = (lambda r=runner, length=length: r.rollback(length))
+        timed = time_forwards(calls, repeats=steps, warmup=3, resets=resets)
     out: dict[str, dict[int, float]] = {}
-    for (name, n), t in times.items():
-        out.setdefault(name, {})[n] = statistics.median(t)
+    for (name, n), t in timed.items():
+        out.setdefault(name, {})[n] = t.median
     return out
 
 
-def fixed_k_speedup(alpha: float, cost_ratio: float, k: int) -> float:
-    """Eq. 2.3 with i.i.d. acceptance: expected tokens per round over the round's cost in target passes."""
-    tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-    return tokens / (k * cost_ratio + 1)
-
-
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
-            timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = ()) -> dict:
-    draft, target, tokenizer = load_pair(draft_path, target_path, device="cpu", dtype=dtype)
+            timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
+            device: str = "cpu") -> dict:
+    draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
     per_source = {}
     for source in sources:
         split = "test"
@@ -121,14 +122,15 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
         alpha = torch.cat(alphas)
         per_source[source] = {"split": split, "prompts": len(prompts), "positions": n_tokens,
                               "acceptance": alpha.mean().item(), "target_mass_covered": torch.cat(covers).mean().item(),
-                              "acceptance_per_prompt_std": torch.stack([a.mean() for a in alphas]).std().item()}
+                              "acceptance_per_prompt_std": (torch.stack([a.mean() for a in alphas]).std().item()
+                                                             if len(alphas) > 1 else float("nan"))}
     context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
                               64, None, seed)  # a prompt and 64 response tokens: a mid-generation cache
     models = {"draft": draft, "target": target}
     others = {dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)} - {dtype_name(target.dtype)}
     for name in sorted(others):  # the same pair at another precision, timed in the same loop
-        models[f"draft@{name}"] = load_model(draft_path, "cpu", name)
-        models[f"target@{name}"] = load_model(target_path, "cpu", name)
+        models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
+        models[f"target@{name}"] = load_model(target_path, str(target.device), name)
     timed = step_times(models, context, timing_steps,
                        {name: list(range(2, 9)) for name in models if name.startswith("target")})
     times = {name: t[1] for name, t in timed.items()}
@@ -140,7 +142,7 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
         s["positions"] for s in per_source.values())
     speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
     best_k = max(speedups, key=speedups.get)
-    return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype),
+    return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype), "device": str(target.device),
             "compare_dtypes": compare, "sampling": SAMPLING.to_dict(),
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
@@ -181,10 +183,32 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft", help="draft model (default: the demo draft, materialised on first use)")
-    parser.add_argument("--target", help="target model (default: the demo target, materialised on first use)")
+def pair_costs(result: dict) -> Costs:
+    """The cost model's view of a measurement: what ``--costs-out`` writes."""
+    meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
+    return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
+                 {**meta, "measured_by": "python -m infer.costs"})
+
+
+def pair_config(name: str) -> dict:
+    """conf/pair/<name>.yaml with its interpolations resolved (the demo pair's paths follow
+    $SPECDECPP_CACHE, as in infer); unset (``???``) entries are left out."""
+    path = PAIR_DIR / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in PAIR_DIR.glob("*.yaml"))
+        raise ValueError(f"--pair {name!r}: no conf/pair/{name}.yaml; choose among {choices} or pass --draft and --target")
+    cfg = OmegaConf.load(path)
+    return {k: cfg[k] for k in cfg if not OmegaConf.is_missing(cfg, k)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m infer.costs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="demo", help="a conf/pair/ config naming the models, device and dtype "
+                        "(default demo: materialise it with `make demo-pair`)")
+    parser.add_argument("--draft", help="draft model (default: the pair config's)")
+    parser.add_argument("--target", help="target model (default: the pair config's)")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: the pair config's)")
     parser.add_argument("--sources", nargs="+", default=["bundled", "humaneval"],
                         help="prompt sources, test split of each (default: bundled humaneval)")
     parser.add_argument("--limit", type=int, default=20, help="prompts per source")
@@ -192,32 +216,39 @@ def main() -> None:
     parser.add_argument("--timing-steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="fast", help="precision of both models: fast (default, as the demo pair: "
+    parser.add_argument("--dtype", help="precision of both models (default: the pair config's; the demo's is fast: "
                         "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
     parser.add_argument("--compare-dtype", nargs="*", default=[], metavar="DTYPE",
                         help="also time the pair at these precisions in the same loop (e.g. float32)")
-    parser.add_argument("--out", type=Path, default=Path("reports/demo/pair.json"))
-    parser.add_argument("--costs-out", type=Path, help="also write t_draft, t_target, target_by_width "
-                        "(JSON for python -m infer.potential --costs)")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, help="write everything measured as JSON here")
+    parser.add_argument("--costs-out", type=Path, help="write the pair's costs.json here "
+                        "(for python -m infer.potential --costs and python -m infer.report --costs)")
+    args = parser.parse_args(argv)
+    if args.out is None and args.costs_out is None:
+        parser.error("nothing to write: pass --costs-out FILE (costs.json) and/or --out FILE (everything measured)")
+    try:
+        pair = {} if args.draft and args.target else pair_config(args.pair)
+    except ValueError as exc:
+        parser.error(str(exc))
+    draft, target = args.draft or pair.get("draft"), args.target or pair.get("target")
+    for name, ref in (("draft", draft), ("target", target)):
+        if not ref:
+            parser.error(f"--pair {args.pair} sets no {name} model: pass --{name} PATH")
+        if str(ref).startswith((".", "/")) and not Path(ref).exists():
+            parser.error(f"{name} model {str(ref)!r} does not exist (the demo pair: run `make demo-pair` first)")
+    device = args.device or pair.get("device") or "cpu"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
-    if args.draft is None or args.target is None:
-        from specdecpp.demo import demo_draft_path, demo_target_path
-
-        args.target = args.target or str(demo_target_path())
-        args.draft = args.draft or str(demo_draft_path())
-    result = measure(args.draft, args.target, args.sources, args.limit, args.max_new_tokens,
-                     args.timing_steps, args.seed, args.dtype, tuple(args.compare_dtype))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    result = measure(str(draft), str(target), args.sources, args.limit, args.max_new_tokens, args.timing_steps,
+                     args.seed, args.dtype or pair.get("dtype") or "fast", tuple(args.compare_dtype), device)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.costs_out:
-        args.costs_out.parent.mkdir(parents=True, exist_ok=True)
-        args.costs_out.write_text(json.dumps({"t_draft": result["draft_step_s"], "t_target": result["target_step_s"],
-                                              "target_by_width": result["target_by_width_s"],
-                                              "dtype": result["dtype"], "measured_by": "scripts/measure_pair.py",
-                                              "threads": result["threads"]}, indent=1))
+        save_costs(pair_costs(result), args.costs_out)
     print(table(result))
-    print(f"\nwritten to {args.out}")
+    print("\nwritten to " + ", ".join(str(p) for p in (args.out, args.costs_out) if p))
 
 
 if __name__ == "__main__":

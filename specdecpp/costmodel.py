@@ -1,0 +1,205 @@
+"""The paper's cost model (SpecDec++ Section 2) and the one ``costs.json`` it is read from.
+
+- Eq. 2.1: T_total = t_draft * N_draft + t_target * N_target. :func:`fit_cost_model` recovers
+  (t_draft, t_target) by least squares over many generations, with R^2 (Table 2).
+- Eq. 2.3: latency per token = t_draft + t_draft * N_discarded/N + (t_target - t_draft) * N_target/N
+  (:func:`predicted_latency_per_token`; over target-only's t_target it is
+  :func:`speedup_over_target_only`).
+- The width curve t_target(n): the target's cost of scoring n tokens at once after a cached prefix
+  (a verification of K candidates scores K + 1), :meth:`Costs.target_cost`; with it a generation
+  costs t_draft * N_draft + sum over rounds of t_target(K_r + 1) (:func:`latency_by_width`).
+
+``costs.json`` (written by ``python -m infer.costs``, read by :func:`load_costs`)::
+
+    {"schema": "specdecpp.costs/1",
+     "t_draft": 0.0021, "t_target": 0.0157,            # seconds per cached one-token forward
+     "target_by_width": {"1": 0.0157, "2": 0.0171, ...},  # optional: t_target(n), n tokens at once
+     "draft": "...", "target": "...", "device": "cpu", "dtype": "bfloat16", "threads": 1,
+     "measured_by": "python -m infer.costs"}             # provenance, kept as ``Costs.meta``
+
+Files without ``schema`` (what ``scripts/measure_pair.py --costs-out`` wrote) have the same keys
+and load the same way; an ``infer.report`` ``summary.json`` gives its first fitted group's costs.
+All functions are elementwise in numpy arrays, so bootstrap statistics call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "specdecpp.costs/1"
+
+
+# -- Eq. 2.1: fitting per-forward costs from timed generations ---------------------------------
+
+@dataclass(frozen=True)
+class CostFit:
+    """Per-forward-pass costs fitted from (N_draft, N_target, T_total) tuples."""
+
+    t_draft: float
+    t_target: float
+    r2: float
+    n_rows: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_cost_model(n_draft: Sequence[float], n_target: Sequence[float],
+                   wall_time_s: Sequence[float]) -> CostFit:
+    """Least-squares fit of T = t_draft * N_draft + t_target * N_target (no intercept, Eq. 2.1).
+
+    R^2 is the usual centred coefficient of determination, 1 - SS_res / SS_tot. Needs rows that
+    vary in both counts (e.g. target-only rows beside speculative ones); otherwise the two costs
+    cannot be told apart and a ValueError says so.
+    """
+    x = np.column_stack([np.asarray(n_draft, dtype=float), np.asarray(n_target, dtype=float)])
+    y = np.asarray(wall_time_s, dtype=float)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"fit_cost_model: {x.shape[0]} count rows but {y.shape[0]} wall times")
+    if x.shape[0] < 2 or np.linalg.matrix_rank(x) < 2:
+        raise ValueError("fit_cost_model: need at least two rows whose (N_draft, N_target) are not "
+                         "proportional, e.g. target-only runs beside speculative ones")
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ coef
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((residual**2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+    return CostFit(t_draft=float(coef[0]), t_target=float(coef[1]), r2=r2, n_rows=int(x.shape[0]))
+
+
+# -- Eq. 2.3 -------------------------------------------------------------------------------------
+
+def predicted_latency_per_token(t_draft, t_target, discard_rate, verification_rate):
+    """Eq. 2.3: seconds per generated token from the two hardware-independent rates."""
+    return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
+
+
+def predicted_tokens_per_s(t_draft: float, t_target: float, discard_rate: float,
+                           verification_rate: float) -> float:
+    latency = predicted_latency_per_token(t_draft, t_target, discard_rate, verification_rate)
+    return 1.0 / latency if latency > 0 else math.nan
+
+
+def speedup_over_target_only(ratio, discard_rate, verification_rate):
+    """Eq. 2.3 relative to target-only (t_target per token) at cost ratio c = t_draft / t_target:
+    1 / (c + c * discard_rate + (1 - c) * verification_rate)."""
+    return 1.0 / predicted_latency_per_token(ratio, 1.0, discard_rate, verification_rate)
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """Closed form for i.i.d. acceptance alpha and fixed K: (1 - alpha^(K+1)) / (1 - alpha)."""
+    return float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def fixed_k_speedup(alpha: float, ratio: float, k: int) -> float:
+    """Eq. 2.3 for fixed K under i.i.d. acceptance alpha: per round, tokens (1 - alpha^(K+1)) /
+    (1 - alpha) at verification rate 1 / tokens and K - (tokens - 1) discards, which reduces to
+    tokens / (K c + 1) target passes."""
+    tokens = expected_tokens_per_round(alpha, k)
+    return float(speedup_over_target_only(ratio, (k - (tokens - 1)) / tokens, 1.0 / tokens))
+
+
+# -- the costs of one pair, with the width curve -----------------------------------------------
+
+@dataclass(frozen=True)
+class Costs:
+    """t_draft and t_target per forward (seconds, or any unit: only ratios matter), optionally the
+    target's cost of scoring n tokens at once, ``target_by_width[n]`` (n = 1 is one token), and
+    where they were measured (``meta``: draft, target, device, dtype, threads, measured_by)."""
+
+    t_draft: float
+    t_target: float
+    target_by_width: Mapping[int, float] | None = None
+    meta: Mapping = field(default_factory=dict, compare=False)
+
+    @property
+    def ratio(self) -> float:
+        return self.t_draft / self.t_target
+
+    @classmethod
+    def from_ratio(cls, ratio: float) -> Costs:
+        if not (0.0 <= ratio < 1.0):
+            raise ValueError(f"cost ratio t_draft / t_target must be in [0, 1), got {ratio!r}")
+        return cls(t_draft=ratio, t_target=1.0)
+
+    def target_cost(self, width):
+        """t_target(width), interpolated linearly between measured widths, held flat beyond."""
+        curve = sorted((int(n), float(t)) for n, t in (self.target_by_width or {}).items())
+        if not curve:
+            raise ValueError("no width-dependent target cost given (costs.json has no target_by_width)")
+        xs, ys = [x for x, _ in curve], [y for _, y in curve]
+        out = np.interp(width, xs, ys)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def verification_cost(self, widths: Mapping[int, int]) -> float:
+        """Seconds of the target's verifications: ``widths[K]`` rounds of K candidates, each
+        scoring K + 1 tokens at t_target(K + 1)."""
+        return float(sum(r * self.target_cost(k + 1) for k, r in widths.items()))
+
+    def to_dict(self) -> dict:
+        """The ``costs.json`` payload (schema :data:`SCHEMA`)."""
+        out = {"schema": SCHEMA, "t_draft": self.t_draft, "t_target": self.t_target}
+        if self.target_by_width:
+            out["target_by_width"] = {str(int(n)): float(t) for n, t in sorted(self.target_by_width.items())}
+        return {**out, **{k: v for k, v in self.meta.items() if k not in out}}
+
+
+def latency_by_width(costs: Costs, n_tokens, n_draft, verification_cost):
+    """Seconds per token with a width-dependent target: (t_draft * N_draft + the verifications'
+    cost, :meth:`Costs.verification_cost`) / N."""
+    return (costs.t_draft * n_draft + verification_cost) / n_tokens
+
+
+# -- costs.json ------------------------------------------------------------------------------------
+
+def save_costs(costs: Costs, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs.to_dict(), indent=1) + "\n")
+    return path
+
+
+def load_costs(path: str | Path) -> Costs:
+    """Read a ``costs.json`` (see the module docstring; also the older files without ``schema``
+    and an ``infer.report`` summary.json). Every problem names the file and what is wrong."""
+    path = Path(path)
+    hint = "measure it with `python -m infer.costs --costs-out FILE`"
+    if not path.is_file():
+        raise FileNotFoundError(f"costs file {str(path)!r} not found ({hint})")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"costs file {str(path)!r}: not valid JSON ({exc})") from exc
+    if isinstance(data, list) and data and all(isinstance(g, dict) and "fit" in g for g in data):
+        data = {"groups": data}  # infer.report's summary.json is a list of groups
+    if isinstance(data, dict) and "t_draft" not in data and "groups" in data:
+        fits = [g["fit"] for g in data["groups"] if g.get("fit")]
+        if not fits:
+            raise ValueError(f"costs file {str(path)!r}: the report has no fitted cost model")
+        data = {**fits[0], "measured_by": f"Eq. 2.1 fit in {path}"}
+    if not isinstance(data, dict):
+        raise ValueError(f"costs file {str(path)!r}: expected a JSON object with t_draft and t_target")
+    schema = data.get("schema", SCHEMA)
+    if schema != SCHEMA:
+        raise ValueError(f"costs file {str(path)!r}: unknown schema {schema!r} (this version reads {SCHEMA!r})")
+    if "t_draft" not in data or "t_target" not in data:
+        raise ValueError(f"costs file {str(path)!r}: needs keys t_draft and t_target (seconds per forward); {hint}")
+    try:
+        t_draft, t_target = float(data["t_draft"]), float(data["t_target"])
+        width = {int(n): float(t) for n, t in (data.get("target_by_width") or {}).items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and target_by_width must be numbers "
+                         f"({exc})") from exc
+    if not (0 < t_draft < t_target):
+        raise ValueError(f"costs file {str(path)!r}: need 0 < t_draft < t_target, got {t_draft} and {t_target}")
+    if any(n < 1 or t <= 0 for n, t in width.items()):
+        raise ValueError(f"costs file {str(path)!r}: target_by_width needs widths >= 1 and positive seconds, "
+                         f"got {width}")
+    meta = {k: v for k, v in data.items() if k not in ("schema", "t_draft", "t_target", "target_by_width",
+                                                       "r2", "n_rows")}
+    return Costs(t_draft, t_target, width or None, meta)

@@ -1,0 +1,100 @@
+"""python -m infer.costs (was scripts/measure_pair.py) and the one forward timer, specdecpp.timing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+
+from infer import costs as measure
+from specdecpp.costmodel import SCHEMA, load_costs
+from specdecpp.timing import time_forward, time_forwards
+
+
+def test_time_forward_times_each_call_from_the_reset_state():
+    state = {"fed": 0}
+
+    def feed():  # like a forward that grows a cache: slow unless the cache was rolled back
+        time.sleep(0.004 if state["fed"] == 0 else 0.03)
+        state["fed"] += 1
+
+    def rollback():
+        time.sleep(0.03)  # never counted
+        state["fed"] = 0
+
+    t = time_forward(feed, reset=rollback, repeats=4, warmup=1)
+    assert len(t.times) == 4 and all(0.003 < x < 0.02 for x in t.times)
+    assert state["fed"] == 0  # left reset
+
+
+def test_time_forwards_interleaves_calls_and_stops_on_request():
+    order = []
+    timed = time_forwards({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1)
+    # each measurement: Timer's two untimed warm-up calls, then the timed one; a's, then b's, 4 times
+    assert order == (["a"] * 3 + ["b"] * 3) * 4 and all(len(t.times) == 3 for t in timed.values())
+    rounds = []
+    timed = time_forwards({"x": lambda: None}, resets={"x": lambda: rounds.append(1)},
+                          until=lambda: len(rounds) >= 14, warmup=2)
+    assert len(timed["x"].times) == 5  # 2 resets per measurement: 7 measurements, 2 of them warm-up
+    with pytest.raises(ValueError, match="unknown calls"):
+        time_forwards({"a": lambda: None}, resets={"b": lambda: None})
+
+
+@pytest.mark.gpu
+def test_time_forward_waits_for_cuda_kernels():
+    x = torch.randn(4096, 4096, device="cuda")
+    t = time_forward(lambda: x @ x, repeats=5)
+    assert t.median > 1e-4  # a 4096^3 matmul is not a launch (~10 us)
+
+
+def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny_models):
+    draft, target = tiny_models
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    same, covered = measure.position_acceptance(target, target, ids, 2)
+    assert torch.allclose(same, torch.ones(4)) and torch.allclose(covered, torch.ones(4))
+    alpha, _ = measure.position_acceptance(draft, target, ids, 2)
+    assert alpha.shape == (4,) and (alpha < 1).all() and (alpha > 0).all()
+    # a draft that scores only tokens 0-3: the target mass it covers is p(0..3) at each position
+    from specdecpp.models import restrict_output_vocab
+
+    small = copy.deepcopy(draft)
+    restrict_output_vocab(small, [0, 1, 2, 3])
+    alpha_small, covered = measure.position_acceptance(small, target, ids, 2)
+    with torch.no_grad():
+        p = measure.warp(target(ids[:, :-1]).logits[0, 1:], measure.SAMPLING)
+    torch.testing.assert_close(covered, p[:, :4].sum(-1))
+    assert (alpha_small <= covered + 1e-6).all()
+
+
+def test_cli_writes_costs_json_in_the_one_schema(tiny_pair, tmp_path, capsys):
+    costs_path, out = tmp_path / "c" / "costs.json", tmp_path / "pair.json"
+    measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+                  "--max-new-tokens", "6", "--timing-steps", "3", "--dtype", "float32", "--costs-out", str(costs_path),
+                  "--out", str(out)])
+    assert "cost ratio" in capsys.readouterr().out
+    raw = json.loads(costs_path.read_text())
+    assert raw["schema"] == SCHEMA and raw["measured_by"] == "python -m infer.costs"
+    costs = load_costs(costs_path)  # the loader infer.potential and infer.report use
+    assert 0 < costs.t_draft < costs.t_target  # 1 layer of width 32 against 2 of width 48
+    assert sorted(costs.target_by_width) == list(range(1, 9)) and costs.target_cost(1) == costs.t_target
+    assert costs.meta["dtype"] == "float32" and costs.meta["device"] == "cpu" and costs.meta["draft"] == tiny_pair.draft
+    result = json.loads(out.read_text())
+    assert 0 < result["acceptance"] < 1 and result["per_source"]["bundled"]["prompts"] == 1
+
+
+def test_cli_bad_input_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        measure.main(["--draft", "a", "--target", "b"])
+    assert "nothing to write" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        measure.main(["--pair", "nope", "--costs-out", str(tmp_path / "c.json")])
+    assert "no conf/pair/nope.yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        measure.main(["--pair", "custom", "--costs-out", str(tmp_path / "c.json")])
+    assert "sets no draft model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        measure.main(["--draft", str(tmp_path / "missing"), "--target", str(tmp_path), "--costs-out", "c.json"])
+    assert "missing' does not exist" in capsys.readouterr().err
