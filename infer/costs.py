@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
+from specdecpp.compat import cache_kwargs
 from specdecpp.costmodel import Costs, fixed_k_speedup, save_costs
 from specdecpp.models import ReducedOutput, dtype_name, load_model, output_vocab_size, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
@@ -61,7 +62,7 @@ def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
             ids = torch.cat([ids, token], dim=1)
             if eos_token_id is not None and token.item() == eos_token_id:
                 break
-            out = target(token, past_key_values=cache, use_cache=True)
+            out = target(token, use_cache=True, **cache_kwargs(target, cache))
     return ids
 
 
@@ -80,17 +81,17 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
 def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
                ) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
-    batch 1, through the decoding engine's own model call (``specdecpp.engine._Runner.feed``: on a
+    batch 1, through the decoding engine's own model call (``specdecpp.rounds.ModelRunner.feed``: on a
     CPU it pads 2-3 tokens to 4, as decoding does), the cache rolled back after each (untimed);
     every (model, n) in turn in each step (``specdecpp.timing.time_forwards``), so machine load
     affects all alike."""
-    from specdecpp.engine import _Runner
+    from specdecpp.rounds import ModelRunner
 
     widths = widths or {}
     calls, resets = {}, {}
     with torch.no_grad():
         for name, model in models.items():
-            runner = _Runner(model, output_vocab_size(model), want_hidden=False)
+            runner = ModelRunner(model, output_vocab_size(model), want_hidden=False)
             runner.feed(context[0, :-9].to(model.device))
             length, tail = runner.length, context[0, -9:].to(model.device)
             for n in [1, *[w for w in widths.get(name, []) if w != 1]]:

@@ -60,13 +60,14 @@ def crop_to(cache, length: int) -> None:
 
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
+    from specdecpp.compat import cache_kwargs
     from specdecpp.models import new_cache
     from specdecpp.timing import time_forward
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)
     cache = new_cache(draft)
-    draft(ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    timing = time_forward(lambda: draft(ids[:, -1:], past_key_values=cache, use_cache=True,
+    draft(ids[:, :-1], use_cache=True, **cache_kwargs(draft, cache), logits_to_keep=1)
+    timing = time_forward(lambda: draft(ids[:, -1:], use_cache=True, **cache_kwargs(draft, cache),
                                         output_hidden_states=hidden, logits_to_keep=1),
                           reset=lambda: crop_to(cache, 199), repeats=repeats)
     return 1000 * timing.median

@@ -89,16 +89,17 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
+    from specdecpp.compat import cache_kwargs
     from specdecpp.models import keep_last, new_cache
     from specdecpp.timing import time_forward
 
     cache, times = new_cache(model), out if out is not None else []
     keep = keep_last(width, 1, context.device)
     with torch.no_grad():
-        model(context, past_key_values=cache, use_cache=True)
+        model(context, use_cache=True, **cache_kwargs(model, cache))
         length = cache.get_seq_length() - width
         crop_to(cache, length)
-        timing = time_forward(lambda: model(context[:, -width:], past_key_values=cache, use_cache=True, logits_to_keep=keep),
+        timing = time_forward(lambda: model(context[:, -width:], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=keep),
                               reset=lambda: crop_to(cache, length), repeats=steps, warmup=0,
                               **({"until": stop.is_set} if stop is not None else {}))
     times.extend(timing.times)

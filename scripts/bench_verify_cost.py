@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+from specdecpp.compat import cache_kwargs
 from specdecpp.timing import time_forward
 
 
@@ -45,20 +46,20 @@ def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model)
-    model(ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    timing = time_forward(lambda: model(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=n),
+    model(ids[:, :prefix], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=1)
+    timing = time_forward(lambda: model(ids[:, prefix:], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=n),
                           reset=lambda: crop_to(cache, prefix), repeats=repeats, warmup=1)
     return 1000 * timing.median
 
 
 @torch.no_grad()
 def engine_feed_ms(model, prefix: int, n: int, repeats: int) -> float:
-    """The same call through the engine's runner (``_Runner.feed``: what SpeculativeDecoder does)."""
-    from specdecpp.engine import _Runner
+    """The same call through the engine's runner (``ModelRunner.feed``: what SpeculativeDecoder does)."""
+    from specdecpp.rounds import ModelRunner
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (prefix + n,), generator=torch.Generator().manual_seed(0))
-    runner = _Runner(model, vocab, want_hidden=False)
+    runner = ModelRunner(model, vocab, want_hidden=False)
     runner.feed(ids[:prefix])
     length = runner.length
     timing = time_forward(lambda: runner.feed(ids[prefix:], n_logits=n), reset=lambda: runner.rollback(length),

@@ -56,6 +56,7 @@ from .rounds import (
     check_pair_devices,
 )
 from .sampling import SamplingConfig
+from .timing import time_forward
 
 MAX_AUTO_GAMMA = 16
 
@@ -82,15 +83,13 @@ class PEARLStats(RunStats):
 
 
 def _time_forwards(model, vocab: int, context: torch.Tensor, steps: int) -> float:
-    """Median seconds of a cached one-token forward after ``context`` (CUDA synchronised)."""
-    runner, clock, times = ModelRunner(model, vocab, want_hidden=False), Clock(context.device), []
+    """Median seconds of a cached one-token forward after ``context`` (``torch.utils.benchmark``,
+    CUDA synchronised; the cache is rolled back untimed between calls)."""
+    runner = ModelRunner(model, vocab, want_hidden=False)
     runner.feed(context)
-    for i in range(steps + 2):
-        t0 = clock.now()
-        runner.feed(context[i % len(context)].view(1))
-        if i >= 2:  # two warm-up calls
-            times.append(clock.now() - t0)
-    return sorted(times)[len(times) // 2]
+    length = runner.length
+    return time_forward(lambda: runner.feed(context[-1:]), reset=lambda: runner.rollback(length),
+                        repeats=steps, warmup=2).median
 
 
 @torch.no_grad()
