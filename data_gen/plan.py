@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import specdecpp
-from specdecpp.models import dtype_name
+from specdecpp.loading import dtype_name
 from specdecpp.prompts import Prompt, load_prompts
 
 # A source's own splits when `splits` is null. A JSONL file is one training split unless its rows

@@ -8,7 +8,7 @@ import torch
 
 from specdecpp import SpeculativeDecoder, TargetOnly
 from specdecpp.metrics import greedy_oracle
-from specdecpp.models import output_vocab_size
+from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
 
 

@@ -25,10 +25,11 @@ def tokens_per_s(rows: list[dict]) -> float:
 
 
 def main() -> None:
+    from specdecpp.demo import demo_draft_path, demo_target_path
+
     import infer.hf_assisted as hf
     from infer.summary import paired_speedup_ci
-    from specdecpp.demo import demo_draft_path, demo_target_path
-    from specdecpp.models import dtype_name, load_model, load_tokenizer
+    from specdecpp.loading import dtype_name, load_model, load_tokenizer
     from specdecpp.prompts import encode_prompt, load_prompts
     from specdecpp.sampling import SamplingConfig
 

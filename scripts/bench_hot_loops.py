@@ -53,7 +53,7 @@ def decode_speed(draft, target, policy, sampling, device, prompt_len: int, new: 
 
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
-    from specdecpp.models import new_cache
+    from specdecpp.hooks import new_cache
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)
     times = []

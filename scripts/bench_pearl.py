@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from specdecpp.demo import demo_draft_path, demo_target_path
 
 from infer.results import prompt_seed
 from infer.summary import paired_speedup_ci
@@ -39,8 +40,7 @@ from specdecpp import (
     TargetOnly,
     load_pair,
 )
-from specdecpp.demo import demo_draft_path, demo_target_path
-from specdecpp.models import dtype_name, eos_token_ids
+from specdecpp.loading import dtype_name, eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -82,7 +82,7 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
-    from specdecpp.models import keep_last, new_cache
+    from specdecpp.hooks import keep_last, new_cache
 
     cache, times = new_cache(model), out if out is not None else []
     with torch.no_grad():
@@ -103,7 +103,7 @@ def _median_ms(times) -> float:
 
 
 def _draft_process(draft_dir, dtype, context, ready, stop, result) -> None:
-    from specdecpp.models import load_model
+    from specdecpp.loading import load_model
 
     torch.set_num_threads(1)
     model = load_model(draft_dir, "cpu", dtype)

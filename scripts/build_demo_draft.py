@@ -51,8 +51,6 @@ import torch.nn.functional as F
 import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
-
 from specdecpp.demo import (
     ARTIFACT_CONFIG,
     ARTIFACT_VOCAB,
@@ -67,6 +65,8 @@ from specdecpp.demo import (
     cache_dir,
     demo_target_path,
 )
+from tqdm import tqdm
+
 from specdecpp.sampling import SamplingConfig, warp
 
 TEACHER = SamplingConfig(temperature=1.0, top_k=50)
@@ -83,7 +83,7 @@ def load_target(dtype: str = "float32"):
     ``fast`` is bf16 on CPUs that multiply it natively, the precision the demo pair decodes in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdecpp.models import resolve_dtype
+    from specdecpp.loading import resolve_dtype
 
     target_dir = demo_target_path()
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)

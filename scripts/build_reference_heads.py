@@ -41,7 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from specdecpp.demo import demo_draft_path  # noqa: E402
-from specdecpp.models import model_identity  # noqa: E402
+
+from specdecpp.identity import model_identity  # noqa: E402
 
 EXPERIMENTS = [f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5)]
 PREFIX = {"resnet": "", "next": "next_"}  # conf/head/<kind>.yaml name_prefix

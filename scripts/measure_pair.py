@@ -32,8 +32,9 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
-from specdecpp.models import ReducedOutput, dtype_name, load_model, output_vocab_size, resolve_dtype
+from specdecpp.loading import dtype_name, load_model, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp.reduced_vocab import ReducedOutput, output_vocab_size
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
 
@@ -72,7 +73,7 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     CPU it pads 2-3 tokens to 4, as decoding does); every (model, n) in turn in each step, so
     machine load affects all alike."""
     from specdecpp.engine import _Runner
-    from specdecpp.models import output_vocab_size
+    from specdecpp.reduced_vocab import output_vocab_size
 
     widths = widths or {}
     jobs = [(name, n) for name in models for n in [1, *[w for w in widths.get(name, []) if w != 1]]]

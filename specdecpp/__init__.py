@@ -2,7 +2,7 @@
 
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
 from .head import AcceptanceHead, NextTokenHead, load_head
-from .models import load_pair
+from .loading import load_pair
 from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import FinalHidden, keep_last, new_cache, output_vocab_size, token_set
+from .hooks import FinalHidden, keep_last, new_cache
+from .loading import token_set
 from .policies import StopPolicy
+from .reduced_vocab import output_vocab_size
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
 

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from .engine import GenerateOutput, RunStats, _Runner, check_generate_args
-from .models import output_vocab_size, token_set
+from .loading import token_set
 from .policies import StopPolicy
+from .reduced_vocab import output_vocab_size
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify
 

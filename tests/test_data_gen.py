@@ -19,7 +19,7 @@ import data_gen.app
 from data_gen import run
 from specdecpp.dataset import FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta
 from specdecpp.labels import label_responses, left_pad, prompt_generator, sample_responses
-from specdecpp.models import load_model
+from specdecpp.loading import load_model
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig, sample, warp
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdecpp import demo
-from specdecpp.models import load_tokenizer
+from specdecpp.loading import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache):
     from transformers import AutoModelForCausalLM
 
-    from specdecpp.models import check_tokenizers
+    from specdecpp.loading import check_tokenizers
 
     draft_dir = demo.demo_draft_path()
     assert draft_dir == demo_cache / "draft"
@@ -113,7 +113,8 @@ def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache)
 
 
 def test_materialised_draft_scores_only_its_output_vocabulary(demo_cache, tmp_path):
-    from specdecpp.models import OUTPUT_VOCAB_FILE, ReducedOutput, load_model
+    from specdecpp.loading import load_model
+    from specdecpp.reduced_vocab import OUTPUT_VOCAB_FILE, ReducedOutput
 
     vocab = json.loads((demo.DRAFT_ARTIFACT / demo.ARTIFACT_VOCAB).read_text())
     assert vocab["size"] == len(vocab["token_ids"]) < vocab["vocab_size"]
@@ -315,7 +316,7 @@ def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny
     alpha, _ = measure.position_acceptance(draft, target, ids, 2)
     assert alpha.shape == (4,) and (alpha < 1).all() and (alpha > 0).all()
     # a draft that scores only tokens 0-3: the target mass it covers is p(0..3) at each position
-    from specdecpp.models import restrict_output_vocab
+    from specdecpp.reduced_vocab import restrict_output_vocab
 
     small = copy.deepcopy(draft)
     restrict_output_vocab(small, [0, 1, 2, 3])
@@ -385,7 +386,7 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
 def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     """demo/heads/ belongs to this draft artifact: a rebuilt draft must come with rebuilt heads."""
     from specdecpp.head import AcceptanceHead
-    from specdecpp.models import model_identity, same_model
+    from specdecpp.identity import model_identity, same_model
 
     identity = "specdecpp-demo-draft@" + demo._artifact_digest(demo.DRAFT_ARTIFACT)
     heads = sorted((REPO / "demo" / "heads").glob("wrej*"))

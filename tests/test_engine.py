@@ -18,7 +18,7 @@ from specdecpp import (
     TargetOnly,
     warp,
 )
-from specdecpp.models import new_cache
+from specdecpp.hooks import new_cache
 
 
 def noisy_copy(model, noise: float, seed: int):

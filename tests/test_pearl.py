@@ -13,7 +13,7 @@ from stats import chi_square_pvalue
 from test_engine import noisy_copy
 
 from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify, warp
-from specdecpp.models import new_cache
+from specdecpp.hooks import new_cache
 
 
 @pytest.fixture(scope="module")
