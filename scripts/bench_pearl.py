@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from specdecpp.demo import demo_draft_path, demo_target_path
 
 from infer.results import prompt_seed
 from infer.summary import paired_speedup_ci
@@ -42,6 +41,7 @@ from specdecpp import (
 )
 from specdecpp.loading import dtype_name, eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp_demo import demo_draft_path, demo_target_path
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
 

@@ -203,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.draft is None or args.target is None:
-        from specdecpp.demo import demo_draft_path, demo_target_path
+        from specdecpp_demo import demo_draft_path, demo_target_path
 
         args.target = args.target or str(demo_target_path())
         args.draft = args.draft or str(demo_draft_path())
