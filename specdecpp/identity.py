@@ -2,7 +2,7 @@
 
 A record must resolve on another machine, so it names a model by one of:
 
-- a hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``), loaded as any hub id is;
+- a hub id (``org/model``), loaded as any hub id is;
 - a portable identity ``name@digest``: a name plus a content hash (``my-draft@3f2a...``). A model
   directory carries its identity in :data:`IDENTITY_FILE` (:func:`write_identity`); whoever makes
   such directories registers a *resolver* for the name, a function ``identity -> local directory``

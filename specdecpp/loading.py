@@ -31,7 +31,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX-BF16), where
     oneDNN's bf16 GEMM is fast: a bf16 forward then reads half the bytes of a float32 one, and
-    scoring 2-8 tokens costs about what one token does (docs/demo.md, "Precision")."""
+    scoring 2-8 tokens costs about what one token does (measured in the docs, "Precision")."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
