@@ -8,7 +8,7 @@ from .pair import demo_draft_path, demo_target_path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specdecpp_demo", description=__doc__)
     parser.add_argument("--gguf", help="a local SmolLM2-135M-Instruct.Q4_1.gguf instead of the PyPI wheel's")
     args = parser.parse_args()
     print(f"target: {demo_target_path(args.gguf)}")
