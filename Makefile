@@ -41,7 +41,7 @@ install:
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
 demo-pair:  # fetch and dequantise the target, materialise the shipped draft
-	$(PYTHON) -m specdecpp.demo
+	$(PYTHON) -m specdecpp_demo
 
 demo-data: demo-pair
 	$(PYTHON) -m data_gen pair=demo prompts=bundled 'splits=[train,dev]' \

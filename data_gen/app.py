@@ -20,7 +20,7 @@ from specdecpp.labels import (
     sample_responses_with_probs,
     shared_vocab,
 )
-from specdecpp.models import eos_token_ids, load_pair
+from specdecpp.loading import eos_token_ids, load_pair
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig
 

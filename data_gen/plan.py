@@ -11,7 +11,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import specdecpp
-from specdecpp.models import dtype_name
+from specdecpp.identity import portable_name, same_model
+from specdecpp.loading import dtype_name
 from specdecpp.prompts import Prompt, load_prompts
 
 # A source's own splits when `splits` is null. A JSONL file is one training split unless its rows
@@ -93,8 +94,8 @@ def settings_meta(cfg: DictConfig) -> dict:
     """The settings that shape the data, known before any model is loaded."""
     prompts = OmegaConf.to_container(cfg.prompts, resolve=True)
     return {
-        "draft": str(cfg.pair.draft),
-        "target": str(cfg.pair.target),
+        "draft": portable_name(str(cfg.pair.draft)),  # an identity or hub id where there is one, not a local path
+        "target": portable_name(str(cfg.pair.target)),
         "sampling": specdecpp.SamplingConfig.from_mapping(cfg.sampling).to_dict(),
         "seed": int(cfg.seed),
         "prompts": {**prompts, "splits": splits_of(cfg),
@@ -120,7 +121,12 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
 def check_resumable(out: str, existing: dict, meta: dict) -> None:
     """Refuse to mix data made with different settings into one directory (compares the keys of
     ``meta``, which may be :func:`settings_meta` alone)."""
-    differ = sorted(k for k in meta if k not in VOLATILE_META and existing.get(k) != meta[k])
+    def same(k: str) -> bool:  # models compare by identity (a dataset recorded by path still resumes)
+        if k in ("draft", "target") and existing.get(k) is not None and meta[k] is not None:
+            return same_model(str(existing[k]), str(meta[k]))
+        return existing.get(k) == meta[k]
+
+    differ = sorted(k for k in meta if k not in VOLATILE_META and not same(k))
     if differ:
         detail = "; ".join(f"{k}: existing {existing.get(k)!r} vs now {meta.get(k)!r}" for k in differ)
         raise ValueError(f"out={out!r} already holds data made with other settings ({detail}). "

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from specdecpp.models import dtype_name, eos_token_ids, load_pair
+from specdecpp.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 

@@ -40,8 +40,9 @@ from tqdm import tqdm
 from specdecpp import SamplingConfig, load_pair, warp
 from specdecpp.compat import cache_kwargs
 from specdecpp.costmodel import Costs, fixed_k_speedup, save_costs
-from specdecpp.models import ReducedOutput, dtype_name, load_model, output_vocab_size, resolve_dtype
+from specdecpp.loading import dtype_name, load_model, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp.reduced_vocab import ReducedOutput, output_vocab_size
 from specdecpp.timing import time_forwards
 
 PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from specdecpp.engine import RunStats
-from specdecpp.models import GatherKeptLogits, token_set
+from specdecpp.hooks import GatherKeptLogits
+from specdecpp.loading import token_set
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter

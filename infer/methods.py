@@ -24,7 +24,7 @@ from specdecpp import (
     TargetOnly,
     load_head,
 )
-from specdecpp.models import same_model
+from specdecpp.identity import same_model
 from specdecpp.policies import check_count, check_threshold
 from specdecpp.sampling import SamplingConfig
 
@@ -67,7 +67,7 @@ def _num(x: float) -> str:
 
 def draft_hidden_size(draft_ref: str) -> int | None:
     """The draft's hidden size from its config alone (no weights are loaded)."""
-    from specdecpp.models import load_config
+    from specdecpp.loading import load_config
 
     config = load_config(draft_ref)
     size = getattr(config, "hidden_size", None)

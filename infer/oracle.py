@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from specdecpp import SpeculativeDecoder, TargetOnly
-from specdecpp.models import output_vocab_size
 from specdecpp.potential import greedy_oracle
+from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
 
 

@@ -73,8 +73,8 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     import torch
 
     from specdecpp.head import load_head
+    from specdecpp.loading import load_model
     from specdecpp.mixing import draft_features, lag_free_features, mixed_example, mixing_mask
-    from specdecpp.models import load_model
 
     heads = [load_head(h) for h in head_dirs]
     draft_ref = draft_ref or meta.get("draft")

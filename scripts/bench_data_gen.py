@@ -25,7 +25,7 @@ from specdecpp.labels import (
     sample_responses_with_probs,
     shared_vocab,
 )
-from specdecpp.models import load_pair
+from specdecpp.loading import load_pair
 from specdecpp.prompts import encode_prompt, load_prompts
 from specdecpp.sampling import SamplingConfig
 

@@ -61,7 +61,7 @@ def crop_to(cache, length: int) -> None:
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
     from specdecpp.compat import cache_kwargs
-    from specdecpp.models import new_cache
+    from specdecpp.hooks import new_cache
     from specdecpp.timing import time_forward
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)

@@ -143,7 +143,7 @@ def main() -> None:
     draft = args.draft or build_draft(work / "draft", args.vocab, args.hidden, args.layers)
     data = args.data
     if data is None:
-        from specdecpp.models import load_model
+        from specdecpp.loading import load_model
 
         config = load_model(draft, "cpu").config
         data = build_dataset(work / "data", draft, config.hidden_size, config.vocab_size, args.prompts, args.length)

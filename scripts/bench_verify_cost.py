@@ -41,7 +41,7 @@ def crop_to(cache, length: int) -> None:
 
 @torch.no_grad()
 def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
-    from specdecpp.models import new_cache
+    from specdecpp.hooks import new_cache
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from specdecpp.models import load_model
+    from specdecpp.loading import load_model
 
     models = {"target": load_model(args.model, "cpu") if args.model else smollm_shape()}
     if args.draft:

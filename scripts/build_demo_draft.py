@@ -1,4 +1,4 @@
-"""Build the demo draft (demo/draft/) by distilling SmolLM2-135M-Instruct into a small Llama.
+"""Build the demo draft (specdecpp_demo/artifact/) by distilling SmolLM2-135M-Instruct into a small Llama.
 
     python scripts/build_demo_draft.py generate [--config conf/distill/default.yaml]
     python scripts/build_demo_draft.py label
@@ -9,7 +9,7 @@
 vocab: ranks the vocabulary by the target's expected token counts on the generated conversations
     (the sum of the teacher's temperature-1, top-k-50 probabilities over every position of every
     conversation shard but the held-out shard 0) and writes the draft's reduced output vocabulary
-    (the top ``vocab.size`` tokens plus every special token) to demo/draft/output_vocab.json.
+    (the top ``vocab.size`` tokens plus every special token) to specdecpp_demo/artifact/output_vocab.json.
     The draft's q is zero outside it, so decoding stays lossless; its output layer shrinks from
     49,152 rows to ``vocab.size``.
 
@@ -32,7 +32,8 @@ export: writes the best checkpoint as the shipped artifact (layers in float16, p
 
 The draft is a LlamaForCausalLM of width d whose input and output embeddings are E @ P_in and
 E @ P_out, E the target's embedding matrix and P_in, P_out learned [576, d] projections, so the
-artifact ships only the layers and the projections (a few MB); specdecpp.demo rebuilds the rest.
+artifact ships only the layers and the projections (a few MB); specdecpp_demo rebuilds the rest
+(one ProjectedDraft class, specdecpp_demo/projected.py, for both).
 """
 
 from __future__ import annotations
@@ -47,27 +48,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from specdecpp.demo import (
-    ARTIFACT_CONFIG,
-    ARTIFACT_VOCAB,
-    ARTIFACT_WEIGHTS,
-    DRAFT_ARTIFACT,
-    INPUT_PROJECTION,
-    OUTPUT_PROJECTION,
-    REPO_ROOT,
+from specdecpp.sampling import SamplingConfig, warp
+from specdecpp_demo.pair import (
     TARGET_GGUF,
     TARGET_HUB_ID,
     TARGET_WHEEL,
     cache_dir,
     demo_target_path,
 )
-from specdecpp.sampling import SamplingConfig, warp
+from specdecpp_demo.projected import (
+    ARTIFACT_CONFIG,
+    ARTIFACT_DIR,
+    ARTIFACT_VOCAB,
+    ARTIFACT_WEIGHTS,
+    INPUT_PROJECTION,
+    OUTPUT_PROJECTION,
+    ProjectedDraft,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # this script runs from a checkout (git, conf/distill)
 
 TEACHER = SamplingConfig(temperature=1.0, top_k=50)
 
@@ -83,7 +87,7 @@ def load_target(dtype: str = "float32"):
     ``fast`` is bf16 on CPUs that multiply it natively, the precision the demo pair decodes in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdecpp.models import resolve_dtype
+    from specdecpp.loading import resolve_dtype
 
     target_dir = demo_target_path()
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
@@ -224,35 +228,7 @@ def read_shard(path: Path) -> dict:
 
 # ---------------------------------------------------------------- the draft being trained
 
-class ProjectedDraft(torch.nn.Module):
-    """Llama layers between embeddings E @ P_in and an output layer E @ P_out (E frozen)."""
-
-    def __init__(self, llama_config: dict, target_embeddings: torch.Tensor,
-                 input_projection: torch.Tensor, output_projection: torch.Tensor) -> None:
-        from transformers import LlamaConfig, LlamaModel
-
-        super().__init__()
-        self.body = LlamaModel(LlamaConfig.from_dict({**llama_config, "vocab_size": 1, "pad_token_id": None,
-                                                      "bos_token_id": None, "eos_token_id": None}))
-        self.register_buffer("target_embeddings", target_embeddings, persistent=False)
-        self.input_projection = torch.nn.Parameter(input_projection.clone())
-        self.output_projection = torch.nn.Parameter(output_projection.clone())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, T, d]; logits are ``hidden @ output_matrix().T``."""
-        x = F.embedding(ids, self.target_embeddings) @ self.input_projection
-        return self.body(inputs_embeds=x).last_hidden_state
-
-    def output_matrix(self, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Output-layer rows [V, d], or only those of ``token_ids``."""
-        rows = self.target_embeddings if token_ids is None else self.target_embeddings[token_ids]
-        return rows @ self.output_projection
-
-    def artifact_tensors(self) -> dict[str, torch.Tensor]:
-        layers = {f"model.{k}": v.detach().to(torch.float16).contiguous()
-                  for k, v in self.body.state_dict().items() if not k.startswith("embed_tokens")}
-        return {**layers, INPUT_PROJECTION: self.input_projection.detach().float().contiguous(),
-                OUTPUT_PROJECTION: self.output_projection.detach().float().contiguous()}
+# ProjectedDraft (specdecpp_demo.projected) is the one definition, shared with the materialiser.
 
 
 def draft_llama_config(recipe: dict, target_config) -> dict:
@@ -309,12 +285,11 @@ def draft_from_artifact(recipe: dict, target) -> ProjectedDraft:
     if config["llama_config"]["hidden_size"] != recipe["draft"]["hidden_size"]:
         raise SystemExit("init: the earlier artifact's shape differs from the recipe's draft")
     embeddings = target.get_input_embeddings().weight.detach().float()
-    draft = ProjectedDraft(draft_llama_config(recipe, target.config), embeddings,
-                           tensors.pop(INPUT_PROJECTION).float(), tensors.pop(OUTPUT_PROJECTION).float())
-    body = {k.removeprefix("model."): v.float() for k, v in tensors.items()}
-    missing, unexpected = draft.body.load_state_dict(body, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
-        raise SystemExit(f"init: artifact does not fit the draft: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    try:
+        draft = ProjectedDraft.from_artifact_tensors(draft_llama_config(recipe, target.config), tensors, embeddings,
+                                                     f"{recipe['init']['path']} at {recipe['init']['git_rev']}")
+    except ValueError as exc:
+        raise SystemExit(f"init: {exc}") from exc
     return draft
 
 
@@ -322,7 +297,7 @@ def output_vocab_ids(recipe: dict) -> torch.Tensor | None:
     """The reduced output vocabulary the draft is trained for (``train.output_vocab``), or None."""
     if not recipe["train"].get("output_vocab"):
         return None
-    path = DRAFT_ARTIFACT / ARTIFACT_VOCAB
+    path = ARTIFACT_DIR / ARTIFACT_VOCAB
     if not path.is_file():
         raise SystemExit(f"train.output_vocab is set but {path} does not exist: run `vocab` first")
     return torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
@@ -585,7 +560,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["generate", "label", "train", "export", "vocab"])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "distill" / "default.yaml")
-    parser.add_argument("--out", type=Path, default=DRAFT_ARTIFACT, help="export: artifact directory")
+    parser.add_argument("--out", type=Path, default=ARTIFACT_DIR, help="export: artifact directory")
     parser.add_argument("--part", default="0/1", metavar="K/N",
                         help="generate: write only every N-th missing shard from the K-th (run N processes, K=0..N-1)")
     args = parser.parse_args()

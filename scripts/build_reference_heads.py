@@ -22,9 +22,9 @@ select: `python -m infer.potential` on the DEV split with every head and the mea
         (``heads``: the paper's, ``lag_free_heads``), which `make bench` reads. No test prompt is
         used to choose.
 ship:   copies each paper head (all 20) and the two selected lag-free heads (config.json and
-        model.safetensors, float32) to demo/heads/<name>/, with
-        the draft named by its identity (specdecpp-demo-draft@<artifact sha256>, which any
-        materialised copy of the demo draft matches, wherever its cache is), and writes
+        model.safetensors, float32) to demo/heads/<name>/, with the draft and the target named by
+        their portable identities (specdecpp-demo-draft@<artifact sha256>,
+        specdecpp-demo-target@<GGUF sha256>; specdecpp_demo resolves them wherever its cache is), and writes
         demo/heads/README.md with the table of dev metrics.
 """
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from specdecpp.demo import demo_draft_path  # noqa: E402
-from specdecpp.models import model_identity  # noqa: E402
+from specdecpp.head import portable_config  # noqa: E402
+from specdecpp_demo import draft_identity, target_identity  # noqa: E402
 
 EXPERIMENTS = [f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5)]
 PREFIX = {"resnet": "", "next": "next_"}  # conf/head/<kind>.yaml name_prefix
@@ -136,8 +136,11 @@ def stage_ship(args) -> None:
             config = json.loads((src / "config.json").read_text())
             if kind == "resnet" or src.name in chosen_free:  # every paper head, the chosen lag-free ones
                 (dest / src.name).mkdir(parents=True, exist_ok=True)
-                # the demo draft by its identity (artifact digest), not by this machine's cache path
-                config["draft"] = model_identity(str(demo_draft_path()))
+                # the demo pair by its identities (content hashes), not by this machine's cache paths
+                config = portable_config(config)
+                if config["draft"] != draft_identity() or config["target"] != target_identity():
+                    raise SystemExit(f"ship: {src} names draft {config['draft']!r} and target {config['target']!r}, "
+                                     f"not the demo pair {draft_identity()!r}, {target_identity()!r}")
                 (dest / src.name / "config.json").write_text(json.dumps(config, indent=2) + "\n")
                 shutil.copyfile(src / "model.safetensors", dest / src.name / "model.safetensors")
             dev = config.get("metrics", {}).get("dev", {})

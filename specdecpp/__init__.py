@@ -2,7 +2,8 @@
 
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
 from .head import AcceptanceHead, NextTokenHead, load_head
-from .models import load_pair
+from .identity import register_resolver
+from .loading import load_pair
 from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp
@@ -13,5 +14,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
     "SVIP", "SamplingConfig", "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head",
-    "load_pair", "verify", "warp",
+    "load_pair", "register_resolver", "verify", "warp",
 ]

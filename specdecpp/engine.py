@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .models import output_vocab_size
 from .policies import StopPolicy
+from .reduced_vocab import output_vocab_size
 from .rounds import (
     Clock,
     Drafter,

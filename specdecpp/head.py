@@ -108,7 +108,8 @@ class AcceptanceHead(nn.Module):
     # -- persistence -----------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike, *, training: dict | None = None,
                         metrics: dict | None = None, **extra: Any) -> Path:
-        """Write ``config.json`` (sizes, draft name, training settings, metrics) and ``model.safetensors``."""
+        """Write ``config.json`` (sizes, draft name, training settings, metrics) and ``model.safetensors``.
+        Models are recorded by :func:`specdecpp.identity.portable_name` (:func:`portable_config`)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -119,6 +120,7 @@ class AcceptanceHead(nn.Module):
             config["training"] = training
         if metrics is not None:
             config["metrics"] = metrics
+        config = portable_config(config)
         state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
@@ -267,6 +269,23 @@ class NextTokenHead(AcceptanceHead):
     def _init_kwargs(cls, config: dict) -> dict:
         return {"features": tuple(config.get("features", NEXT_FEATURES)),
                 "temperature": float(config.get("temperature", 1.0))}
+
+
+def portable_config(config: dict) -> dict:
+    """A head config whose model fields (``draft``, ``target`` and the training dataset's
+    ``dataset_meta.draft`` / ``.target``) name models portably: a stamped directory by its identity
+    (``name@digest``), a hub id as it is (:func:`specdecpp.identity.portable_name`)."""
+    from .identity import portable_name
+
+    config = {**config}
+    for key in ("draft", "target"):
+        if config.get(key) is not None:
+            config[key] = portable_name(config[key])
+    meta = (config.get("training") or {}).get("dataset_meta")
+    if isinstance(meta, dict):
+        meta = {**meta, **{k: portable_name(meta[k]) for k in ("draft", "target") if meta.get(k) is not None}}
+        config["training"] = {**config["training"], "dataset_meta": meta}
+    return config
 
 
 def head_class(kind: str) -> type[AcceptanceHead]:

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from .compat import cache_kwargs
-from .models import FinalHidden, keep_last, new_cache, output_vocab_size, token_set
+from .hooks import FinalHidden, keep_last, new_cache
+from .loading import token_set
+from .reduced_vocab import output_vocab_size
 from .sampling import SamplingConfig, entropy, sample, warp
 from .verify import acceptance_ratio
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .head import next_token_features
-from .models import FinalHidden, keep_last
+from .hooks import FinalHidden, keep_last
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from .engine import GenerateOutput, RunStats
-from .models import output_vocab_size
 from .policies import StopPolicy
+from .reduced_vocab import output_vocab_size
 from .rounds import (
     Block,
     Clock,

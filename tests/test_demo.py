@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdecpp import demo
-from specdecpp.models import load_tokenizer
+import specdecpp_demo.pair as demo
+from specdecpp_demo import projected
+from specdecpp.loading import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,14 +54,14 @@ def demo_cache(tmp_path, monkeypatch, fake_target):
     monkeypatch.setenv("SPECDECPP_CACHE", str(tmp_path / "cache"))
     target = demo.cache_dir() / "target"
     shutil.copytree(fake_target, target)
-    (target / demo._STAMP).write_text("{}")
+    (target / demo.STAMP).write_text("{}")
     return demo.cache_dir()
 
 
 def test_artifact_is_small_and_records_its_recipe():
-    files = list(demo.DRAFT_ARTIFACT.iterdir())
+    files = list(projected.ARTIFACT_DIR.iterdir())
     assert sum(f.stat().st_size for f in files) <= 20e6
-    cfg = demo.draft_config()
+    cfg = projected.draft_config()
     assert cfg["target"]["hub_id"] == demo.TARGET_HUB_ID
     assert cfg["recipe"]["draft"]["hidden_size"] == cfg["llama_config"]["hidden_size"]
     assert cfg["trained"]["train_tokens"] > 0
@@ -68,7 +69,7 @@ def test_artifact_is_small_and_records_its_recipe():
 
 def test_artifact_rebuilds_a_draft_with_projected_embeddings(fake_target):
     model = demo.load_draft_artifact(fake_target)
-    cfg = demo.draft_config()
+    cfg = projected.draft_config()
     width = cfg["llama_config"]["hidden_size"]
     vocab = len(load_tokenizer(str(fake_target)))
     assert model.model.embed_tokens.weight.shape == (vocab, width)
@@ -86,20 +87,21 @@ def test_artifact_for_another_target_width_is_refused(tmp_path, fake_target):
 
 def test_missing_artifact_names_the_file_and_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="build_demo_draft.py"):
-        demo.draft_config(tmp_path / "nowhere")
+        projected.draft_config(tmp_path / "nowhere")
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECPP_CACHE", str(tmp_path))
-    assert demo.cache_dir() == tmp_path / "demo"
-    monkeypatch.delenv("SPECDECPP_CACHE")
-    assert demo.cache_dir() == REPO / ".cache" / "demo"
+    assert demo.cache_dir() == tmp_path.resolve() / "demo"
+    monkeypatch.delenv("SPECDECPP_CACHE")  # as conf/pair/demo.yaml: .cache under the working directory
+    monkeypatch.chdir(tmp_path)
+    assert demo.cache_dir() == tmp_path.resolve() / ".cache" / "demo"
 
 
 def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache):
     from transformers import AutoModelForCausalLM
 
-    from specdecpp.models import check_tokenizers
+    from specdecpp.loading import check_tokenizers
 
     draft_dir = demo.demo_draft_path()
     assert draft_dir == demo_cache / "draft"
@@ -112,16 +114,17 @@ def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache)
 
 
 def test_materialised_draft_scores_only_its_output_vocabulary(demo_cache, tmp_path):
-    from specdecpp.models import OUTPUT_VOCAB_FILE, ReducedOutput, load_model
+    from specdecpp.loading import load_model
+    from specdecpp.reduced_vocab import OUTPUT_VOCAB_FILE, ReducedOutput
 
-    vocab = json.loads((demo.DRAFT_ARTIFACT / demo.ARTIFACT_VOCAB).read_text())
+    vocab = json.loads((projected.ARTIFACT_DIR / projected.ARTIFACT_VOCAB).read_text())
     assert vocab["size"] == len(vocab["token_ids"]) < vocab["vocab_size"]
     assert set(vocab["special_tokens"]) <= set(vocab["token_ids"])
     assert vocab["teacher_mass_covered_on_held_out_shard"] > 0.9
     # the fake target's vocabulary is tiny: an artifact whose output vocabulary fits it
     artifact = tmp_path / "artifact"
-    shutil.copytree(demo.DRAFT_ARTIFACT, artifact)
-    (artifact / demo.ARTIFACT_VOCAB).write_text(json.dumps({**vocab, "token_ids": [0, 3, 5, 7, 11]}))
+    shutil.copytree(projected.ARTIFACT_DIR, artifact)
+    (artifact / projected.ARTIFACT_VOCAB).write_text(json.dumps({**vocab, "token_ids": [0, 3, 5, 7, 11]}))
     draft_dir = demo.demo_draft_path(artifact)
     assert (draft_dir / OUTPUT_VOCAB_FILE).is_file()
     layer = load_model(str(draft_dir), "cpu").get_output_embeddings()
@@ -130,38 +133,41 @@ def test_materialised_draft_scores_only_its_output_vocabulary(demo_cache, tmp_pa
 
 def test_draft_is_rematerialised_only_when_the_artifact_changes(demo_cache, tmp_path):
     artifact = tmp_path / "artifact"
-    shutil.copytree(demo.DRAFT_ARTIFACT, artifact)
+    shutil.copytree(projected.ARTIFACT_DIR, artifact)
     weights = demo.demo_draft_path(artifact) / "model.safetensors"
     first = weights.stat().st_mtime_ns
     assert demo.demo_draft_path(artifact) / "model.safetensors" == weights
     assert weights.stat().st_mtime_ns == first
-    cfg = json.loads((artifact / demo.ARTIFACT_CONFIG).read_text())
+    cfg = json.loads((artifact / projected.ARTIFACT_CONFIG).read_text())
     cfg["note"] = "changed"
-    (artifact / demo.ARTIFACT_CONFIG).write_text(json.dumps(cfg))
+    (artifact / projected.ARTIFACT_CONFIG).write_text(json.dumps(cfg))
     demo.demo_draft_path(artifact)
-    assert json.loads((demo_cache / "draft" / demo._STAMP).read_text())["artifact_sha256"] == \
-        demo._artifact_digest(artifact)
-    before = demo._artifact_digest(artifact)  # the output vocabulary is part of the artifact too
-    vocab = json.loads((artifact / demo.ARTIFACT_VOCAB).read_text())
+    assert json.loads((demo_cache / "draft" / demo.STAMP).read_text())["artifact_sha256"] == \
+        demo.artifact_digest(artifact)
+    before = demo.artifact_digest(artifact)  # the output vocabulary is part of the artifact too
+    vocab = json.loads((artifact / projected.ARTIFACT_VOCAB).read_text())
     vocab["token_ids"] = vocab["token_ids"][:-1]
-    (artifact / demo.ARTIFACT_VOCAB).write_text(json.dumps(vocab))
-    assert demo._artifact_digest(artifact) != before
+    (artifact / projected.ARTIFACT_VOCAB).write_text(json.dumps(vocab))
+    assert demo.artifact_digest(artifact) != before
 
 
 def test_distillation_draft_exports_to_the_same_model(tmp_path):
+    """The class build_demo_draft trains is the one the materialiser rebuilds: its artifact tensors
+    come back as a LlamaForCausalLM with the same logits (up to the float16 layers)."""
     build = load_script("build_demo_draft")
+    assert build.ProjectedDraft is projected.ProjectedDraft
     llama = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 64}
     torch.manual_seed(0)
     embeddings = torch.randn(50, 48)
     draft = build.ProjectedDraft(llama, embeddings, torch.randn(48, 32) / 7, torch.randn(48, 32) / 7)
-    tensors = draft.artifact_tensors()
-    projections = [tensors.pop(k) for k in (demo.INPUT_PROJECTION, demo.OUTPUT_PROJECTION)]
-    hf = demo.new_draft_model(llama, *projections, embeddings)
-    hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    hf = projected.ProjectedDraft.from_artifact_tensors(llama, draft.artifact_tensors(), embeddings).to_causal_lm()
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, draft(ids) @ draft.output_matrix().T, atol=5e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="does not match its config"):
+        projected.ProjectedDraft.from_artifact_tensors({**llama, "num_hidden_layers": 2}, draft.artifact_tensors(),
+                                                       embeddings)
 
 
 def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair):
@@ -338,7 +344,7 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
     env = {**os.environ, "SPECDECPP_CACHE": str(demo.cache_dir().parent)}
     sizes = ["DEMO_TRAIN_PROMPTS=4", "DEMO_DEV_PROMPTS=2", "DEMO_LABEL_TOKENS=16", "DEMO_TEST_PROMPTS=2",
              "DEMO_HUMANEVAL_PROMPTS=1", "DEMO_TOKENS=12", "DEMO_THREADS=1"]
-    for name in ("Makefile", "conf", "specdecpp", "data_gen", "train", "infer", "demo", "scripts"):
+    for name in ("Makefile", "conf", "specdecpp", "specdecpp_demo", "data_gen", "train", "infer", "demo", "scripts"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
@@ -357,15 +363,17 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
 def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     """demo/heads/ belongs to this draft artifact: a rebuilt draft must come with rebuilt heads."""
     from specdecpp.head import AcceptanceHead
-    from specdecpp.models import model_identity, same_model
+    from specdecpp.identity import model_identity, same_model
 
-    identity = "specdecpp-demo-draft@" + demo._artifact_digest(demo.DRAFT_ARTIFACT)
+    identity = "specdecpp-demo-draft@" + demo.artifact_digest(projected.ARTIFACT_DIR)
+    assert identity == demo.draft_identity()
     heads = sorted((REPO / "demo" / "heads").glob("wrej*"))
     assert len(heads) == 20
-    width = demo.draft_config()["llama_config"]["hidden_size"]
+    width = projected.draft_config()["llama_config"]["hidden_size"]
     for h in heads:
         head = AcceptanceHead.from_pretrained(h)
         assert head.draft == identity and head.hidden_size == width
+        assert head.meta["target"] == demo.target_identity()
     selection = json.loads((REPO / "demo" / "heads" / "selection.json").read_text())
     assert len(selection["heads"]) == 2 and all((REPO / "demo" / "heads" / s["name"]).is_dir()
                                                 for s in selection["heads"])
@@ -383,6 +391,10 @@ def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     assert same_model(identity, str(draft_dir)) and same_model(str(draft_dir), identity)
     assert not same_model(identity[:-1] + "0", str(draft_dir))
     assert not same_model(identity, str(demo_cache / "target"))
+    # and the resolver the demo registers turns the identities back into the directories
+    assert demo.resolve(identity) == draft_dir
+    with pytest.raises(LookupError, match="another build"):
+        demo.resolve(identity[:-1] + "0")
 
 
 @pytest.mark.parametrize("part", ["2/2", "1", "0/0", "a/b"])

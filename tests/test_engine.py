@@ -19,7 +19,7 @@ from specdecpp import (
     warp,
 )
 from specdecpp.compat import cache_kwargs
-from specdecpp.models import new_cache
+from specdecpp.hooks import new_cache
 
 
 def noisy_copy(model, noise: float, seed: int):

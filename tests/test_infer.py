@@ -447,7 +447,7 @@ def two_eos_pair(setup, tmp_path_factory):
     from transformers import GenerationConfig
 
     from specdecpp import SpeculativeDecoder, TargetOnly
-    from specdecpp.models import load_model
+    from specdecpp.loading import load_model
     from specdecpp.prompts import encode_prompt
     from specdecpp.sampling import SamplingConfig
 
@@ -466,7 +466,7 @@ def two_eos_pair(setup, tmp_path_factory):
 
 
 def test_eos_set_includes_every_generation_config_eos_id(setup, two_eos_pair):
-    from specdecpp.models import eos_token_ids, load_model
+    from specdecpp.loading import eos_token_ids, load_model
 
     target = load_model(two_eos_pair.target, "cpu")
     assert eos_token_ids(setup.pair.tokenizer, target) == {setup.pair.tokenizer.eos_token_id, two_eos_pair.stop}

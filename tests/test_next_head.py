@@ -28,8 +28,8 @@ from specdecpp import (
 )
 from specdecpp import potential as pt
 from specdecpp.head import NEXT_FEATURES, next_token_features
+from specdecpp.loading import load_model
 from specdecpp.mixing import lag_free_features, mixed_features, mixing_mask
-from specdecpp.models import load_model
 from train import run
 from train.cache import feature_cache
 

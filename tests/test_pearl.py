@@ -13,7 +13,7 @@ from test_engine import noisy_copy
 
 from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify
 from specdecpp.compat import cache_kwargs
-from specdecpp.models import new_cache
+from specdecpp.hooks import new_cache
 
 
 @pytest.fixture(scope="module")

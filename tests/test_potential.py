@@ -139,8 +139,8 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
 
 
 def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines_features(potential_dataset, tmp_path, tiny_pair):
+    from specdecpp.loading import load_model
     from specdecpp.mixing import draft_features
-    from specdecpp.models import load_model
 
     head = AcceptanceHead(32, 0)
     torch.nn.init.normal_(head.out.weight, std=1.0)

@@ -14,10 +14,10 @@ from test_engine import exact_distribution, noisy_copy
 
 from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, load_pair
 from specdecpp.labels import label_responses
-from specdecpp.models import (
+from specdecpp.loading import load_model
+from specdecpp.reduced_vocab import (
     OUTPUT_VOCAB_FILE,
     ReducedOutput,
-    load_model,
     output_vocab_size,
     restrict_output_vocab,
     write_output_vocab,

@@ -15,6 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp.dataset import FEATURES
 from specdecpp.head import AcceptanceHead
+from specdecpp.loading import load_model
 from specdecpp.mixing import (
     binary_entropy,
     binary_kl,
@@ -26,7 +27,6 @@ from specdecpp.mixing import (
     rejection_auroc,
     weighted_bce,
 )
-from specdecpp.models import load_model
 from train import run
 from train.cache import feature_cache
 from train.checks import check_draft_matches

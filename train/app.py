@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdecpp.dataset import dataset_fingerprint
 from specdecpp.head import build_head
-from specdecpp.models import dtype_name, load_config, load_model, resolve_device, resolve_dtype
+from specdecpp.loading import dtype_name, load_config, load_model, resolve_device, resolve_dtype
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
 from .data import HeadDataModule

@@ -30,8 +30,9 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
+from specdecpp.identity import model_identity
+from specdecpp.loading import load_config
 from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, mixing_mask
-from specdecpp.models import load_config, model_identity
 
 from .checks import arrow_column
 

@@ -1,0 +1,133 @@
+"""What a data_gen run does: which prompts, cut into which shards, owned by which process, and
+the dataset-level metadata that a resumed run must match."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+import specdecpp
+from specdecpp.identity import portable_name, same_model
+from specdecpp.loading import dtype_name
+from specdecpp.prompts import Prompt, load_prompts
+
+# A source's own splits when `splits` is null. A JSONL file is one training split unless its rows
+# carry "split" fields (then pass splits=[train,dev,test]); evaluation sets keep prompts.split.
+DEFAULT_SPLITS = {"bundled": ["train", "dev", "test"], "alpaca": ["train", "dev", "test"], "jsonl": ["train"]}
+# Meta keys that may differ between a run and its resumption.
+VOLATILE_META = ("created", "code_version", "complete", "rows")
+
+
+@dataclass(frozen=True)
+class Shard:
+    split: str
+    index: int             # within the split
+    prompts: tuple[Prompt, ...]
+
+
+def splits_of(cfg: DictConfig) -> list[str]:
+    if cfg.splits is not None:
+        splits = list(cfg.splits)
+        if not splits or len(set(splits)) != len(splits):
+            raise ValueError(f"splits={splits!r}: give a non-empty list of distinct split names")
+        return splits
+    return DEFAULT_SPLITS.get(cfg.prompts.source, [cfg.prompts.split])
+
+
+def limit_of(cfg: DictConfig, split: str) -> int | None:
+    """`limit` (an int for every split, or a {split: int} mapping) else prompts.limit."""
+    limit = cfg.limit if cfg.limit is not None else cfg.prompts.get("limit")
+    if isinstance(limit, DictConfig):
+        return limit.get(split)
+    return limit
+
+
+def load_split_prompts(cfg: DictConfig) -> dict[str, list[Prompt]]:
+    """The prompts of every split, in the source's order; ids unique across all splits."""
+    prompts, seen = {}, {}
+    for split in splits_of(cfg):
+        prompts[split] = load_prompts(cfg.prompts.source, split=split, limit=limit_of(cfg, split),
+                                      path=cfg.prompts.get("path"))
+        for p in prompts[split]:
+            if p.id in seen:
+                raise ValueError(f"prompt id {p.id!r} is in split {seen[p.id]!r} and {split!r} of source "
+                                 f"{cfg.prompts.source!r}; a JSONL file without 'split' fields is one "
+                                 "split: pass splits=[train]")
+            seen[p.id] = split
+    return prompts
+
+
+def plan_shards(prompts: dict[str, list[Prompt]], shard_size: int) -> list[Shard]:
+    """Every split cut into consecutive shards of ``shard_size`` prompts, splits in order."""
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+    return [Shard(split, i // shard_size, tuple(items[i:i + shard_size]))
+            for split, items in prompts.items() for i in range(0, len(items), shard_size)]
+
+
+def owned_shards(shards: list[Shard], index: int, count: int) -> list[Shard]:
+    """Shards of process ``index`` out of ``count``: every count-th shard, round robin."""
+    if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+        raise ValueError(f"shard.index={index!r} / shard.count={count!r}: need 0 <= index < count")
+    return [s for n, s in enumerate(shards) if n % count == index]
+
+
+def shard_counts(prompts: dict[str, list[Prompt]], shard_size: int) -> dict[str, int]:
+    return {split: -(-len(items) // shard_size) for split, items in prompts.items()}
+
+
+def code_version() -> str:
+    """specdecpp's version, plus the git commit of the checkout when there is one."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(specdecpp.__file__).parent,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{specdecpp.__version__}+g{commit}" if commit else specdecpp.__version__
+
+
+def settings_meta(cfg: DictConfig) -> dict:
+    """The settings that shape the data, known before any model is loaded."""
+    prompts = OmegaConf.to_container(cfg.prompts, resolve=True)
+    return {
+        "draft": portable_name(str(cfg.pair.draft)),  # an identity or hub id where there is one, not a local path
+        "target": portable_name(str(cfg.pair.target)),
+        "sampling": specdecpp.SamplingConfig.from_mapping(cfg.sampling).to_dict(),
+        "seed": int(cfg.seed),
+        "prompts": {**prompts, "splits": splits_of(cfg),
+                    "limit": {split: limit_of(cfg, split) for split in splits_of(cfg)}},
+        "max_new_tokens": int(cfg.max_new_tokens),
+        "shard_size": int(cfg.shard_size),
+    }
+
+
+def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
+    """Everything saved in specdecpp_meta.json."""
+    return {
+        **settings_meta(cfg),
+        "dtype": dtype_name(target.dtype),
+        "draft_hidden_size": int(draft.config.hidden_size),
+        "vocab_size": int(vocab),
+        "code_version": code_version(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,
+    }
+
+
+def check_resumable(out: str, existing: dict, meta: dict) -> None:
+    """Refuse to mix data made with different settings into one directory (compares the keys of
+    ``meta``, which may be :func:`settings_meta` alone)."""
+    def same(k: str) -> bool:  # models compare by identity (a dataset recorded by path still resumes)
+        if k in ("draft", "target") and existing.get(k) is not None and meta[k] is not None:
+            return same_model(str(existing[k]), str(meta[k]))
+        return existing.get(k) == meta[k]
+
+    differ = sorted(k for k in meta if k not in VOLATILE_META and not same(k))
+    if differ:
+        detail = "; ".join(f"{k}: existing {existing.get(k)!r} vs now {meta.get(k)!r}" for k in differ)
+        raise ValueError(f"out={out!r} already holds data made with other settings ({detail}). "
+                         "Rerun with the original settings to resume, or choose another out directory.")

@@ -1,0 +1,214 @@
+"""``run(cfg)``: benchmark one stopping method over a prompt set, one JSONL row per prompt.
+
+Everything that can be wrong with the input (method settings, head, prompts, an incompatible
+result file) is checked by :func:`prepare` before any model loads. Loaded pairs are kept for the
+next run in the same process, so a Hydra multirun or ``python -m infer.sweep`` loads them once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from specdecpp.loading import dtype_name, eos_token_ids, load_pair
+from specdecpp.prompts import Prompt, encode_prompt, load_prompts
+from specdecpp.sampling import SamplingConfig
+
+from .methods import MethodSpec, build_runner, resolve_method
+from .results import ResultWriter, check_resumable, prompt_seed, read_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    spec: MethodSpec
+    sampling: SamplingConfig
+    path: Path
+    run_keys: dict  # recorded in every row; must match the rows already in the file
+    todo: list[Prompt]
+    n_done: int
+    pair: dict
+    max_new_tokens: int
+    warmup_tokens: int
+    progress: bool
+    profile: bool = False
+
+
+def sampling_tag(s: SamplingConfig) -> str:
+    return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
+
+
+def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int) -> Path:
+    return Path(str(out_dir)) / f"{spec.tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
+
+
+def fill_pair_from_head(cfg, head_path=None) -> None:
+    """``pair.draft`` / ``pair.target`` left unset are taken from an acceptance head's config.json
+    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp,
+    else ``head_path``. Values given on the command line win (a draft that differs from the head's
+    is refused later, by the head check)."""
+    missing = [k for k in ("draft", "target") if OmegaConf.is_missing(cfg.pair, k)]
+    if not missing:
+        return
+    if cfg.method.get("name") == "specdecpp" and cfg.method.get("head"):
+        head_path = cfg.method.head
+    if not head_path:
+        raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
+                         "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
+    from specdecpp import load_head
+
+    head = load_head(str(head_path))
+    recorded = {"draft": head.draft, "target": head.meta.get("target")}
+    for key in missing:
+        if not recorded[key]:
+            raise ValueError(f"pair.{key} is not set and head {str(head_path)!r} records no {key} model in its "
+                             f"config.json: pass pair.{key}=PATH")
+        cfg.pair[key] = str(recorded[key])
+    log.info("pair from head %s: draft %s, target %s", head_path, cfg.pair.draft, cfg.pair.target)
+
+
+def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
+    """Check the config and find the prompts still to do; loads no model. An unset pair comes from
+    the head (see :func:`fill_pair_from_head`)."""
+    fill_pair_from_head(cfg, head_path)
+    sampling = SamplingConfig.from_mapping(cfg.sampling)
+    spec = spec or resolve_method(cfg.method, str(cfg.pair.draft), sampling)
+    max_new_tokens, seed = cfg.max_new_tokens, cfg.seed
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    p = cfg.prompts
+    prompts = load_prompts(p.source, split=p.get("split"), limit=p.get("limit"), path=p.get("path"))
+    run_keys = {
+        "method": spec.name, "settings": spec.settings,
+        "pair": {"name": cfg.pair.name, "draft": str(cfg.pair.draft), "target": str(cfg.pair.target)},
+        "prompts": {"name": p.name, "source": p.source, "split": p.get("split")},
+        "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens,
+    }
+    path = result_path(cfg.out, spec, sampling, seed)
+    rows = read_rows(path)
+    check_resumable(path, rows, run_keys)
+    done = {row["prompt_id"] for row in rows}
+    return Job(spec=spec, sampling=sampling, path=path, run_keys=run_keys,
+               todo=[q for q in prompts if q.id not in done], n_done=len(done),
+               pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
+               max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
+               progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)))
+
+
+_LOADED: dict[tuple, tuple] = {}
+
+
+def load_models(pair: dict):
+    """``load_pair`` once per process for the same pair (the previous pair is released)."""
+    key = tuple(str(pair[k]) for k in ("draft", "target", "device", "dtype"))
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_pair(*key)
+    return _LOADED[key]
+
+
+def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
+             timed: bool, device: torch.device, dtype: torch.dtype) -> dict:
+    times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
+    times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
+    times["forward_time_s"] = extra.get("forward_time_s") if timed else None
+    return {
+        **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
+        "device": str(device), "dtype": dtype_name(dtype), "timed": timed,
+        "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
+        "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
+        "candidate_lengths": stats.candidate_lengths, **times,
+        "tokens_per_s": stats.tokens_per_s if timed else None,
+        "discard_rate": stats.discard_rate, "verification_rate": stats.verification_rate,
+        "mean_accept_length": stats.mean_accept_length, "output_ids": output_ids,
+        **(extra.get("row") or {}),  # a method's own counts (PEARL: gamma_used, overlap_time_s, ...)
+    }
+
+
+def execute(job: Job, models) -> dict:
+    """Decode every prompt still to do, appending one row per prompt as it finishes."""
+    draft, target, tokenizer = models
+    runner = build_runner(job.spec, draft, target, job.sampling, profile=job.profile)
+    eos, seed = sorted(eos_token_ids(tokenizer, target)), job.run_keys["seed"]
+    encoded = [(q, torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)) for q in job.todo]
+    if encoded and runner.timed and job.warmup_tokens > 0:  # untimed, unrecorded
+        runner.generate(encoded[0][1], min(job.warmup_tokens, job.max_new_tokens), seed, eos)
+    writer = ResultWriter(job.path)
+    bar = tqdm(encoded, desc=f"{job.spec.name} {job.spec.tag}", disable=not job.progress, unit="prompt")
+    for prompt, ids in bar:
+        output_ids, stats, extra = runner.generate(ids, job.max_new_tokens, prompt_seed(seed, prompt.id), eos)
+        writer.append(make_row(job, prompt, ids.shape[1], output_ids, stats, extra, runner.timed,
+                               target.device, target.dtype))
+    return summarize(job)
+
+
+def execute_interleaved(jobs: list[Job], models) -> list[dict]:
+    """Decode prompt by prompt, every job's method on a prompt before the next prompt, so a drift
+    in machine load touches every method alike (the comparison is then paired in time as well as
+    in prompts). Rows are appended to each job's own file as they finish (resumable)."""
+    draft, target, tokenizer = models
+    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile) for job in jobs]
+    writers = [ResultWriter(job.path) for job in jobs]
+    eos = sorted(eos_token_ids(tokenizer, target))
+    order: dict[str, Prompt] = {}
+    for job in jobs:
+        for q in job.todo:
+            order.setdefault(q.id, q)
+    encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
+    warm = max((job.warmup_tokens for job in jobs), default=0)
+    if encoded and warm > 0:  # untimed, unrecorded: one warm-up per runner
+        first = next(iter(encoded.values()))
+        for job, runner in zip(jobs, runners, strict=True):
+            if runner.timed and job.todo:
+                runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
+    todo = [{q.id for q in job.todo} for job in jobs]
+    total = sum(len(t) for t in todo)
+    with tqdm(total=total, desc=f"{len(jobs)} methods, interleaved", disable=not jobs or not jobs[0].progress,
+              unit="run") as bar:
+        for pid, ids in encoded.items():
+            for job, runner, writer, ids_todo in zip(jobs, runners, writers, todo, strict=True):
+                if pid not in ids_todo:
+                    continue
+                output_ids, stats, extra = runner.generate(ids, job.max_new_tokens,
+                                                           prompt_seed(job.run_keys["seed"], pid), eos)
+                writer.append(make_row(job, order[pid], ids.shape[1], output_ids, stats, extra, runner.timed,
+                                       target.device, target.dtype))
+                bar.update(1)
+    return [summarize(job) for job in jobs]
+
+
+def summarize(job: Job) -> dict:
+    rows = read_rows(job.path)
+    timed = [r for r in rows if r.get("timed")]
+    wall = sum(r["wall_time_s"] for r in timed)
+    return {"path": str(job.path), "method": job.spec.name, "tag": job.spec.tag, "rows": len(rows),
+            "new_rows": len(rows) - job.n_done,
+            "tokens_per_s": sum(r["n_generated"] for r in timed) / wall if wall > 0 else None}
+
+
+def set_threads(cfg) -> None:
+    """``num_threads``: CPU threads for torch (null: torch's default)."""
+    n = cfg.get("num_threads")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_threads must be an integer >= 1 or null, got {n!r}")
+        torch.set_num_threads(n)
+
+
+def run(cfg) -> dict:
+    """Benchmark ``cfg.method`` on ``cfg.pair`` over ``cfg.prompts``; returns a summary dict."""
+    set_threads(cfg)
+    job = prepare(cfg)
+    if not job.todo:
+        log.info("%s is complete (%d rows); nothing to do", job.path, job.n_done)
+        return summarize(job)
+    return execute(job, load_models(job.pair))

@@ -1,0 +1,115 @@
+"""Hugging Face assisted generation (``target.generate(assistant_model=draft)``) in our harness.
+
+transformers decides the candidate lengths; we only count and time. Forward hooks on the two
+models count their forward passes (N_draft, N_target) and time them (synchronising CUDA), the
+draft passes between two target passes give the round's candidate length, and a streamer sees
+each round's accepted tokens. Wall time is taken around ``generate`` with the same clock as the
+engine. The modes map to transformers' generation-config keys on the assistant:
+
+- ``constant``: num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0
+- ``heuristic``: schedule "heuristic" (+2 after a fully accepted round, else -1, floor 1)
+- ``confidence``: schedule "constant" with num_assistant_tokens as the cap, and drafting stops
+  when the draft's probability of its token falls below assistant_confidence_threshold
+  (transformers adapts that threshold during generation only when scikit-learn is installed)
+
+The assistant's settings are reset before every prompt, so every prompt starts from the
+configured values (transformers otherwise carries the heuristic's length over between calls).
+
+transformers' draft calls feed the tokens accepted since the last round (2-3 at a time) and keep
+one logit by slicing the hidden state; on a CPU in bf16 that slice sends oneDNN down a slow path
+(the demo draft's call costs about 7 ms instead of 2-4). ``GatherKeptLogits`` hands both models an
+index tensor instead during ``generate`` (the same logits, as our engine computes them), so HF is
+timed on the same footing as our methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecpp.engine import RunStats
+from specdecpp.hooks import GatherKeptLogits
+from specdecpp.loading import token_set
+from specdecpp.sampling import SamplingConfig
+
+from .timing import Clock, ForwardMeter
+
+# Logits processors a checkpoint's generation_config.json could switch on (transformers fills
+# every unset key from it): set to their no-op values, so HF samples from the same warped
+# distribution as our engine.
+NEUTRAL = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
+
+
+class _RoundStreamer:
+    """transformers streams the prompt first, then each round's accepted tokens plus one."""
+
+    def __init__(self) -> None:
+        self.puts: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class HFAssistedRunner:
+    timed = True
+
+    def __init__(self, draft, target, sampling: SamplingConfig, mode: str, num_assistant_tokens: int,
+                 confidence_threshold: float = 0.0, profile: bool = False) -> None:
+        self.draft, self.target, self.sampling = draft, target, sampling
+        self.assistant_settings = {
+            "num_assistant_tokens": num_assistant_tokens,
+            "num_assistant_tokens_schedule": "heuristic" if mode == "heuristic" else "constant",
+            "assistant_confidence_threshold": confidence_threshold if mode == "confidence" else 0.0,
+        }
+        self.clock = Clock(target.device)  # wall time
+        self.meter_clock = Clock(target.device, sync=profile)  # per forward: syncs only when profiling
+
+    def _generation_config(self, max_new_tokens: int, eos_token_id):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        eos = sorted(token_set(eos_token_id))
+        pad = eos[0] if eos else 0
+        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
+                  pad_token_id=pad, do_sample=not s.greedy)
+        if not s.greedy:
+            kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        return GenerationConfig(**kw)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
+        for key, value in self.assistant_settings.items():
+            setattr(self.draft.generation_config, key, value)
+        config = self._generation_config(max_new_tokens, eos_token_id)
+        streamer = _RoundStreamer()
+        draft_meter = ForwardMeter(self.draft, self.meter_clock)
+        candidate_lengths: list[int] = []
+        seen = [0]
+
+        def round_started():  # a target pass closes the drafting of one round
+            candidate_lengths.append(draft_meter.calls - seen[0])
+            seen[0] = draft_meter.calls
+
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        with GatherKeptLogits(self.draft, self.target), draft_meter, \
+                ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
+            t0 = self.clock.now()
+            out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                       assistant_model=self.draft, generation_config=config,
+                                       streamer=streamer)
+            wall = self.clock.now() - t0
+        output_ids = out[0, prompt_ids.shape[1]:].tolist()
+        accept_lengths = [n - 1 for n in streamer.puts[1:]]
+        stats = RunStats(
+            n_generated=len(output_ids), n_target_calls=target_meter.calls,
+            n_draft_calls=draft_meter.calls,
+            n_discarded=sum(candidate_lengths) - sum(accept_lengths),
+            accept_lengths=accept_lengths, candidate_lengths=candidate_lengths,
+            draft_time_s=draft_meter.seconds, target_time_s=target_meter.seconds, wall_time_s=wall)
+        if not self.meter_clock.exact:
+            stats.draft_time_s = stats.target_time_s = float("nan")
+            return output_ids, stats, {"forward_time_s": None}
+        return output_ids, stats, {"forward_time_s": draft_meter.seconds + target_meter.seconds}

@@ -1,0 +1,304 @@
+"""python -m infer.potential DATA_DIR [--cost-ratio R | --costs FILE] [--head DIR ...] [--out DIR]
+
+"Can a learned stop predictor pay off on my pair?", answered from a data_gen dataset alone, before
+any decoding: replays speculative rounds along each labelled response with Bernoulli(P_i)
+acceptances (``specdecpp.potential``) for fixed K 1..10, the informed Algorithm 2 (a perfect head
+with the real head's one-candidate lag), the same perfect head without the lag, trained heads (``--head``, run on the draft's features
+of the same data), SVIP from the stored draft entropy and the hindsight oracle. Speedups by
+Eq. 2.3 at the cost ratio, with 95% bootstrap intervals over prompts, and with the measured
+width-dependent target cost when ``--costs`` has one. Writes potential.md, potential.json and
+potential.png to ``--out`` (default: DATA_DIR/potential) and prints the table.
+
+``--costs FILE``: JSON with ``t_draft`` and ``t_target`` (seconds per forward) and optionally
+``target_by_width`` ({"1": s, "2": s, ...}: the target scoring n tokens after a cached prefix), as
+written by ``scripts/measure_pair.py --costs-out FILE``; a ``summary.json`` of ``infer.report``
+also works (its first fitted group's t_draft and t_target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specdecpp import potential as pt
+
+DEFAULT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+DEFAULT_SVIP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointing to scripts/potential_whatif.py
+
+
+def load_costs(path: str | Path) -> pt.Costs:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--costs {str(path)!r}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--costs {str(path)!r}: not valid JSON ({exc})") from exc
+    if "t_draft" not in data and "groups" in data:  # infer.report's summary.json
+        fits = [g["fit"] for g in data["groups"] if g.get("fit")]
+        if not fits:
+            raise ValueError(f"--costs {str(path)!r}: the report has no fitted cost model")
+        data = fits[0]
+    if "t_draft" not in data or "t_target" not in data:
+        raise ValueError(f"--costs {str(path)!r}: needs keys t_draft and t_target (seconds per forward)")
+    width = data.get("target_by_width")
+    costs = pt.Costs(float(data["t_draft"]), float(data["t_target"]),
+                     {int(k): float(v) for k, v in width.items()} if width else None)
+    if not (0 < costs.t_draft < costs.t_target):
+        raise ValueError(f"--costs {str(path)!r}: need 0 < t_draft < t_target, got {costs.t_draft} and {costs.t_target}")
+    return costs
+
+
+def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> tuple[list[dict], dict, list]:
+    """Rows of one split (or every split with ``all``) as numpy arrays, the meta, the raw rows."""
+    from specdecpp.dataset import load_labelled
+
+    splits, meta = load_labelled(data_dir)
+    names = list(splits) if split == "all" else [split]
+    missing = [n for n in names if n not in splits]
+    if missing:
+        raise ValueError(f"dataset {str(data_dir)!r} has no split {missing[0]!r}; it has {sorted(splits)}")
+    raw = []
+    for name in names:
+        ds = splits[name]
+        raw += [dict(ds[i], row=i, split=name) for i in range(len(ds))]
+    if limit:
+        raw = raw[:limit]
+    rows = [{"p_acc": np.asarray(r["p_acc"], dtype=np.float64),
+             "draft_entropy": np.asarray(r["draft_entropy"], dtype=np.float64)} for r in raw if len(r["p_acc"])]
+    return rows, meta, [r for r in raw if len(r["p_acc"])]
+
+
+def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
+                      mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8) -> list[list[np.ndarray]]:
+    """Each head's P_hat at every position, from the draft's features of the same data; the draft
+    is loaded and run once for all heads.
+
+    Features follow train's token mixing (Z_i = X_i with probability ``mix_ratio``); a position
+    whose mixing took X_i gets its feature from the next mixing draw (epoch 1, 2, ...), so every
+    position is scored from a context like the one train and validation use.
+    """
+    import torch
+
+    from specdecpp.head import load_head
+    from specdecpp.loading import load_model
+    from specdecpp.mixing import draft_features, lag_free_features, mixed_example, mixing_mask
+
+    heads = [load_head(h) for h in head_dirs]
+    draft_ref = draft_ref or meta.get("draft")
+    if not draft_ref:
+        raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
+    draft = load_model(draft_ref, device="cpu", dtype=meta.get("dtype", "float32"))  # the precision that labelled the data
+    for head in heads:
+        head.attach(draft)
+    filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]
+    preds = [[np.full(len(r["p_acc"]), np.nan) for r in raw_rows] for _ in heads]
+    for epoch in range(8):
+        todo = [j for j, f in enumerate(filled) if not f.all()]
+        if not todo:
+            break
+        ratio = mix_ratio if epoch < 7 else 0.0  # the last pass feeds the draft tokens everywhere
+        for a in range(0, len(todo), batch_size):
+            chunk = todo[a : a + batch_size]
+            examples = []
+            for j in chunk:
+                r = raw_rows[j]
+                mask = mixing_mask(len(r["target_ids"]), ratio, mix_seed, epoch, int(r["row"]))
+                examples.append((mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"], mask), mask))
+            # the states at each candidate (the paper's head) and one earlier (the lag-free head's)
+            both = draft_features(draft, [e[0][0] for e in examples],
+                                  [torch.cat([e[0][1], e[0][1] - 1]) for e in examples])
+            with torch.no_grad():
+                for j, h, ((seq, pos, _), mask) in zip(chunk, both, examples, strict=True):
+                    at, before = h[: len(pos)], h[len(pos) :]
+                    keep = (~mask).nonzero().squeeze(-1).numpy()
+                    new = keep[~filled[j][keep]]
+                    fill = ~filled[j][keep]
+                    for head, out in zip(heads, preds, strict=True):
+                        x = at if head.lag else lag_free_features(draft, before, seq[pos], head.feature_spec())
+                        out[j][new] = torch.sigmoid(head(x.float())).reshape(-1).double().numpy()[fill]
+                    filled[j][new] = True
+    return preds
+
+
+def head_predictions(head_dir: str, raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
+                     **kwargs) -> list[np.ndarray]:
+    """One head's P_hat at every position (see :func:`heads_predictions`)."""
+    return heads_predictions([head_dir], raw_rows, meta, draft_ref, **kwargs)[0]
+
+
+def policies(max_k: int, thresholds, svip_thresholds, heads: list[str],
+             lags: dict[str, int] | None = None) -> list[pt.Policy]:
+    """The compared policies; ``lags[name]`` is each head's lag (1, the paper's head, by default)."""
+    out = [pt.fixed_k(k) for k in range(1, max_k + 1)]
+    out += [pt.informed(h) for h in thresholds]
+    out += [pt.informed_lag_free(h) for h in thresholds]
+    for name in heads:
+        out += [pt.head_rule(name, h, lag=(lags or {}).get(name, 1)) for h in thresholds]
+    out += [pt.svip(h) for h in svip_thresholds]
+    out.append(pt.oracle())
+    return out
+
+
+def _ci(lo_hi) -> str:
+    return f"[{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]"
+
+
+def report_markdown(records: list[dict], context: dict) -> str:
+    width = any("speedup_by_width" in r for r in records)
+    cols = ["policy", "settings", "verification rate", "discard rate", "tokens/round",
+            f"Eq. 2.3 speedup (c = {context['cost_ratio']:.3f})", "95% CI"]
+    if width:
+        cols += ["speedup, t_target(n)", "95% CI"]
+    lines = [f"# Stop potential: {context['data']}", "",
+             f"Split `{context['split']}`: {context['prompts']} prompts, {context['positions']} labelled positions, "
+             f"mean P = {context['mean_p_acc']:.3f}; {context['seeds']} seeds of Bernoulli(P_i) acceptances per prompt "
+             f"(every policy sees the same draws). Cost ratio t_draft / t_target = {context['cost_ratio']:.4f} "
+             f"({context['cost_source']}). Intervals: 95% bootstrap over prompts.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "-"
+        cells = [r["name"], settings, f"{r['verification_rate']:.3f}", f"{r['discard_rate']:.3f}",
+                 f"{r['tokens_per_round']:.2f}", f"{r['speedup']:.3f}x", _ci(r["speedup_ci95"])]
+        if width:
+            cells += [f"{r['speedup_by_width']:.3f}x", _ci(r["speedup_by_width_ci95"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Best of each policy", ""]
+    for line in context["best_lines"]:
+        lines.append(f"- {line}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    families: dict[str, list[dict]] = {}
+    for r in records:
+        families.setdefault(r["name"], []).append(r)
+    colors = {"fixed_k": "tab:blue", "informed": "black", "informed_lag_free": "tab:gray", "svip": "tab:green",
+              "oracle": "gold"}
+    for i, (name, recs) in enumerate(families.items()):
+        color = colors.get(name, plt.cm.tab10((i + 3) % 10))
+        xs, ys = [r["discard_rate"] for r in recs], [r["verification_rate"] for r in recs]
+        ax.plot(xs, ys, marker="*" if name == "oracle" else "o", color=color, label=name, ms=5,
+                ls="-" if len(recs) > 1 else "none")
+    ax.set_xlabel("discard rate N_discarded / N")
+    ax.set_ylabel("verification rate N_target / N")
+    ax.set_title("Pareto plane (lower left is better)")
+    ax.legend(fontsize=8)
+    names = list(families)
+    bests = [max(families[n], key=lambda r: r["speedup"]) for n in names]
+    vals = [b["speedup"] for b in bests]
+    err = np.array([[b["speedup"] - b["speedup_ci95"][0], b["speedup_ci95"][1] - b["speedup"]] for b in bests]).T
+    bx.bar(range(len(names)), vals, yerr=err, color=[colors.get(n, "tab:red") for n in names], capsize=4)
+    bx.axhline(1.0, color="gray", lw=0.8)
+    bx.set_xticks(range(len(names)), [f"{n}\n{b['label'][len(n):].strip()}" for n, b in zip(names, bests, strict=True)],
+                  fontsize=7)
+    bx.set_ylabel("Eq. 2.3 speedup over target-only (best setting, 95% CI)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, costs_file: str | None = None,
+        heads: list[str] = (), draft: str | None = None, seeds: int = 5, max_k: int = 10,
+        thresholds=DEFAULT_THRESHOLDS, svip_thresholds=DEFAULT_SVIP, out: str | None = None,
+        limit: int | None = None, n_boot: int = 1000, quiet: bool = False) -> dict:
+    if (cost_ratio is None) == (costs_file is None):
+        raise ValueError("give exactly one of --cost-ratio R or --costs FILE")
+    costs = pt.Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    rows, meta, raw = dataset_rows(data_dir, split, limit)
+    if not rows:
+        raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
+    head_names = [Path(h).name for h in heads]
+    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft) if heads else [], strict=True):
+        for row, p in zip(rows, preds, strict=True):
+            row["pred:" + name] = p
+    from specdecpp.head import load_head
+    lags = {Path(h).name: load_head(h).lag for h in heads}  # the paper's head 1, the lag-free head 0
+    pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
+    t0 = time.perf_counter()
+    results = pt.simulate(rows, pols, seeds=range(seeds))
+    records = pt.summarise(results, pols, costs, n_boot=n_boot)
+    fixed = pt.best(records, "fixed_k")
+    best_lines, margins = [], {}
+    for name in dict.fromkeys(r["name"] for r in records):
+        b = pt.best(records, name)
+        line = f"{name}: best {b['label']} at {b['speedup']:.3f}x {_ci(b['speedup_ci95'])}"
+        if name != "fixed_k":
+            lo_hi = pt.paired_margin_interval(results[b["label"]], results[fixed["label"]],
+                                              lambda c: pt.speedup_eq23(c, costs.ratio), n_boot)
+            margin = b["speedup"] / fixed["speedup"] - 1
+            margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
+            line += f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), 95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]"
+        best_lines.append(line)
+    if costs.target_by_width:
+        fw = pt.best(records, "fixed_k", "speedup_by_width")
+        for name in ("informed", *[f"head:{n}" for n in head_names]):
+            b = pt.best(records, name, "speedup_by_width")
+            best_lines.append(f"with t_target(n): {name} best {b['label']} {b['speedup_by_width']:.3f}x vs fixed K "
+                              f"{fw['label']} {fw['speedup_by_width']:.3f}x ({100 * (b['speedup_by_width'] / fw['speedup_by_width'] - 1):+.1f}%)")
+    informed, lag_free = margins.get("informed"), margins.get("informed_lag_free")
+    if informed and lag_free and informed["margin"] < WHATIF_BELOW:
+        best_lines.append(
+            f"verdict: even a perfect head with Algorithm 2's lag is {100 * informed['margin']:+.1f}% over fixed K "
+            f"here (the paper's pair: +7-11%), without the lag {100 * lag_free['margin']:+.1f}%; how much more the "
+            f"draft would have to accept: python scripts/potential_whatif.py {data_dir} --split {split} "
+            f"--ratios {costs.ratio:.3f} --out WHATIF_DIR")
+    context = {"data": str(data_dir), "split": split, "prompts": len(rows),
+               "positions": int(sum(len(r["p_acc"]) for r in rows)),
+               "mean_p_acc": float(np.concatenate([r["p_acc"] for r in rows]).mean()),
+               "seeds": seeds, "cost_ratio": costs.ratio,
+               "cost_source": "given" if costs_file is None else f"measured, {costs_file}",
+               "best_lines": best_lines, "simulation_s": time.perf_counter() - t0}
+    out_dir = Path(out) if out else Path(data_dir) / "potential"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = report_markdown(records, context)
+    (out_dir / "potential.md").write_text(md)
+    payload = {"context": {k: v for k, v in context.items()}, "costs": {"t_draft": costs.t_draft, "t_target": costs.t_target,
+               "target_by_width": costs.target_by_width}, "margins_vs_best_fixed_k": margins, "records": records}
+    (out_dir / "potential.json").write_text(json.dumps(payload, indent=1) + "\n")
+    plot(records, out_dir / "potential.png", f"{data_dir} ({split}): stop potential at c = {costs.ratio:.3f}")
+    if not quiet:
+        print(md)
+        print(f"wrote {out_dir / 'potential.md'}, potential.json, potential.png")
+    return {"records": records, "margins": margins, "out": str(out_dir), "context": context}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="a data_gen output directory")
+    ap.add_argument("--split", default="test", help="train, dev, test or all (default test)")
+    ap.add_argument("--cost-ratio", type=float, help="t_draft / t_target for Eq. 2.3")
+    ap.add_argument("--costs", help="JSON with measured t_draft, t_target (and target_by_width)")
+    ap.add_argument("--head", action="append", default=[], help="a trained head directory (repeatable)")
+    ap.add_argument("--draft", help="the draft model for --head (default: the dataset's)")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--max-k", type=int, default=10)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS))
+    ap.add_argument("--svip-thresholds", type=float, nargs="+", default=list(DEFAULT_SVIP))
+    ap.add_argument("--limit", type=int, help="only the first N prompts")
+    ap.add_argument("--out", help="output directory (default DATA/potential)")
+    args = ap.parse_args(argv)
+    try:
+        run(args.data, args.split, args.cost_ratio, args.costs, args.head, args.draft, args.seeds, args.max_k,
+            args.thresholds, args.svip_thresholds, args.out, args.limit)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"infer.potential: {exc}")
+
+
+if __name__ == "__main__":
+    main()

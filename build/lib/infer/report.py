@@ -1,0 +1,136 @@
+"""python -m infer.report RESULTS_DIR [--out reports/NAME]
+
+Reads every result file under RESULTS_DIR and writes report.md, summary.json and PNG plots (one
+Pareto plot and one throughput plot per pair / prompt set / sampling group) to the out
+directory, and prints the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from .plots import pareto_plot, throughput_plot
+from .results import read_result_dir
+from .summary import R2_WARNING, summarize_results
+
+COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq. 2.3 speedup",
+           "Eq. 2.3 speedup, t_target(n)", "measured/Eq. 2.3", "outside forwards", "both busy", "mean accepted",
+           "discard rate", "verification rate")
+
+
+def _f(x, digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def group_table(group: dict) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for e in group["entries"]:
+        speedup = (_f(e["speedup"], suffix="x") if e["timed"]
+                   else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
+        ci = e.get("speedup_ci95")
+        lines.append("| " + " | ".join([
+            e["method"], e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
+            f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-",
+            _f(e["speedup_predicted"], suffix="x"), _f(e.get("speedup_width_predicted"), suffix="x"),
+            _f(e["measured_over_predicted"]),
+            _f(None if e["outside_forward_share"] is None else 100 * e["outside_forward_share"], 1, "%"),
+            _f(None if e.get("both_busy_share") is None else 100 * e["both_busy_share"], 1, "%"),
+            _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def fit_line(group: dict) -> str:
+    fit = group["fit"]
+    if fit is None:
+        return ("Cost model (Eq. 2.1): not fitted; it needs timed rows of our engine whose "
+                "(N_draft, N_target) vary independently, e.g. target_only beside fixed_k runs.")
+    line = (f"Cost model (Eq. 2.1, least squares over {fit['n_rows']} engine rows): "
+            f"t_draft = {fit['t_draft'] * 1e3:.3f} ms, t_target = {fit['t_target'] * 1e3:.3f} ms, "
+            f"R^2 = {fit['r2']:.3f}; t_draft / t_target = {fit['t_draft'] / fit['t_target']:.3f}.")
+    if group.get("fit_warning"):
+        line += (f"\n\n> **Warning: R^2 = {fit['r2']:.2f} < {R2_WARNING}.** Constant per-forward costs do not "
+                 "explain the measured times (on a CPU a verification of several tokens costs more than one), "
+                 "so the Eq. 2.3 columns are rough; trust the measured tokens/s and the width-dependent column.")
+    return line
+
+
+def _slug(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts)).strip("-")
+
+
+def load_costs(path: str | Path | None) -> dict | None:
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--costs {str(path)!r}: file not found (write it with scripts/measure_pair.py --costs-out)")
+    costs = json.loads(path.read_text())
+    if "t_draft" not in costs or not costs.get("target_by_width"):
+        raise ValueError(f"--costs {str(path)!r}: needs t_draft and target_by_width")
+    return costs
+
+
+def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path | None = None) -> dict:
+    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries."""
+    rows = read_result_dir(Path(results_dir))
+    groups = summarize_results(rows, load_costs(costs))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections, images = [f"# Inference report: {results_dir}\n"], []
+    for g in groups:
+        slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"])
+        pngs = [pareto_plot(g, out / f"pareto_{slug}.png"), throughput_plot(g, out / f"throughput_{slug}.png")]
+        images += pngs
+        sections += [
+            f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
+            f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
+        ]
+        if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):
+            sections.append("No oracle rows: add them with `python -m infer method=oracle sampling=greedy` "
+                            "and the same pair, prompts and out.\n")
+        sections += [f"![{p.stem}]({p.name})\n" for p in pngs]
+    sections.append(
+        "Settings are the result-file tags (k4: K=4; h0.7: threshold 0.7; c: SVIP's c; min/max: "
+        "candidate bounds; n: num_assistant_tokens). tokens/s = total generated tokens / total wall "
+        "time; speedup over target_only in the same table, with a 95% bootstrap interval over prompts "
+        "(the same resampled prompts for both); Eq. 2.3 speedup: 1 / (t_draft + "
+        "t_draft*discard + (t_target - t_draft)*verification) with the fitted costs, over target_only's; "
+        "Eq. 2.3 speedup, t_target(n): the same with a verification of K candidates costing the measured "
+        "t_target(K + 1) (`--costs`, from scripts/measure_pair.py --costs-out); measured/Eq. 2.3 "
+        "< 1: slower than our engine's fitted per-forward costs predict for these counts; outside "
+        "forwards = share of wall time not spent in the two models' forward passes (timed by hooks: "
+        "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); both busy "
+        "(PEARL, tag g<gamma>: its draft block length, gauto = Theorem 1) = share of wall time the draft and "
+        "the target computed at once (Eq. 2.3 does not apply to it: its models run concurrently); mean "
+        "accepted = accepted candidates per round; discard rate = N_discarded / N; verification "
+        "rate = N_target / N (rates pooled over prompts). The oracle (greedy only) is counted, not "
+        "timed: its speedup is Eq. 2.3's.\n")
+    report = "\n".join(sections)
+    (out / "report.md").write_text(report)
+    (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")
+    return {"report": out / "report.md", "summary": out / "summary.json", "images": images,
+            "groups": groups, "text": report}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m infer.report", description=__doc__.split("\n\n")[1])
+    parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
+    parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
+    parser.add_argument("--costs", help="JSON with t_draft and target_by_width (scripts/measure_pair.py --costs-out): "
+                        "adds Eq. 2.3 with the width-dependent target cost")
+    args = parser.parse_args(argv)
+    out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))
+    try:
+        result = build_report(args.results_dir, out, args.costs)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    print(result["text"])
+    print(f"wrote {result['report']}, {result['summary']} and {len(result['images'])} PNG files")
+
+
+if __name__ == "__main__":
+    main()

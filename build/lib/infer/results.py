@@ -1,0 +1,99 @@
+"""Result files: one JSONL row per prompt, appended and flushed as each prompt finishes, so an
+interrupted run resumes where it stopped without redoing or duplicating prompts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+# Keys that must agree between a run and the rows already in its result file.
+RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens")
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The seed for one prompt: the same (seed, prompt id) gives the same seed in every method."""
+    digest = hashlib.sha256(f"{int(seed)}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a result file. A cut last line (a run killed mid-write) is ignored; any other
+    unreadable line is an error naming the file and line. The file is not modified."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:  # no newline after it: the write was interrupted
+                break
+            raise ValueError(f"result file {path} line {i + 1} is not valid JSON ({exc}); "
+                             "fix or delete that file") from exc
+    return rows
+
+
+def repair_tail(path: Path) -> None:
+    """Make the file end with a complete line before appending: drop a cut last line, or add the
+    newline a complete last row is missing."""
+    path = Path(path)
+    if not path.exists():
+        return
+    text = path.read_text()
+    if not text or text.endswith("\n"):
+        return
+    head, _, last = text.rpartition("\n")
+    try:
+        json.loads(last)
+        path.write_text(text + "\n")
+    except json.JSONDecodeError:
+        path.write_text(head + "\n" if head else "")
+
+
+def check_resumable(path: Path, rows: list[dict], run: dict) -> None:
+    """Refuse to append to a file written with other settings (it would mix two experiments)."""
+    for row in rows:
+        diff = [k for k in RUN_KEYS if row.get(k) != run.get(k)]
+        if diff:
+            k = diff[0]
+            raise ValueError(
+                f"result file {path} holds rows with different {', '.join(diff)} "
+                f"(file: {row.get(k)!r}, this run: {run.get(k)!r}); choose another out= directory "
+                f"or pair.name, or move that file away; it was left untouched")
+
+
+class ResultWriter:
+    """Appends rows to a JSONL file, each one flushed and synced to disk before the next prompt."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_tail(self.path)
+
+    def append(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_result_dir(root: Path) -> list[dict]:
+    """Every row of every ``*.jsonl`` file under ``root`` (recursively), with ``_file`` added."""
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"results directory {str(root)!r} does not exist; run `python -m infer` first")
+    files = [root] if root.is_file() else sorted(root.rglob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl result files under {str(root)!r}")
+    rows = []
+    for f in files:
+        for row in read_rows(f):
+            row["_file"] = str(f)
+            rows.append(row)
+    return rows

@@ -1,0 +1,152 @@
+"""Aggregate result rows into report entries: one group per (pair, prompts, sampling), one entry
+per (method, settings). Rates are pooled (sum over prompts / total N), so Eq. 2.3 with the pooled
+rates predicts exactly total wall time / total N, the inverse of the measured throughput."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from specdecpp.metrics import CostFit, fit_cost_model, predicted_tokens_per_s
+
+from .methods import METHODS
+
+# Methods our engine runs: their rows feed the Eq. 2.1 regression (HF and the oracle do not).
+ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
+# The swept parameter of each method: one plotted series per method and its other settings.
+SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode"}
+# Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
+CONCURRENT_METHODS = ("pearl",)
+
+
+def sampling_label(s: dict) -> str:
+    return "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g}, top-k={s['top_k']}, top-p={s['top_p']:g}"
+
+
+GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling")
+
+
+def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows compared in one table: same pair, device, prompt set and sampling."""
+    groups = defaultdict(list)
+    for row in rows:
+        key = (row["pair"]["name"], row["pair"]["draft"], row["pair"]["target"], row.get("device", "?"),
+               row["prompts"]["name"], sampling_label(row["sampling"]))
+        groups[key].append(row)
+    return dict(sorted(groups.items()))
+
+
+def fit_group(rows: list[dict]) -> CostFit | None:
+    """Eq. 2.1 over the timed rows of our engine; None where the counts cannot separate the costs."""
+    engine = [r for r in rows if r["method"] in ENGINE_METHODS and r.get("timed")]
+    try:
+        return fit_cost_model([r["n_draft"] for r in engine], [r["n_target"] for r in engine],
+                              [r["wall_time_s"] for r in engine])
+    except ValueError:
+        return None
+
+
+def _entry(rows: list[dict], fit: CostFit | None) -> dict:
+    first = rows[0]
+    n = sum(r["n_generated"] for r in rows)
+    rounds = [a for r in rows for a in r["accept_lengths"]]
+    timed = all(r.get("timed") for r in rows)
+    wall = sum(r["wall_time_s"] for r in rows) if timed else None
+    dr = sum(r["n_discarded"] for r in rows) / n if n else math.nan
+    vr = sum(r["n_target"] for r in rows) / n if n else math.nan
+    concurrent = first["method"] in CONCURRENT_METHODS
+    pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if fit and not concurrent else None
+    measured = n / wall if timed and wall else None
+    forward = [r.get("forward_time_s") for r in rows]
+    outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
+    return {
+        "method": first["method"], "tag": first["tag"], "settings": first["settings"],
+        "n_prompts": len(rows), "n_generated": n, "timed": timed,
+        "tokens_per_s": measured, "predicted_tokens_per_s": pred,
+        "measured_over_predicted": measured / pred if measured and pred else None,
+        "outside_forward_share": outside,
+        "mean_accept_length": sum(rounds) / len(rounds) if rounds and first["method"] != "target_only" else None,
+        "discard_rate": dr, "verification_rate": vr,
+        **{key: sum(r[key] for r in rows) if timed and None not in (r[key] for r in rows) else None
+           for key in ("draft_time_s", "target_time_s")},  # None: not measured (CUDA without profile)
+        "wall_time_s": wall,
+        # PEARL: the share of the wall time both models were busy at once, and the gamma(s) it ran with
+        "both_busy_share": sum(r["overlap_time_s"] for r in rows) / wall if concurrent and wall else None,
+        "gamma_used": sorted({r.get("gamma_used") for r in rows}) if concurrent else None,
+    }
+
+
+def _order(entry: dict) -> tuple:
+    swept = entry["settings"].get(SWEPT.get(entry["method"], ""), "")
+    return (METHODS.index(entry["method"]) if entry["method"] in METHODS else len(METHODS),
+            str({k: v for k, v in entry["settings"].items() if k != SWEPT.get(entry["method"])}),
+            swept if isinstance(swept, (int, float)) else 0, str(swept))
+
+
+R2_WARNING = 0.9  # below this the constant-cost model (Eq. 2.1) does not explain the measured times
+
+
+def width_latency(rows: list[dict], costs: dict) -> float | None:
+    """Seconds per token predicted with a width-dependent target cost: t_draft * N_draft plus, per
+    round, t_target(K + 1) for a verification of K candidates (``costs``: t_draft and
+    target_by_width {n: seconds}, e.g. from scripts/measure_pair.py --costs-out)."""
+    curve = sorted((int(n), float(t)) for n, t in (costs.get("target_by_width") or {}).items())
+    if not curve or any("candidate_lengths" not in r for r in rows):
+        return None
+    xs, ys = [x for x, _ in curve], [y for _, y in curve]
+    n = sum(r["n_generated"] for r in rows)
+    total = costs["t_draft"] * sum(r["n_draft"] for r in rows)
+    total += sum(float(np.interp(k + 1, xs, ys)) for r in rows for k in r["candidate_lengths"])
+    return total / n if n else None
+
+
+def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
+                      level: float = 0.95) -> tuple[float, float] | None:
+    """95% bootstrap interval of tokens/s(rows) / tokens/s(base_rows) over prompts resampled with
+    replacement, the same prompts for both (pooled: sum of tokens / sum of wall time)."""
+    by_id = {r["prompt_id"]: r for r in rows if r.get("timed")}
+    base = {r["prompt_id"]: r for r in base_rows if r.get("timed")}
+    ids = sorted(set(by_id) & set(base))
+    if len(ids) < 2:
+        return None
+    arr = np.array([[by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"]]
+                    for i in ids], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(ids), (n_boot, len(ids)))
+    s = arr[idx].sum(axis=1)  # [n_boot, 4]
+    ratios = (s[:, 0] / s[:, 1]) / (s[:, 2] / s[:, 3])
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def summarize_group(rows: list[dict], costs: dict | None = None) -> dict:
+    fit = fit_group(rows)
+    by_run = defaultdict(list)
+    for row in rows:
+        by_run[(row["method"], row["tag"], repr(sorted(row["settings"].items())))].append(row)
+    entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
+    base = next((e for e in entries if e["method"] == "target_only"), None)
+    base_rows = by_run.get(("target_only", base["tag"], repr(sorted(base["settings"].items())))) if base else None
+    base_width = width_latency(base_rows, costs) if costs and base_rows else None
+    for e in entries:
+        e_rows = by_run[(e["method"], e["tag"], repr(sorted(e["settings"].items())))]
+        e["speedup"] = e["speedup_predicted"] = e["speedup_ci95"] = e["speedup_width_predicted"] = None
+        if base and e["tokens_per_s"] and base["tokens_per_s"]:
+            e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
+            e["speedup_ci95"] = paired_speedup_ci(e_rows, base_rows)
+        if base and e["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
+            e["speedup_predicted"] = e["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
+        if base_width and e["method"] not in CONCURRENT_METHODS:
+            latency = width_latency(e_rows, costs)
+            e["speedup_width_predicted"] = base_width / latency if latency else None
+    return {"fit": fit.to_dict() if fit else None, "entries": entries,
+            "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
+            "greedy": rows[0]["sampling"]["temperature"] == 0}
+
+
+def summarize_results(rows: list[dict], costs: dict | None = None) -> list[dict]:
+    """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (t_draft and
+    target_by_width) adds Eq. 2.3 with the width-dependent target cost."""
+    return [{**dict(zip(GROUP_KEYS, key, strict=True)), **summarize_group(group, costs)}
+            for key, group in group_rows(rows).items()]

@@ -1,0 +1,85 @@
+"""python -m infer.sweep [overrides]: the paper's whole comparison in one process.
+
+Every entry of ``cfg.comparison`` (method -> settings; a list is a grid) becomes one run with the
+same pair, prompts, sampling and seeds. All runs are checked first, then the models are loaded
+once and shared. Each run writes its own result file, resumable like ``python -m infer``.
+``interleave=true`` runs every method on a prompt before the next prompt (load drift on a shared
+machine then touches all methods alike; what `make bench` uses).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from .app import execute, execute_interleaved, load_models, prepare, set_threads, summarize
+from .methods import METHODS
+
+log = logging.getLogger(__name__)
+METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
+
+
+def expand_comparison(comparison) -> list[DictConfig]:
+    """Method configs of every grid point: conf/method/<name>.yaml merged with the entry. An entry
+    that is a list holds several grids of one method, e.g. HF assisted generation at constant
+    lengths 1-4 and, beside it, its adaptive modes at one starting length."""
+    configs = []
+    for name, entries in (comparison or {}).items():
+        if name not in METHODS:
+            raise ValueError(f"comparison.{name}: unknown method; choose among {', '.join(METHODS)}")
+        base = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
+        for entry in (entries if isinstance(entries, ListConfig | list) else [entries]):
+            entry = entry or {}
+            fixed = {k: v for k, v in entry.items() if not isinstance(v, ListConfig | list)}
+            grid = {k: list(v) for k, v in entry.items() if isinstance(v, ListConfig | list)}
+            if any(not values for values in grid.values()):
+                raise ValueError(f"comparison.{name}: an empty grid {grid}")
+            for point in itertools.product(*grid.values()):
+                configs.append(OmegaConf.merge(base, fixed, dict(zip(grid, point, strict=True))))
+    return configs
+
+
+def run(cfg) -> list[dict]:
+    """Run every method of ``cfg.comparison``; return one summary per run."""
+    set_threads(cfg)
+    entries = (cfg.comparison or {}).get("specdecpp") or {}
+    heads = [e.get("head") for e in entries] if isinstance(entries, ListConfig | list) else [entries.get("head")]
+    heads = [h for hs in heads for h in (hs if isinstance(hs, ListConfig | list) else [hs]) if h]
+    # an unset pair comes from the (first) SpecDec++ head of the comparison, for every method
+    first_head = heads[0] if heads else None
+    jobs = []
+    for method in expand_comparison(cfg.comparison):
+        if method.name == "oracle" and float(cfg.sampling.temperature) != 0:
+            log.warning("comparison.oracle skipped: the oracle needs greedy decoding (sampling=greedy)")
+            continue
+        sub = cfg.copy()
+        with open_dict(sub):
+            sub.method = method
+        jobs.append(prepare(sub, head_path=first_head))  # every check before any model loads
+    if cfg.get("interleave") and jobs:
+        pending = [job for job in jobs if job.todo]
+        by_path = {job.path: s for job, s in zip(pending, execute_interleaved(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}
+        return [by_path.get(job.path) or summarize(job) for job in jobs]
+    summaries = []
+    for job in jobs:
+        if not job.todo:
+            log.info("%s is complete; skipped", job.path)
+            summaries.append(summarize(job))
+            continue
+        summaries.append(execute(job, load_models(job.pair)))
+    return summaries
+
+
+@hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
+def main(cfg) -> None:
+    for s in run(cfg):
+        tps = f"{s['tokens_per_s']:.2f}" if s["tokens_per_s"] is not None else "-"
+        print(f"{s['method']:>12} {s['tag']:<28} rows {s['rows']:>4}  tokens/s {tps:>8}  {s['path']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The labelled dataset on disk: schema, shard storage while data_gen runs, and a validating loader.
+
+Layout of a dataset directory DIR::
+
+    DIR/specdecpp_meta.json          settings that produced the data; "complete": true once finished
+    DIR/dataset_dict.json, DIR/<split>/   the finished DatasetDict (``datasets.load_from_disk``)
+    DIR/shards/<split>/<00000>/           shards while data_gen runs (removed once consolidated)
+    DIR/shards/<split>/<00000>.done       written after its shard is fully saved
+
+A shard counts as done only once its ``.done`` marker exists, so an interrupted run redoes at most
+the shards it was writing. The meta file's ``complete`` flag is written last: a directory
+without it is a run that did not finish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from datasets import (
+    Dataset,
+    DatasetDict,
+    Features,
+    Sequence,
+    Value,
+    concatenate_datasets,
+    load_from_disk,
+)
+
+FEATURES = Features({
+    "id": Value("string"),
+    "prompt": Value("string"),
+    "prompt_ids": Sequence(Value("int32")),
+    "target_ids": Sequence(Value("int32")),
+    "draft_ids": Sequence(Value("int32")),
+    "p_acc": Sequence(Value("float32")),
+    "draft_entropy": Sequence(Value("float32")),
+})
+TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")  # one entry per response token
+META_FILE = "specdecpp_meta.json"
+SHARDS_DIR = "shards"
+RESUME_HINT = "data_gen did not finish: rerun the same command to resume"
+
+
+class DatasetError(ValueError):
+    """A labelled dataset directory that is missing, partial or malformed."""
+
+
+def rows_to_dataset(rows: list[dict]) -> Dataset:
+    """Rows (dicts with the FEATURES columns) to a Dataset with exactly that schema."""
+    return Dataset.from_list(rows, features=FEATURES)
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def write_meta(directory: str | os.PathLike, meta: dict) -> None:
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(Path(directory) / META_FILE, meta)
+
+
+def read_meta(directory: str | os.PathLike) -> dict | None:
+    """The meta dict, or None if the directory has none yet."""
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: not valid JSON ({exc}); delete the directory and rerun data_gen") from exc
+
+
+def shard_path(directory: str | os.PathLike, split: str, index: int) -> Path:
+    return Path(directory) / SHARDS_DIR / split / f"{index:05d}"
+
+
+def shard_done(directory: str | os.PathLike, split: str, index: int) -> bool:
+    return shard_path(directory, split, index).with_suffix(".done").is_file()
+
+
+def save_shard(directory: str | os.PathLike, split: str, index: int, rows: list[dict]) -> None:
+    """Save one shard, then its ``.done`` marker; a half-written shard from a crash is replaced."""
+    final = shard_path(directory, split, index)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    for stale in (final, tmp):
+        shutil.rmtree(stale, ignore_errors=True)
+    rows_to_dataset(rows).save_to_disk(str(tmp))
+    os.replace(tmp, final)
+    _write_json_atomic(final.with_suffix(".done"), {"rows": len(rows), "ids": [r["id"] for r in rows]})
+
+
+def unreadable_arrow_file(split_dir: str | os.PathLike) -> tuple[Path, str] | None:
+    """The first Arrow file of a saved split (``state.json``'s data files) that cannot be read to
+    the end, with the reason; None if all read. Memory-mapped, so reading costs no copy."""
+    import pyarrow as pa
+
+    split_dir = Path(split_dir)
+    try:
+        files = [f["filename"] for f in json.loads((split_dir / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return split_dir / "state.json", f"{type(exc).__name__}: {exc}"
+    for name in files:
+        try:
+            with pa.memory_map(str(split_dir / name)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowException) as exc:
+            return split_dir / name, f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta: dict) -> DatasetDict:
+    """Join every split's shards into the final DatasetDict, mark the meta complete, drop shards."""
+    directory = Path(directory)
+    missing = [f"{s}/{i:05d}" for s, n in shard_counts.items() for i in range(n) if not shard_done(directory, s, i)]
+    if missing:
+        raise DatasetError(f"{directory}: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}); "
+                           "run the remaining shard processes (or the same command) first")
+    for split, n in shard_counts.items():
+        for i in range(n):
+            damaged = unreadable_arrow_file(shard_path(directory, split, i))
+            if damaged:
+                shard = shard_path(directory, split, i)
+                raise DatasetError(f"{directory}: shard {split}/{i:05d} is damaged ({damaged[0]} cannot be read: "
+                                   f"{damaged[1]}). Regenerate that shard: delete {shard} and "
+                                   f"{shard.with_suffix('.done')}, then rerun the same data_gen command (it "
+                                   "resumes and relabels only the missing shard)")
+    joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in range(n)])
+              for split, n in shard_counts.items() if n}
+    # a split without rows is left out: `datasets` cannot save and reload an empty split
+    splits = DatasetDict({split: ds for split, ds in joined.items() if len(ds)})
+    if not splits:
+        raise DatasetError(f"{directory}: no prompt produced a row; check the prompt source and limits")
+    splits.save_to_disk(str(directory))
+    rows = {split: len(joined[split]) if split in joined else 0 for split in shard_counts}
+    write_meta(directory, {**meta, "complete": True, "rows": rows})
+    shutil.rmtree(directory / SHARDS_DIR, ignore_errors=True)
+    return load_from_disk(str(directory))
+
+
+def _fail(path: Path, what: str) -> DatasetError:
+    return DatasetError(f"labelled dataset {str(path)!r}: {what}")
+
+
+def _check_split(path: Path, split: str, ds: Dataset) -> None:
+    import pyarrow.compute as pc
+
+    if set(ds.column_names) != set(FEATURES):
+        missing, extra = sorted(set(FEATURES) - set(ds.column_names)), sorted(set(ds.column_names) - set(FEATURES))
+        raise _fail(path, f"split {split!r} has the wrong columns (missing {missing}, unexpected {extra}); "
+                          "it was not written by data_gen")
+    for name, feature in FEATURES.items():
+        if ds.features[name] != feature:
+            raise _fail(path, f"split {split!r} column {name!r} has type {ds.features[name]}, expected {feature}")
+    if len(ds) == 0:
+        return
+    table = ds.with_format("arrow")[:]  # respects a selection / indices mapping
+    lengths = {c: pc.list_value_length(table.column(c)) for c in TOKEN_COLUMNS}
+    for c in TOKEN_COLUMNS[1:]:
+        unequal = pc.not_equal(lengths[c], lengths["target_ids"])
+        if pc.any(unequal).as_py():
+            row = pc.index(unequal, True).as_py()
+            raise _fail(path, f"split {split!r} row {row} (id {ds[row]['id']!r}): {c} has "
+                              f"{lengths[c][row].as_py()} entries but target_ids has {lengths['target_ids'][row].as_py()}")
+    p_acc = pc.list_flatten(table.column("p_acc"))
+    if len(p_acc):
+        lo, hi = pc.min(p_acc).as_py(), pc.max(p_acc).as_py()
+        if pc.any(pc.is_nan(p_acc)).as_py() or not (math.isfinite(lo) and math.isfinite(hi)):
+            raise _fail(path, f"split {split!r}: p_acc has non-finite values")
+        if lo < 0 or hi > 1:
+            raise _fail(path, f"split {split!r}: p_acc must lie in [0, 1], found range [{lo}, {hi}]")
+
+
+def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
+    """Load a finished data_gen output as ``(DatasetDict, meta)``, checking schema and labels."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _fail(path, "directory not found; run data_gen first (python -m data_gen ... out=DIR)")
+    meta = read_meta(path)
+    if meta is None:
+        raise _fail(path, f"no {META_FILE}; this is not a data_gen output directory")
+    if not meta.get("complete"):
+        raise _fail(path, RESUME_HINT)
+    for split_dir in sorted(p.parent for p in path.glob("*/state.json")):
+        damaged = unreadable_arrow_file(split_dir)
+        if damaged:
+            raise _fail(path, f"the dataset is damaged: {damaged[0]} (split {split_dir.name!r}) cannot be read "
+                              f"({damaged[1]}). Regenerate it: move {str(path)!r} away (or delete it) and rerun the "
+                              f"data_gen command that made it with out={path} (its settings are in {META_FILE}; the "
+                              "same seed gives the same rows, and an interrupted run resumes shard by shard)")
+    try:
+        splits = load_from_disk(str(path))
+    except IndexError as exc:  # what `datasets` raises for a split saved with no rows
+        raise _fail(path, "a split has no rows and cannot be read back; regenerate it with more prompts") from exc
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise _fail(path, f"the data files are missing or corrupt ({exc}); delete the directory and rerun data_gen") from exc
+    if not isinstance(splits, DatasetDict):
+        raise _fail(path, "holds a single Dataset, expected a DatasetDict of splits")
+    for split, ds in splits.items():
+        _check_split(path, split, ds)
+    return splits, meta
+
+
+def dataset_fingerprint(splits: DatasetDict, meta: dict) -> str:
+    """A short hash that names the data: the meta (settings, creation time) and each split's rows
+    and ``datasets`` fingerprint (saved with the data, new whenever it is rewritten)."""
+    import hashlib
+
+    parts = {"meta": meta, "splits": {name: [len(ds), ds._fingerprint] for name, ds in sorted(splits.items())}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def label_summary(splits: DatasetDict) -> dict[str, dict]:
+    """Per split: rows, labelled tokens, mean response length, mean p_acc (the draft's expected
+    acceptance rate on target text), shares of p_acc == 1 and == 0, mean draft entropy."""
+    import pyarrow.compute as pc
+
+    summary = {}
+    for name, ds in splits.items():
+        table = ds.with_format("arrow")[:]
+        p_acc, entropy = pc.list_flatten(table["p_acc"]), pc.list_flatten(table["draft_entropy"])
+        n = len(p_acc)
+        summary[name] = {
+            "rows": len(ds), "tokens": n, "mean_length": n / max(len(ds), 1),
+            "mean_p_acc": pc.mean(p_acc).as_py() if n else float("nan"),
+            "share_p_acc_1": pc.sum(pc.equal(p_acc, 1.0)).as_py() / n if n else float("nan"),
+            "share_p_acc_0": pc.sum(pc.equal(p_acc, 0.0)).as_py() / n if n else float("nan"),
+            "mean_draft_entropy": pc.mean(entropy).as_py() if n else float("nan"),
+        }
+    return summary

@@ -1,0 +1,335 @@
+"""Acceptance heads: predict P(candidate accepted | earlier candidates accepted).
+
+Two kinds, saved with their ``kind`` in ``config.json`` and read back by :func:`load_head`:
+
+- ``resnet`` (:class:`AcceptanceHead`, the paper's head, SpecDec++ Section 3.3): scores candidate
+  y_k from the draft's final hidden state e_k *at* y_k, which exists only once y_k has been fed
+  to the draft. Algorithm 2 therefore judges a candidate one draft step late: every round drafts
+  at least two candidates, and the last one is verified unjudged.
+- ``next`` (:class:`NextTokenHead`, lag-free): scores y_k from what exists right after y_k is
+  sampled: the state e_{k-1} that produced q_k, the token y_k (its input embedding) and q_k's own
+  numbers (q_k(y_k), log q_k(y_k), H(q_k)). A round can stop after one candidate, and no draft
+  forward is spent on a candidate that is not verified.
+
+Both take one feature vector per candidate in ``forward`` (the hidden state for ``resnet``; the
+concatenation of :func:`next_token_features` for ``next``), so train's loss and metrics do not
+care which kind they train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(Linear(x))."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+HEAD_KINDS = ("resnet", "next")
+
+
+class AcceptanceHead(nn.Module):
+    """(depth + 1)-layer ResNet: ``depth`` distinct residual blocks, then Linear(hidden, 1).
+
+    ``forward(hidden) -> logit``; sigmoid(logit) is the predicted acceptance probability.
+    depth 0 is a linear probe. Unlike the authors' code (which repeats one block object), every
+    block has its own weights.
+    """
+
+    kind = "resnet"
+    needs_hidden = True  # scores a candidate from the draft's final hidden state at it
+    lag = 1  # candidate y_k is scored once y_{k+1} has been drafted (from the state at y_k)
+
+    def __init__(self, hidden_size: int, depth: int = 3, draft: str | None = None) -> None:
+        super().__init__()
+        if not (isinstance(hidden_size, int) and hidden_size > 0):
+            raise ValueError(f"AcceptanceHead: hidden_size must be a positive integer, got {hidden_size!r}")
+        if not (isinstance(depth, int) and depth >= 0):
+            raise ValueError(f"AcceptanceHead: depth must be an integer >= 0, got {depth!r}")
+        self.hidden_size = hidden_size
+        self.depth = depth
+        self.draft = draft
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(depth))
+        self.out = nn.Linear(hidden_size, 1)
+        self.meta: dict[str, Any] = {}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"AcceptanceHead expects hidden states of size {self.hidden_size}, "
+                             f"got {hidden.shape[-1]}: the head was trained for another draft model")
+        x = hidden.to(self.out.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+    @property
+    def feature_size(self) -> int:
+        return self.hidden_size
+
+    def feature_spec(self) -> dict:
+        """What a training feature is made of (train's feature cache keys on it)."""
+        return {"kind": self.kind}
+
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The logit for one candidate at inference: ``hidden`` is the draft's state at the
+        candidate (``logits`` and ``token`` are not used by this kind)."""
+        return self(hidden.float())
+
+    def attach(self, draft_model) -> None:
+        """Check the draft fits and move the head to its device (``SpecDecPP.bind``)."""
+        self.check_draft(draft_model)
+        self.to(draft_model.device)
+
+    def check_draft(self, draft_model) -> None:
+        """Raise a clear error if ``draft_model`` cannot feed this head."""
+        size = getattr(draft_model.config, "hidden_size", None)
+        if size != self.hidden_size:
+            raise ValueError(
+                f"acceptance head has hidden_size {self.hidden_size} (trained on draft "
+                f"{self.draft or 'unknown'!r}) but the draft model {_model_name(draft_model)!r} has "
+                f"hidden_size {size}: train a head for this draft (python -m train) or load the matching draft")
+
+    # -- persistence -----------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike, *, training: dict | None = None,
+                        metrics: dict | None = None, **extra: Any) -> Path:
+        """Write ``config.json`` (sizes, draft name, training settings, metrics) and ``model.safetensors``.
+        Models are recorded by :func:`specdecpp.identity.portable_name` (:func:`portable_config`)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"model_type": "specdecpp_acceptance_head", "kind": self.kind, "hidden_size": self.hidden_size,
+                  "depth": self.depth, "draft": self.draft, **self._config(), **self.meta, **extra}
+        if training is not None:
+            config["training"] = training
+        if metrics is not None:
+            config["metrics"] = metrics
+        config = portable_config(config)
+        state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> AcceptanceHead:
+        """Load a head saved with :meth:`save_pretrained` from a local directory (or a hub repo id)."""
+        from safetensors.torch import load_file
+
+        directory = Path(path)
+        if not directory.exists():
+            directory = _hub_snapshot(str(path))
+        cfg_file, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        if not cfg_file.is_file() or not weights.is_file():
+            raise FileNotFoundError(f"acceptance head {str(path)!r} must contain {CONFIG_NAME} and {WEIGHTS_NAME}")
+        config = json.loads(cfg_file.read_text())
+        if config.get("model_type") not in (None, "specdecpp_acceptance_head"):
+            raise ValueError(f"{cfg_file} is not an acceptance head config (model_type={config.get('model_type')!r})")
+        kind = config.get("kind", "resnet")  # heads saved before head kinds existed are the paper's
+        if kind != cls.kind:
+            raise ValueError(f"acceptance head {str(path)!r} is of kind {kind!r}, not {cls.kind!r} "
+                             f"({cls.__name__}): load it with specdecpp.load_head, which returns the right kind")
+        head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
+                   **cls._init_kwargs(config))
+        head.meta = {k: v for k, v in config.items()
+                     if k not in ("model_type", "kind", "hidden_size", "depth", "draft", *cls._init_kwargs(config))}
+        state = load_file(str(weights), device=str(map_location))
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"acceptance head weights in {weights} do not match config "
+                             f"(depth={head.depth}): missing {missing}, unexpected {unexpected}")
+        return head.eval()
+
+
+    def _config(self) -> dict:
+        """Kind-specific constructor settings saved in config.json."""
+        return {}
+
+    @classmethod
+    def _init_kwargs(cls, config: dict) -> dict:
+        return {}
+
+
+# -- the lag-free head ---------------------------------------------------------------------------
+NEXT_FEATURES = ("hidden", "embedding", "prob", "logprob", "entropy")
+SCALAR_FEATURES = ("prob", "logprob", "entropy")
+
+
+def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, embedding,
+                        temperature: float, features=NEXT_FEATURES) -> torch.Tensor:
+    """The lag-free head's input for candidates y drafted from the draft states ``hidden`` [..., H]
+    (the states that produced q) with raw logits ``logits`` [..., V]; ``tokens`` [...] are the
+    sampled candidates, ``embedding`` the draft's input embedding module.
+
+    In the order of ``features``: ``hidden`` e_{k-1}; ``embedding`` the input embedding of y_k;
+    ``prob`` / ``logprob`` q_T(y_k) and its log, ``entropy`` H(q_T), where q_T = softmax(logits / T)
+    over the whole vocabulary (T = ``temperature``, 1 under greedy decoding, as SVIP's entropy; a
+    reduced output vocabulary's -inf logits add nothing). One function for train and inference, so
+    the engine hands the head exactly the features it was trained on."""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    parts = []
+    for name in features:
+        if name == "hidden":
+            parts.append(hidden.float())
+        elif name == "embedding":
+            parts.append(embedding(tokens.to(embedding.weight.device)).float().to(hidden.device))
+        elif name in ("prob", "logprob"):
+            chosen = logp.gather(-1, tokens.to(logp.device).unsqueeze(-1))
+            parts.append(chosen.exp() if name == "prob" else chosen.clamp_min(-50.0))
+        elif name == "entropy":
+            p = logp.exp()
+            parts.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True))
+        else:
+            raise ValueError(f"unknown lag-free head feature {name!r}; choose from {list(NEXT_FEATURES)}")
+    return torch.cat(parts, dim=-1)
+
+
+class NextTokenHead(AcceptanceHead):
+    """The lag-free head (kind ``next``): P(y_k accepted) from the features of
+    :func:`next_token_features`, available right after y_k is sampled.
+
+    Concatenated features -> Linear(F, hidden) -> ``depth`` residual blocks -> Linear(hidden, 1);
+    depth 0 is a linear probe on the features. The token embedding is read from the draft the
+    head is attached to (``attach``), never stored in the head, so a head stays a few MB.
+    """
+
+    kind = "next"
+    lag = 0
+
+    def __init__(self, hidden_size: int, depth: int = 3, draft: str | None = None,
+                 features=NEXT_FEATURES, temperature: float = 1.0) -> None:
+        super().__init__(hidden_size, depth, draft)
+        features = tuple(features)
+        unknown = [f for f in features if f not in NEXT_FEATURES]
+        if not features or unknown or len(set(features)) != len(features):
+            raise ValueError(f"NextTokenHead: features must be distinct names from {list(NEXT_FEATURES)}, "
+                             f"got {list(features)}")
+        self.features = features
+        self.temperature = float(temperature)
+        size = sum(hidden_size if f in ("hidden", "embedding") else 1 for f in features)
+        self.in_size = size
+        self.proj = nn.Linear(size, hidden_size) if depth > 0 else None
+        self.out = nn.Linear(hidden_size if depth > 0 else size, 1)
+        self.__dict__["_embedding"] = None  # the draft's, set by attach(); not a parameter of the head
+
+    @property
+    def feature_size(self) -> int:
+        return self.in_size
+
+    def feature_spec(self) -> dict:
+        return {"kind": self.kind, "features": list(self.features), "temperature": self.temperature}
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if features.shape[-1] != self.in_size:
+            raise ValueError(f"NextTokenHead expects {self.in_size} features ({'+'.join(self.features)} for "
+                             f"hidden_size {self.hidden_size}), got {features.shape[-1]}: the head was trained "
+                             "for another draft model or feature set")
+        x = features.to(self.out.weight.dtype)
+        if self.proj is not None:
+            x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+    def features_of(self, hidden, logits, tokens, embedding=None, temperature: float | None = None) -> torch.Tensor:
+        embedding = embedding if embedding is not None else self.__dict__["_embedding"]
+        if embedding is None and "embedding" in self.features:
+            raise RuntimeError("NextTokenHead needs the draft's token embedding: call head.attach(draft) first")
+        return next_token_features(hidden, logits, tokens, embedding,
+                                   self.temperature if temperature is None else temperature, self.features)
+
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The logit for candidate y_k: ``hidden`` e_{k-1}, ``logits`` the raw logits of q_k."""
+        return self(self.features_of(hidden, logits, token))
+
+    def attach(self, draft_model) -> None:
+        super().attach(draft_model)
+        self.__dict__["_embedding"] = draft_model.get_input_embeddings()
+
+    def _config(self) -> dict:
+        return {"features": list(self.features), "temperature": self.temperature}
+
+    @classmethod
+    def _init_kwargs(cls, config: dict) -> dict:
+        return {"features": tuple(config.get("features", NEXT_FEATURES)),
+                "temperature": float(config.get("temperature", 1.0))}
+
+
+def portable_config(config: dict) -> dict:
+    """A head config whose model fields (``draft``, ``target`` and the training dataset's
+    ``dataset_meta.draft`` / ``.target``) name models portably: a stamped directory by its identity
+    (``name@digest``), a hub id as it is (:func:`specdecpp.identity.portable_name`)."""
+    from .identity import portable_name
+
+    config = {**config}
+    for key in ("draft", "target"):
+        if config.get(key) is not None:
+            config[key] = portable_name(config[key])
+    meta = (config.get("training") or {}).get("dataset_meta")
+    if isinstance(meta, dict):
+        meta = {**meta, **{k: portable_name(meta[k]) for k in ("draft", "target") if meta.get(k) is not None}}
+        config["training"] = {**config["training"], "dataset_meta": meta}
+    return config
+
+
+def head_class(kind: str) -> type[AcceptanceHead]:
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"head kind must be one of {list(HEAD_KINDS)}, got {kind!r}")
+    return AcceptanceHead if kind == "resnet" else NextTokenHead
+
+
+def build_head(kind: str, hidden_size: int, depth: int, draft: str | None = None, **kwargs) -> AcceptanceHead:
+    """A new head of ``kind`` (``resnet``: the paper's; ``next``: lag-free, takes ``features`` and
+    ``temperature``)."""
+    return head_class(kind)(hidden_size, depth, draft=draft, **kwargs)
+
+
+def head_kind(path: str | os.PathLike) -> str:
+    """The kind recorded in a saved head's config.json (``resnet`` when none is recorded)."""
+    cfg_file = Path(path) / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"acceptance head {str(path)!r} has no {CONFIG_NAME}")
+    return json.loads(cfg_file.read_text()).get("kind", "resnet")
+
+
+def load_head(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> AcceptanceHead:
+    """Load a saved head of either kind (its ``config.json`` says which)."""
+    directory = Path(path)
+    if not directory.exists():
+        directory = _hub_snapshot(str(path))
+    kind = head_kind(directory) if (directory / CONFIG_NAME).is_file() else "resnet"
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"acceptance head {str(path)!r} has unknown kind {kind!r} (known: {list(HEAD_KINDS)})")
+    return head_class(kind).from_pretrained(directory, map_location=map_location)
+
+
+def _model_name(model) -> str:
+    return getattr(model.config, "_name_or_path", None) or type(model).__name__
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]))
+    except Exception as exc:  # offline, unknown repo, bad id
+        raise FileNotFoundError(
+            f"acceptance head path {repo_id!r} does not exist locally and could not be fetched "
+            f"from the Hugging Face hub ({type(exc).__name__}); train one with "
+            f"`python -m train +experiment=wrej6_d3` or pass the directory it was saved to") from exc

@@ -1,0 +1,312 @@
+"""Training labels for acceptance heads (SpecDec++ Section 3.3), batched over prompts.
+
+For each prompt x:
+  1. sample a response X_1..X_N from the TARGET's warped distribution (:func:`sample_responses`);
+  2. one DRAFT forward over x + X gives q_i = q(.|x, X_<i) for every i; draw Y_i ~ q_i;
+  3. p_i is the target distribution X_i was sampled from (kept while sampling, on its top-k /
+     top-p support: :func:`sample_responses_with_probs`), or one TARGET forward over the same
+     sequence recomputes it; the label is p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
+
+p and q are the distributions actually sampled from: :func:`specdecpp.sampling.warp` of the
+logits over the vocabulary both models score, exactly as the engine computes them.
+``draft_entropy_i`` is SVIP's entropy of the same draft position: natural log, full (shared)
+vocabulary, softmax of logits / temperature (raw softmax under greedy), so that the column
+equals what the SVIP policy thresholds at inference. The entropy of the warped q would be 0 under
+greedy decoding and truncated under top-k, so it could not explain SVIP's decisions.
+
+Batches are left-padded with an attention mask and explicit position ids. Every prompt has its
+own ``torch.Generator`` (see :func:`prompt_generator`) and draws from it in the same order
+whether it runs alone or in a batch, so results do not depend on batch composition or sharding
+(up to floating-point rounding of the padded matmuls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .hooks import FinalHidden, keep_last, new_cache
+from .loading import token_set
+from .reduced_vocab import output_vocab_size
+from .sampling import SamplingConfig, entropy, sample, warp
+from .verify import acceptance_ratio
+
+
+@dataclass
+class TokenLabels:
+    """Labels of one response, one entry per response token X_i."""
+
+    draft_ids: torch.Tensor      # [N] long: Y_i ~ q_i
+    p_acc: torch.Tensor          # [N] float32: min(1, p_i(Y_i) / q_i(Y_i))
+    draft_entropy: torch.Tensor  # [N] float32: SVIP's H(q_i), full vocabulary, nats
+
+
+def prompt_generator(seed: int, prompt_id: str, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded from (seed, prompt id) only: the same prompt gets the same draws
+    in any batch, shard or resumed run."""
+    digest = hashlib.sha256(f"{int(seed)}:{prompt_id}".encode()).digest()
+    return torch.Generator(device=torch.device(device)).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def shared_vocab(draft, target) -> int:
+    """Number of token ids both models score (the engine's convention)."""
+    return min(output_vocab_size(draft), output_vocab_size(target))
+
+
+def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 0):
+    """Left-pad token lists; return ``(input_ids, attention_mask, position_ids)``, each [B, L]."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("left_pad: every sequence needs at least one token")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[b, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _left_pad_to(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros on the left of ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _join_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append ``other``'s rows to ``cache`` (in place), both left-padded to one length; return
+    the joined attention mask. Every row's tokens stay a contiguous suffix of the cache."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        layer.keys = torch.cat([_left_pad_to(layer.keys, width, 2), _left_pad_to(new.keys, width, 2)])
+        layer.values = torch.cat([_left_pad_to(layer.values, width, 2), _left_pad_to(new.values, width, 2)])
+    return torch.cat([_left_pad_to(mask, width, 1), _left_pad_to(other_mask, width, 1)])
+
+
+def _trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the leading cache columns that no row attends to (left by rows that finished)."""
+    first = int(mask.any(0).int().argmax())
+    if first > 0:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    return mask[:, first:]
+
+
+# Sparse target distributions kept while sampling (for labels without a second target forward)
+# when every step's warped p has at most this many non-zero entries (top-k, top-p, greedy).
+MAX_KEPT_SUPPORT = 4096
+
+
+@dataclass
+class SparseProbs:
+    """The warped target distribution p_i of each response token X_i, on its support only:
+    p_i = zeros(vocab).scatter_add(0, indices[i], values[i]) (padding entries hold 0)."""
+
+    indices: torch.Tensor  # [N, width] long
+    values: torch.Tensor   # [N, width] float32
+
+    def dense(self, i: int, j: int, vocab: int) -> torch.Tensor:
+        """p of response tokens i..j-1 as [j - i, vocab]."""
+        return self.values.new_zeros((j - i, vocab)).scatter_add_(1, self.indices[i:j], self.values[i:j])
+
+
+def _sparse_rows(probs: torch.Tensor | None, tokens: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's support of this step's p ([B, w] indices and values; ``probs`` None: greedy, the
+    one-hot on ``tokens``), or None if too wide."""
+    if probs is None:
+        return torch.tensor(tokens, device=device).unsqueeze(-1), torch.ones((len(tokens), 1), device=device)
+    width = int((probs > 0).sum(-1).max())
+    if width > MAX_KEPT_SUPPORT:
+        return None
+    values, indices = probs.topk(width, dim=-1)
+    return indices, values
+
+
+@torch.no_grad()
+def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                     max_new_tokens: int, generators: Sequence[torch.Generator],
+                     eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
+                     on_tokens: Callable[[int], None] | None = None,
+                     batch_size: int | None = None) -> list[list[int]]:
+    """Sample one response per prompt from ``warp(target logits)``, ``batch_size`` rows at a time
+    (None: all prompts in one batch), continuously batched: prompts wait in a queue in the given
+    order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
+    leaves the batch and its KV cache, and the next prompts take the free places (their prompt
+    is prefilled, then joined to the batch cache, left-padded). ``on_tokens(n)`` is called after
+    each step with the number of tokens just sampled (for progress bars).
+    """
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=False)[0]
+
+
+@torch.no_grad()
+def sample_responses_with_probs(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                                max_new_tokens: int, generators: Sequence[torch.Generator],
+                                eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
+                                on_tokens: Callable[[int], None] | None = None, batch_size: int | None = None
+                                ) -> tuple[list[list[int]], list[SparseProbs] | None]:
+    """:func:`sample_responses`, and each response's p_i as :class:`SparseProbs` (None when a
+    step's support is wider than ``MAX_KEPT_SUPPORT``): the target distributions that
+    :func:`label_responses` would otherwise recompute with a second target forward."""
+    return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
+                   batch_size, keep_probs=True)
+
+
+def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens, batch_size,
+            keep_probs: bool):
+    """The one decoding loop of :func:`sample_responses` (and its kept p_i)."""
+    if len(generators) != len(prompts):
+        raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    device = target.device
+    vocab = vocab or output_vocab_size(target)
+    eos = token_set(eos_token_id)
+    slots = batch_size or max(1, len(prompts))
+    responses: list[list[int]] = [[] for _ in prompts]
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = [[] for _ in prompts] if keep_probs else None
+    queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    rows: list[int] = []  # batch position -> prompt index
+    cache, mask, positions, logits = None, None, None, None
+    while queue or rows:
+        if queue and len(rows) < slots:  # prefill the next prompts into the free places
+            new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
+            ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
+            fresh = new_cache(target)
+            new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
+                                past_key_values=fresh, use_cache=True,
+                                logits_to_keep=keep_last(ids.shape[1], 1, device)).logits[:, -1, :vocab]
+            if rows:
+                mask = _join_rows(cache, mask, fresh, new_mask)
+                positions = torch.cat([positions, new_positions[:, -1:]])
+                logits = torch.cat([logits, new_logits])
+            else:
+                cache, mask, positions, logits = fresh, new_mask, new_positions[:, -1:], new_logits
+            rows += new
+        probs = None
+        if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
+            tokens = logits.argmax(-1).tolist()
+        else:
+            probs = warp(logits, sampling)
+            tokens = torch.stack([sample(probs[b], generators[i]) for b, i in enumerate(rows)]).tolist()
+        if kept is not None:
+            support = _sparse_rows(probs, tokens, device)
+            if support is None:
+                kept = None
+            else:
+                for b, i in enumerate(rows):
+                    kept[i].append((support[0][b], support[1][b].float()))
+        keep, next_ids = [], []
+        for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
+            responses[i].append(token)
+            if token not in eos and len(responses[i]) < max_new_tokens:
+                keep.append(b)
+                next_ids.append(token)
+        if on_tokens is not None:
+            on_tokens(len(rows))
+        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            rows = [rows[b] for b in keep]
+            if not rows:
+                cache = None
+                continue
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask = _trim_left(cache, mask[index])
+            positions = positions[index]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+        positions = positions + 1
+        step = torch.tensor(next_ids, device=device).unsqueeze(-1)
+        logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True).logits[:, -1, :vocab]
+    return responses, None if kept is None else [_stack_support(steps) for steps in kept]
+
+
+def _stack_support(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
+    width = max(indices.numel() for indices, _ in steps)
+    indices = torch.stack([torch.nn.functional.pad(i, (0, width - i.numel())) for i, _ in steps])
+    values = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for _, v in steps])
+    return SparseProbs(indices, values)
+
+
+# Logit elements warped (in float32) at a time when labelling: a chunk of a response's positions
+# instead of [batch, length, vocab] logits of both models, so memory stays bounded for long
+# responses and large vocabularies (2**22 elements: 16 MiB; 32 positions of a 128k vocabulary).
+LABEL_CHUNK_ELEMENTS = 1 << 22
+
+
+def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                    vocab: int) -> Callable[[int, int, int], torch.Tensor]:
+    """One batched forward over prompt + response; returns ``logits(b, i, j)``: row b's logits
+    [j - i, vocab] that predict response tokens i+1..j (position i sees the prompt and X_<=i).
+
+    The forward keeps only the final hidden states; logits are projected chunk by chunk with the
+    model's output layer. A model that post-processes its logits (soft-capping, scaling: the
+    projection of the last position does not reproduce the model's own logits there) gets its
+    whole logits computed instead."""
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("response_logits: every response needs at least one token")
+    seqs = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses, strict=True)]
+    ids, mask, positions = left_pad(seqs, model.device)
+    n_max = max(len(r) for r in responses)
+    offsets = [n_max - len(r) for r in responses]
+    with FinalHidden(model) as final:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                    logits_to_keep=keep_last(ids.shape[1], 1, ids.device), **final.kwargs)
+        hidden = final.take(out)[:, -n_max:]
+    project = model.get_output_embeddings()
+    own = out.logits[:, -1, :vocab].float()
+    if project is not None and torch.allclose(project(hidden[:, -1])[:, :vocab].float(), own, rtol=1e-3, atol=1e-3):
+        return lambda b, i, j: project(hidden[b, offsets[b] + i: offsets[b] + j])[:, :vocab]
+    full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                 logits_to_keep=keep_last(ids.shape[1], n_max, ids.device)).logits[..., :vocab]
+    return lambda b, i, j: full[b, offsets[b] + i: offsets[b] + j]
+
+
+@torch.no_grad()
+def label_responses(draft, target, prompts: Sequence[Sequence[int]],
+                    responses: Sequence[Sequence[int]], sampling: SamplingConfig,
+                    generators: Sequence[torch.Generator], vocab: int | None = None,
+                    target_probs: Sequence[SparseProbs] | None = None) -> list[TokenLabels]:
+    """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
+
+    One draft forward and one target forward for the whole batch; no target forward when
+    ``target_probs`` (kept while sampling, :func:`sample_responses_with_probs`) gives every p_i.
+    ``generators[b]`` draws row b's Y (continue the generator used for its response, or a fresh one).
+    """
+    if not (len(prompts) == len(responses) == len(generators)):
+        raise ValueError(f"label_responses: {len(prompts)} prompts, {len(responses)} responses and "
+                         f"{len(generators)} generators must match")
+    vocab = vocab or shared_vocab(draft, target)
+    draft_logits = response_logits(draft, prompts, responses, vocab)
+    if target_probs is None:
+        target_logits = response_logits(target, prompts, responses, vocab)
+
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return warp(target_logits(b, i, j), sampling)
+    else:
+        def target_p(b: int, i: int, j: int) -> torch.Tensor:
+            return target_probs[b].dense(i, j, vocab)
+    chunk = max(1, LABEL_CHUNK_ELEMENTS // vocab)
+    labels = []
+    for b, (response, gen) in enumerate(zip(responses, generators, strict=True)):
+        ys, ratios, entropies = [], [], []
+        for i in range(0, len(response), chunk):  # Y drawn in order: the same draws as in one piece
+            j = min(i + chunk, len(response))
+            d_logits = draft_logits(b, i, j)
+            q = warp(d_logits, sampling)
+            y = sample(q, gen)
+            p = target_p(b, i, j)
+            ys.append(y)
+            ratios.append(acceptance_ratio(p, q, y).float())
+            entropies.append(entropy(d_logits, sampling.temperature).float())
+        labels.append(TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies)))
+    return labels

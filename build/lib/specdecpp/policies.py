@@ -1,0 +1,168 @@
+"""Stop policies: when does the draft stop proposing candidates and hand them to the target?
+
+Every policy has one decision method. The engine drafts candidate ``y_k`` from ``q_k`` and then
+asks ``should_stop(k, logits, hidden, token)``, where ``logits`` are the draft's raw logits that
+produced ``q_k``, ``hidden`` is the draft's final hidden state at the same position, i.e. at
+``y_{k-1}`` (at the last accepted token when k == 1), and ``token`` is ``y_k`` (a 0-d tensor). The engine also stops at
+``max_candidates`` (0 = target-only decoding), at EOS and at the length limit. It never looks at
+a policy's type.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .head import AcceptanceHead
+from .sampling import entropy
+
+
+def check_threshold(where: str, key: str, value) -> float:
+    """A number in [0, 1] (not a bool, not NaN): the one check of every threshold setting, used by
+    the policies and by infer's config checks (``where``/``key`` name it in the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{where}: {key} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_count(where: str, key: str, value, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` (not a bool): the one check of every count setting."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class StopPolicy:
+    """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``.
+
+    What a policy needs, so the engine computes nothing more: ``needs_hidden`` (the draft's final
+    hidden state; when False ``should_stop`` gets ``hidden=None`` and the draft runs without it) and
+    ``reads_values`` (``should_stop`` reads tensor values on the host, a device sync per candidate on
+    GPU; a policy that decides from ``k`` alone sets False, and the engine then adds no sync either).
+    Both default to True, which is right for any policy; the built-in ones say what they use.
+    """
+
+    name = "policy"
+    max_candidates: int = 0
+    needs_hidden: bool = True
+    reads_values: bool = True
+
+    def bind(self, draft_model, temperature: float) -> None:
+        """Called once by the decoder: check compatibility with the draft, move state to its device."""
+
+    def new_round(self) -> None:
+        """Called before the first candidate of each round."""
+
+    def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor,
+                    token: torch.Tensor | None = None) -> bool:
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        return {}
+
+
+class TargetOnly(StopPolicy):
+    """No draft at all: every round is one target forward and one token (the baseline)."""
+
+    name = "target_only"
+    max_candidates = 0
+    needs_hidden = reads_values = False
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return True
+
+
+class FixedK(StopPolicy):
+    """Speculative decoding with a constant candidate length K."""
+
+    name = "fixed_k"
+    needs_hidden = reads_values = False
+
+    def __init__(self, k: int = 4) -> None:
+        self.k = check_count("FixedK", "k", k)
+        self.max_candidates = self.k
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return k >= self.k
+
+    def settings(self) -> dict:
+        return {"k": self.k}
+
+
+class SVIP(StopPolicy):
+    """Stop once sqrt(c * H(q_k)) > threshold (SVIP, Zhang et al.; c = 0.15 as in the authors' code).
+
+    H is the natural-log entropy of the full-vocabulary softmax of the draft logits at the
+    decoding temperature (raw softmax under greedy decoding), of the distribution the
+    just-drafted token came from.
+    """
+
+    name = "svip"
+    needs_hidden = False  # the entropy of the draft's logits only
+
+    def __init__(self, threshold: float = 0.3, c: float = 0.15, max_candidates: int = 40) -> None:
+        self.threshold = check_threshold("SVIP", "threshold", threshold)
+        if not (isinstance(c, (int, float)) and c > 0):
+            raise ValueError(f"SVIP: c must be > 0, got {c!r}")
+        self.c = float(c)
+        self.max_candidates = check_count("SVIP", "max_candidates", max_candidates)
+        self.temperature = 1.0
+
+    def bind(self, draft_model, temperature: float) -> None:
+        self.temperature = temperature
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        h = float(entropy(logits, self.temperature))
+        return math.sqrt(self.c * h) > self.threshold
+
+    def settings(self) -> dict:
+        return {"threshold": self.threshold, "c": self.c, "max_candidates": self.max_candidates}
+
+
+class SpecDecPP(StopPolicy):
+    """SpecDec++ (Algorithm 2): stop when 1 - prod_i sigmoid(head(.)) > threshold over the
+    candidates of this round the head has scored, within [min, max] candidates.
+
+    The head says what it can score (``head.lag``): the paper's head (``resnet``, lag 1) scores
+    y_{k-1} from e_{k-1}, so after drafting y_k the product covers y_1..y_{k-1} and a round has
+    at least two candidates; the lag-free head (``next``, lag 0) scores y_k itself from
+    (e_{k-1}, q_k, y_k), so the product covers y_1..y_k and a round may stop after one."""
+
+    name = "specdecpp"
+
+    def __init__(self, head: AcceptanceHead, threshold: float = 0.7, min_candidates: int = 1,
+                 max_candidates: int = 20) -> None:
+        if not isinstance(head, AcceptanceHead):
+            raise TypeError(f"SpecDecPP: head must be an AcceptanceHead or NextTokenHead, got {type(head).__name__}")
+        self.head = head.eval()
+        self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
+        self.min_candidates = check_count("SpecDecPP", "min_candidates", min_candidates)
+        self.max_candidates = check_count("SpecDecPP", "max_candidates", max_candidates)
+        if self.min_candidates > self.max_candidates:
+            raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
+        self._p_all_accepted = 1.0
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Asked of the head (the paper's head reads the draft's final hidden state)."""
+        return self.head.needs_hidden
+
+    def bind(self, draft_model, temperature: float) -> None:
+        self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
+
+    def new_round(self) -> None:
+        self._p_all_accepted = 1.0
+
+    @torch.no_grad()
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        # lag 0: y_k from e_{k-1} (hidden), q_k (logits) and y_k; lag 1: y_{k-1} from e_{k-1}
+        if k > self.head.lag:
+            self._p_all_accepted *= float(torch.sigmoid(self.head.score(hidden, logits, token)))
+        return k >= self.min_candidates and 1.0 - self._p_all_accepted > self.threshold
+
+    def settings(self) -> dict:
+        return {"threshold": self.threshold, "min_candidates": self.min_candidates,
+                "max_candidates": self.max_candidates, "head_depth": self.head.depth,
+                "head_kind": self.head.kind}

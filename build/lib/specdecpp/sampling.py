@@ -1,0 +1,99 @@
+"""Sampling math shared by data_gen labels, every stop policy and the engine.
+
+One function, :func:`warp`, turns raw logits into the distribution that is actually sampled
+from. Data generation labels, the verification step and the engine all call it, so the ``p``
+(target) and ``q`` (draft) used anywhere in the project are always the warped distributions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are sampled.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits.
+    top_k: keep the k most likely tokens; 0 (or k >= vocabulary size) means no truncation.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 means off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
+                and math.isfinite(self.temperature)):
+            raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"SamplingConfig.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_mapping(cls, m) -> SamplingConfig:
+        """Build from any mapping (a dict or an OmegaConf node) with the three keys."""
+        return cls(temperature=float(m.get("temperature", 1.0)), top_k=int(m.get("top_k", 0)),
+                   top_p=float(m.get("top_p", 1.0)))
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Return the probabilities actually sampled from, over the last dimension.
+
+    Greedy (temperature 0) gives a one-hot distribution on the argmax, so the stochastic
+    verification rule reduces exactly to greedy verification. Otherwise: divide by the
+    temperature, keep the top-k logits, keep the top-p nucleus, softmax. Computed in float32.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / cfg.temperature
+    vocab = logits.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first token stays)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token id per row of ``probs`` ([..., V] -> [...])."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Natural-log entropy of softmax(logits / temperature) over the full vocabulary.
+
+    temperature 0 is treated as 1 (raw softmax), as SVIP's authors do under greedy decoding.
+    """
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    p = logp.exp()  # tokens at -inf (a reduced output vocabulary) contribute 0, not nan
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+def distribution_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Natural-log entropy of a (possibly truncated) probability vector, ignoring zeros."""
+    p = probs.float()
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)

@@ -1,0 +1,65 @@
+"""The verification step of speculative sampling (Leviathan et al.; SpecDec++ Algorithm 1).
+
+Convention, stated once for the whole project: ``p`` is the TARGET's warped distribution and
+``q`` the DRAFT's, both produced by :func:`specdecpp.sampling.warp` from the same prefix.
+Candidate ``y_i`` was sampled from ``q_i``; the target scored the same prefixes in one forward
+pass and returned ``p_1 .. p_{K+1}`` (``p_{K+1}`` follows the last candidate).
+
+Accept ``y_i`` with probability ``min(1, p_i(y_i) / q_i(y_i))``. At the first rejection ``i``,
+the replacement is drawn from the residual ``Norm[(p_i - q_i)_+]``. If all K are accepted, the
+bonus token is drawn from ``p_{K+1}``. The output then has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+
+def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """min(1, p_i(y_i) / q_i(y_i)) for each row i; rows of p_i, q_i are distributions."""
+    p_y = p_i.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    q_y = q_i.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return torch.where(q_y > 0, (p_y / q_y.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(p_y))
+
+
+def residual(p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
+    """Norm[(p_i - q_i)_+]; falls back to p_i where p_i == q_i up to rounding (no mass left)."""
+    r_i = (p_i - q_i).clamp_min(0)
+    mass = r_i.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-12, r_i / mass.clamp_min(1e-30), p_i)
+
+
+def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+           generator: torch.Generator | None = None, greedy: bool = False,
+           bonus: bool = True) -> tuple[int, int | None]:
+    """Verify K candidates; return ``(n_accepted, next_token)``.
+
+    draft_tokens: LongTensor [K], the candidates y_1..y_K.
+    q: [K, V], q_i for each candidate.   p: [K + 1, V], p_1..p_{K+1}.
+    greedy: accept iff y_i == argmax p_i and take argmax p_{n+1}; no randomness is used, ``q`` may
+    be None and ``p`` may be the target's raw logits (same argmax).
+    K may be 0: then the bonus token from p_1 is the whole round (target-only decoding).
+    bonus=False (PEARL): ``p`` is [K, V] and a round with all K accepted returns ``(K, None)``
+    (no token is drawn from p_{K+1}; the next draft block continues from there).
+    """
+    k = draft_tokens.shape[0]
+    rows = k + 1 if bonus else k
+    if p.shape[0] != rows or (q is None and not greedy) or (q is not None and q.shape[0] != k) \
+            or (k == 0 and not bonus):
+        raise ValueError(f"verify: expected q [K, V] and p [{'K+1' if bonus else 'K'}, V] for K={k} "
+                         f"(K >= 1 without a bonus), got q {None if q is None else tuple(q.shape)}, p {tuple(p.shape)}")
+    if greedy:
+        agree = (p[:k].argmax(-1) == draft_tokens).tolist()
+        n = agree.index(False) if False in agree else k
+        return n, int(p[n].argmax(-1)) if n < rows else None
+    if k == 0:
+        return 0, int(sample(p[0], generator))
+    ratio = acceptance_ratio(p[:k], q, draft_tokens)
+    u = torch.rand(k, generator=generator, device=ratio.device)
+    rejected = (u >= ratio).tolist()  # accept with probability ratio (u in [0, 1))
+    if True not in rejected:
+        return k, int(sample(p[k], generator)) if bonus else None
+    n = rejected.index(True)
+    return n, int(sample(residual(p[n], q[n]), generator))

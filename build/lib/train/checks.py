@@ -1,0 +1,77 @@
+"""Checks that run before training: settings, the labelled dataset and its draft model.
+
+Every failure is a ValueError/FileNotFoundError that names the input and what to do.
+"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+
+from specdecpp.dataset import DatasetError, load_labelled
+from specdecpp.identity import same_model
+
+
+def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, depth: int,
+                   batch_size: int, cache_features: bool, remix_each_epoch: bool) -> None:
+    if not w_rej > 0:
+        raise ValueError(f"loss.w_rej must be > 0 (the weight of rejected candidates), got {w_rej!r}; "
+                         "the paper sweeps 1, 3, 6, 12")
+    if not w_acc > 0:
+        raise ValueError(f"loss.w_acc must be > 0, got {w_acc!r}; the paper uses 1")
+    if not 0.0 <= mix_ratio < 1.0:
+        raise ValueError(f"data.mix_ratio must be in [0, 1) (fraction of target tokens in Z), got {mix_ratio!r}")
+    if not (isinstance(mix_seed, int) and mix_seed >= 0):
+        raise ValueError(f"data.mix_seed must be an integer >= 0, got {mix_seed!r}")
+    if not (isinstance(depth, int) and depth >= 0):
+        raise ValueError(f"head.depth must be an integer >= 0, got {depth!r}")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"data.batch_size must be an integer >= 1, got {batch_size!r}")
+    if cache_features and remix_each_epoch:
+        raise ValueError("data.cache_features=true caches ONE fixed mixing, data.remix_each_epoch=true draws "
+                         "a new one each epoch: set one of them to false")
+
+
+def load_dataset_dir(path):
+    """Read and validate a data_gen dataset directory (schema, lengths, labels): (DatasetDict, meta)."""
+    if path is None or str(path) == "":
+        raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/bundled")
+    try:
+        return load_labelled(path)
+    except DatasetError:
+        raise
+    except Exception as exc:  # datasets fails with e.g. IndexError on a split saved with no rows
+        raise ValueError(f"could not read the dataset in {str(path)!r} ({type(exc).__name__}: {exc}); an empty "
+                         "split cannot be read back: regenerate the dataset with python -m data_gen") from exc
+
+
+def arrow_column(split, name: str):
+    """One column as a pyarrow ChunkedArray (respects a selection/indices mapping)."""
+    return split.with_format("arrow")[name]
+
+
+def check_split(split, name: str, path: str, vocab_size: int) -> None:
+    """What load_labelled leaves to the trainer: rows and response tokens exist, ids fit the draft."""
+    where = f"split {name!r} of dataset {path!r}"
+    if len(split) == 0:
+        raise ValueError(f"{where} is empty: no prompts to train on; regenerate it with more prompts")
+    if pc.sum(pc.list_value_length(arrow_column(split, "target_ids"))).as_py() == 0:
+        raise ValueError(f"{where} has no response tokens at all (every target_ids is empty)")
+    for column in ("prompt_ids", "target_ids", "draft_ids"):
+        ids = pc.list_flatten(arrow_column(split, column)).to_numpy(zero_copy_only=False)
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"{where}: {column} holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())} "
+                             f"outside the draft's vocabulary [0, {vocab_size}): the dataset was made with another tokenizer")
+
+
+def check_draft_matches(meta: dict, draft_ref: str, hidden_size: int, path: str, allow_mismatch: bool) -> None:
+    """The dataset's labels belong to the draft that made them: refuse another draft unless allowed."""
+    made_with, made_hidden = meta.get("draft"), meta.get("draft_hidden_size")
+    problems = []
+    if made_with is not None and not same_model(made_with, draft_ref):
+        problems.append(f"it was made with draft {made_with!r} but pair.draft is {draft_ref!r}")
+    if made_hidden is not None and int(made_hidden) != hidden_size:
+        problems.append(f"its draft had hidden size {made_hidden} but pair.draft has {hidden_size}")
+    if problems and not allow_mismatch:
+        raise ValueError(f"dataset {path!r} does not match the configured draft: {'; '.join(problems)}. "
+                         "Labels min(1, p/q) depend on the draft: train with the same draft (pair=...), or set "
+                         "data.allow_draft_mismatch=true if it is the same model under another name")
