@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 import specdecpp_demo.pair as demo
-from specdecpp_demo import projected
 from specdecpp.loading import load_tokenizer
+from specdecpp_demo import projected
 
 REPO = Path(__file__).resolve().parents[1]
 
