@@ -15,17 +15,15 @@ from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp.dataset import FEATURES
 from specdecpp.head import AcceptanceHead
-from specdecpp.mixing import (
+from specdecpp.head_metrics import (
     binary_entropy,
     binary_kl,
     calibration_bins,
     expected_calibration_error,
-    mixed_example,
-    mixed_features,
-    mixing_mask,
     rejection_auroc,
-    weighted_bce,
 )
+from specdecpp.loss import weighted_bce
+from specdecpp.mixing import mixed_example, mixed_features, mixing_mask
 from specdecpp.models import load_model
 from train import run
 from train.cache import feature_cache

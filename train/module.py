@@ -10,7 +10,8 @@ import torch
 from torchmetrics import MinMetric
 
 from specdecpp.head import AcceptanceHead
-from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, weighted_bce
+from specdecpp.loss import weighted_bce
+from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features
 
 from .metrics import head_metrics
 
