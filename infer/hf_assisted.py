@@ -29,6 +29,7 @@ import torch
 from specdecpp.engine import RunStats
 from specdecpp.hooks import GatherKeptLogits
 from specdecpp.loading import token_set
+from specdecpp.policies import check_count, check_threshold
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -51,6 +52,31 @@ class _RoundStreamer:
 
     def end(self) -> None:
         pass
+
+
+HF_MODES = ("constant", "heuristic", "confidence")
+
+
+class HFAssisted:
+    """The method ``hf_assisted`` (conf/method/hf_assisted.yaml): its settings, checked here before
+    any model loads, and :meth:`runner` once they are loaded."""
+
+    def __init__(self, mode: str = "constant", num_assistant_tokens: int = 20, confidence_threshold: float = 0.4) -> None:
+        if mode not in HF_MODES:
+            raise ValueError(f"HFAssisted: mode must be one of {', '.join(HF_MODES)}, got {mode!r}")
+        self.mode = mode
+        self.num_assistant_tokens = check_count("HFAssisted", "num_assistant_tokens", num_assistant_tokens)
+        self.confidence_threshold = check_threshold("HFAssisted", "confidence_threshold", confidence_threshold)
+
+    def settings(self) -> dict:
+        """The settings that change what runs (the threshold only in mode confidence)."""
+        settings = {"mode": self.mode, "num_assistant_tokens": self.num_assistant_tokens}
+        if self.mode == "confidence":
+            settings["confidence_threshold"] = self.confidence_threshold
+        return settings
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False) -> HFAssistedRunner:
+        return HFAssistedRunner(draft, target, sampling, **self.settings(), profile=profile)
 
 
 class HFAssistedRunner:

@@ -1,4 +1,12 @@
-"""Stopping methods from config: check them before any model loads, then build a runner.
+"""Stopping methods from config: build each one before any model loads, then a runner for it.
+
+A method config (conf/method/<name>.yaml) names what it builds with ``_target_``: a stop policy of
+the library (``specdecpp.FixedK``, ``specdecpp.SVIP``, ``specdecpp.SpecDecPP``,
+``specdecpp.TargetOnly``), run by our engine, or a method of this app that is no stop policy
+(:class:`infer.hf_assisted.HFAssisted`, :class:`infer.oracle.Oracle`, :class:`PEARLMethod`), which
+makes its own runner. ``hydra.utils.instantiate`` calls the target with the config's settings, so
+its constructor is the one check of them; only ``name`` and the head's pair checks
+(``allow_*_mismatch``) are infer's own keys.
 
 A runner has ``timed`` (whether its times are measurements) and
 ``generate(prompt_ids, max_new_tokens, seed, eos_token_id) -> (output_ids, RunStats, extra)``,
@@ -13,43 +21,64 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
-from specdecpp import (
-    SVIP,
-    AcceptanceHead,
-    FixedK,
-    PEARLDecoder,
-    SpecDecPP,
-    SpeculativeDecoder,
-    TargetOnly,
-    load_head,
-)
+from specdecpp import SVIP, AcceptanceHead, PEARLDecoder, SpeculativeDecoder, StopPolicy, load_head
 from specdecpp.identity import same_model
-from specdecpp.policies import check_count, check_threshold
+from specdecpp.policies import check_count
 from specdecpp.sampling import SamplingConfig
 
+from .hf_assisted import HF_MODES
 from .timing import Clock, ForwardMeter
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "hf_assisted", "oracle")
-HF_MODES = ("constant", "heuristic", "confidence")
+METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
+# keys of a method config that infer reads itself; every other key goes to the ``_target_``
+APP_KEYS = ("name", "allow_draft_mismatch", "allow_sampling_mismatch")
 
 
 @dataclass
 class MethodSpec:
-    """A checked method: its name, the settings recorded in every row, the file-name tag."""
+    """A built method: its name, the settings recorded in every row, the file-name tag, the object
+    its config instantiated (a StopPolicy, or a method with ``runner(...)``) and the head."""
 
     name: str
     settings: dict
     tag: str
     head: AcceptanceHead | None = field(default=None, repr=False)
+    method: object = field(default=None, repr=False)
 
 
-def _threshold(name: str, value, key: str = "threshold") -> float:
-    return check_threshold(f"method {name}", f"method.{key}", value)
+def method_config(name: str, settings=None) -> DictConfig:
+    """conf/method/<name>.yaml with ``settings`` merged over it (a comparison entry, or a node
+    given from Python without the keys it leaves at their defaults)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)} "
+                         "(method=<name> on the command line)")
+    return OmegaConf.merge(OmegaConf.load(METHOD_DIR / f"{name}.yaml"), settings or {})
 
 
-def _count(name: str, key: str, value, minimum: int = 1) -> int:
-    return check_count(f"method {name}", f"method.{key}", value, minimum)
+def instantiate_method(m, **objects):
+    """``hydra.utils.instantiate`` of a method config (its ``_target_`` with every key but
+    :data:`APP_KEYS`; ``objects`` are built arguments, such as the loaded head). A constructor's
+    refusal is raised as itself, not wrapped in Hydra's error, so its message names the setting,
+    e.g. ``SVIP: threshold must be a number in [0, 1], got 2`` for method.threshold=2."""
+    name = m.get("name")
+    node = {k: v for k, v in OmegaConf.to_container(m, resolve=True).items() if k not in APP_KEYS}
+    if "_target_" not in node:
+        raise ValueError(f"method {name}: the config has no _target_ (the class it builds); see "
+                         f"conf/method/{name}.yaml")
+    try:
+        return instantiate(node, **objects)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (ValueError, TypeError)):
+            cause.add_note(f"in the settings of method={name} (conf/method/{name}.yaml; override with "
+                           "method.<setting>=...)")
+            raise cause from None
+        raise
 
 
 def head_fingerprint(head: AcceptanceHead) -> str:
@@ -111,78 +140,73 @@ def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: Sampling
                          "method.allow_sampling_mismatch=true to use it anyway")
 
 
-def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
-    """Check a ``method`` config node (no model is loaded; a head is loaded and checked)."""
-    name = m.get("name")
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)} "
-                         "(method=<name> on the command line)")
+def _tag(name: str, s: dict, m) -> str:
+    """The file-name tag of a method's settings (results/<...>/<tag>__<sampling>__s<seed>.jsonl)."""
     if name == "target_only":
-        return MethodSpec(name, {}, "base")
+        return "base"
     if name == "fixed_k":
-        k = _count(name, "k", m.get("k"))
-        return MethodSpec(name, {"k": k}, f"k{k}")
+        return f"k{s['k']}"
     if name == "svip":
-        h = _threshold(name, m.get("threshold"))
-        c = m.get("c")
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-            raise ValueError(f"method svip: method.c must be a number > 0, got {c!r}")
-        mx = _count(name, "max_candidates", m.get("max_candidates"))
-        return MethodSpec(name, {"threshold": h, "c": float(c), "max_candidates": mx},
-                          f"h{_num(h)}_c{_num(c)}_max{mx}")
+        return f"h{_num(s['threshold'])}_c{_num(s['c'])}_max{s['max_candidates']}"
     if name == "specdecpp":
-        h = _threshold(name, m.get("threshold"))
-        lo = _count(name, "min_candidates", m.get("min_candidates"))
-        hi = _count(name, "max_candidates", m.get("max_candidates"))
-        if lo > hi:
-            raise ValueError(f"method specdecpp: method.min_candidates ({lo}) > method.max_candidates ({hi})")
+        head_name = Path(str(m.get("head")).rstrip("/")).name
+        return f"{head_name}_h{_num(s['threshold'])}_min{s['min_candidates']}_max{s['max_candidates']}"
+    if name == "hf_assisted":
+        tag = f"{s['mode']}_n{s['num_assistant_tokens']}"
+        return tag + (f"_c{_num(s['confidence_threshold'])}" if s["mode"] == "confidence" else "")
+    if name == "pearl":
+        tag = f"g{s['gamma']}" + (f"_svip_h{_num(s['threshold'])}_c{_num(s['c'])}" if s["stop"] == "svip" else "")
+        return tag + (f"_t{s['num_threads']}" if s["num_threads"] != 1 else "")
+    return name
+
+
+def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
+    """Build the method of a ``method`` config node (no model is loaded; a head is loaded and
+    checked against the pair and the sampling first)."""
+    name = m.get("name")
+    m = method_config(name, m)
+    objects, head, settings = {}, None, {}
+    if name == "specdecpp":
         head = load_checked_head(m, draft_ref)
         check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
-        head_name = Path(str(m.get("head")).rstrip("/")).name
-        settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head), "head_depth": head.depth,
-                    "head_kind": head.kind, "threshold": h, "min_candidates": lo, "max_candidates": hi}
-        return MethodSpec(name, settings, f"{head_name}_h{_num(h)}_min{lo}_max{hi}", head)
-    if name == "pearl":
-        return _pearl_spec(m)
-    if name == "hf_assisted":
-        mode = m.get("mode")
-        if mode not in HF_MODES:
-            raise ValueError(f"method hf_assisted: method.mode must be one of {', '.join(HF_MODES)}, got {mode!r}")
-        n = _count(name, "num_assistant_tokens", m.get("num_assistant_tokens"))
-        settings = {"mode": mode, "num_assistant_tokens": n}
-        tag = f"{mode}_n{n}"
-        if mode == "confidence":
-            settings["confidence_threshold"] = _threshold(name, m.get("confidence_threshold"), "confidence_threshold")
-            tag += f"_c{_num(settings['confidence_threshold'])}"
-        return MethodSpec(name, settings, tag)
-    if not sampling.greedy:  # oracle
-        raise ValueError("method oracle is defined for greedy decoding only: add sampling=greedy")
-    return MethodSpec(name, {}, "oracle")
+        objects["head"] = head
+        settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head)}
+    method = instantiate_method(m, **objects)
+    if hasattr(method, "check_sampling"):
+        method.check_sampling(sampling)
+    settings.update(method.settings())
+    return MethodSpec(name, settings, _tag(name, settings, m), head, method)
 
 
-def _pearl_spec(m) -> MethodSpec:
-    gamma = m.get("gamma")
-    if gamma != "auto":
-        gamma = _count("pearl", "gamma", gamma)
-    stop = m.get("stop")
-    if stop not in (None, "svip"):
-        raise ValueError(f"method pearl: method.stop must be null or svip, got {stop!r}")
-    threads, interval = m.get("num_threads"), m.get("switch_interval")
-    if threads is not None:
-        _count("pearl", "num_threads", threads)
-    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0):
-        raise ValueError(f"method pearl: method.switch_interval must be a number of seconds > 0 or null, got {interval!r}")
-    settings = {"gamma": gamma, "stop": stop, "num_threads": threads, "switch_interval": interval}
-    tag = f"g{gamma}"
-    if stop == "svip":
-        h, c = _threshold("pearl", m.get("threshold")), m.get("c")
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-            raise ValueError(f"method pearl: method.c must be a number > 0, got {c!r}")
-        settings.update(threshold=h, c=float(c))
-        tag += f"_svip_h{_num(h)}_c{_num(c)}"
-    if threads != 1:
-        tag += f"_t{threads}"
-    return MethodSpec("pearl", settings, tag)
+class PEARLMethod:
+    """PEARL (specdecpp.PEARLDecoder) from config: its settings are checked here, before the models
+    load (the decoder needs the models to be built); ``stop="svip"`` ends a draft block where
+    SVIP(threshold, c) would stop, that policy checking its own settings."""
+
+    def __init__(self, gamma: int | str = "auto", stop: str | None = None, threshold: float = 0.5, c: float = 0.15,
+                 num_threads: int | None = 1, switch_interval: float | None = 1e-4) -> None:
+        if gamma != "auto":
+            check_count("PEARL", "gamma", gamma)
+        if stop not in (None, "svip"):
+            raise ValueError(f"PEARL: stop must be null or svip, got {stop!r}")
+        if num_threads is not None:
+            check_count("PEARL", "num_threads", num_threads)
+        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+                                            or not switch_interval > 0):
+            raise ValueError(f"PEARL: switch_interval must be a number of seconds > 0 or null, got {switch_interval!r}")
+        self.gamma, self.stop, self.num_threads, self.switch_interval = gamma, stop, num_threads, switch_interval
+        self.policy = SVIP(threshold, c=c, max_candidates=40) if stop == "svip" else None
+
+    def settings(self) -> dict:
+        settings = {"gamma": self.gamma, "stop": self.stop, "num_threads": self.num_threads,
+                    "switch_interval": self.switch_interval}
+        if self.policy is not None:
+            settings.update(threshold=self.policy.threshold, c=self.policy.c)
+        return settings
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
+        return PEARLRunner(PEARLDecoder(draft, target, self.gamma, sampling, policy=self.policy,
+                                        num_threads=self.num_threads, switch_interval=self.switch_interval))
 
 
 class EngineRunner:
@@ -222,34 +246,14 @@ class PEARLRunner:
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), s, {"forward_time_s": None, "row": row}
 
 
-def _policy(spec: MethodSpec):
-    s = spec.settings
-    if spec.name == "target_only":
-        return TargetOnly()
-    if spec.name == "fixed_k":
-        return FixedK(s["k"])
-    if spec.name == "svip":
-        return SVIP(s["threshold"], c=s["c"], max_candidates=s["max_candidates"])
-    return SpecDecPP(spec.head, s["threshold"], s["min_candidates"], s["max_candidates"])
-
-
 def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False):
-    """``profile``: synchronise CUDA around every forward pass / round to split the time between the
-    models (slower: not for the timed comparison); no effect on CPU, where times are exact anyway."""
-    if spec.name == "hf_assisted":
-        from .hf_assisted import HFAssistedRunner
-
-        return HFAssistedRunner(draft, target, sampling, **spec.settings, profile=profile)
-    if spec.name == "oracle":
-        from .oracle import OracleRunner
-
-        return OracleRunner(draft, target, sampling)
-    if spec.name == "pearl":
-        s = spec.settings
-        stop = SVIP(s["threshold"], c=s["c"], max_candidates=40) if s["stop"] == "svip" else None
-        return PEARLRunner(PEARLDecoder(draft, target, s["gamma"], sampling, policy=stop,
-                                        num_threads=s["num_threads"], switch_interval=s["switch_interval"]))
-    return EngineRunner(SpeculativeDecoder(draft, target, _policy(spec), sampling, profile=profile), profile)
+    """A stop policy runs in our engine; any other method makes its own runner. ``profile``:
+    synchronise CUDA around every forward pass / round to split the time between the models
+    (slower: not for the timed comparison); no effect on CPU, where times are exact anyway."""
+    if isinstance(spec.method, StopPolicy):
+        return EngineRunner(SpeculativeDecoder(draft, target, spec.method, sampling, profile=profile), profile)
+    return spec.method.runner(draft, target, sampling, profile=profile)
 
 
-__all__ = ["HF_MODES", "METHODS", "EngineRunner", "PEARLRunner", "MethodSpec", "build_runner", "resolve_method"]
+__all__ = ["APP_KEYS", "HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "PEARLMethod", "PEARLRunner",
+           "build_runner", "instantiate_method", "method_config", "resolve_method"]

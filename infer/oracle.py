@@ -21,6 +21,20 @@ def draft_greedy_predictions(draft, tokens: torch.Tensor, prompt_len: int, vocab
     return logits.argmax(-1).tolist()
 
 
+class Oracle:
+    """The method ``oracle`` (conf/method/oracle.yaml): no settings; greedy decoding only."""
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        if not sampling.greedy:
+            raise ValueError("method oracle is defined for greedy decoding only: add sampling=greedy")
+
+    def settings(self) -> dict:
+        return {}
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False) -> OracleRunner:
+        return OracleRunner(draft, target, sampling)
+
+
 class OracleRunner:
     timed = False  # counts only: the report predicts its throughput with Eq. 2.3
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from .app import execute, load_models, prepare, set_threads, summarize
-from .methods import METHODS
+from .methods import method_config
 
 log = logging.getLogger(__name__)
-METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 
 
 def expand_comparison(comparison) -> list[DictConfig]:
@@ -29,9 +27,10 @@ def expand_comparison(comparison) -> list[DictConfig]:
     lengths 1-4 and, beside it, its adaptive modes at one starting length."""
     configs = []
     for name, entries in (comparison or {}).items():
-        if name not in METHODS:
-            raise ValueError(f"comparison.{name}: unknown method; choose among {', '.join(METHODS)}")
-        base = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
+        try:
+            base = method_config(name)
+        except ValueError as exc:
+            raise ValueError(f"comparison.{name}: {exc}") from None
         for entry in (entries if isinstance(entries, ListConfig | list) else [entries]):
             entry = entry or {}
             fixed = {k: v for k, v in entry.items() if not isinstance(v, ListConfig | list)}

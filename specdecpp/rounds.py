@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .compat import cache_kwargs
-from .models import FinalHidden, keep_last, new_cache, token_set
+from .hooks import FinalHidden, keep_last, new_cache
+from .loading import token_set
 from .policies import StopPolicy
 from .sampling import SamplingConfig, sample, warp
 from .verify import verify

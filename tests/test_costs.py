@@ -58,7 +58,7 @@ def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny
     alpha, _ = measure.position_acceptance(draft, target, ids, 2)
     assert alpha.shape == (4,) and (alpha < 1).all() and (alpha > 0).all()
     # a draft that scores only tokens 0-3: the target mass it covers is p(0..3) at each position
-    from specdecpp.models import restrict_output_vocab
+    from specdecpp.reduced_vocab import restrict_output_vocab
 
     small = copy.deepcopy(draft)
     restrict_output_vocab(small, [0, 1, 2, 3])

@@ -210,15 +210,20 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
                          "method.allow_sampling_mismatch=true"))
     with pytest.raises(FileNotFoundError, match="no_such_head"):
         app.run(make_cfg(*base, "method=specdecpp", f"method.head={tmp_path}/no_such_head"))
-    for method, key in (("specdecpp", "threshold"), ("svip", "threshold")):
-        with pytest.raises(ValueError, match=r"method\.threshold must be a number in \[0, 1\]"):
-            app.run(make_cfg(*base, f"method={method}", f"method.{key}=1.5"))
-    with pytest.raises(ValueError, match="method.mode"):
+    for method, cls, head in (("specdecpp", "SpecDecPP", [f"method.head={setup.head}"]), ("svip", "SVIP", [])):
+        with pytest.raises(ValueError, match=rf"^{cls}: threshold must be a number in \[0, 1\], got 1.5\n"):
+            app.run(make_cfg(*base, f"method={method}", *head, "method.threshold=1.5"))  # the constructor's words
+    with pytest.raises(ValueError, match="HFAssisted: mode must be one of constant, heuristic, confidence, got 'fastest'"):
         app.run(make_cfg(*base, "method=hf_assisted", "method.mode=fastest"))
     with pytest.raises(ValueError, match="sampling=greedy"):
         app.run(make_cfg(*base, "method=oracle", "sampling=paper"))
-    with pytest.raises(ValueError, match="method.k"):
+    with pytest.raises(ValueError, match="FixedK: k must be an integer >= 1, got 0"):
         app.run(make_cfg(*base, "method=fixed_k", "method.k=0"))
+    with pytest.raises(ValueError, match="SpecDecPP: min_candidates \\(5\\) > max_candidates \\(2\\)"):
+        app.run(make_cfg(*base, "method=specdecpp", f"method.head={setup.head}", "method.min_candidates=5",
+                         "method.max_candidates=2"))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tresh'"):  # a misspelt setting is named
+        app.run(make_cfg(*base, "method=svip", "+method.tresh=0.3"))
     with pytest.raises(MissingConfigException, match="(?s)method/nope.*fixed_k.*specdecpp"):
         make_cfg(*base, "method=nope")
     with pytest.raises(Exception, match="pair.draft"):  # pair=custom needs the models named
@@ -230,6 +235,60 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
                                                      {"mode": ["heuristic", "confidence"], "num_assistant_tokens": 4}]})
     assert [(m.mode, m.num_assistant_tokens) for m in grids] == [
         ("constant", 1), ("constant", 2), ("heuristic", 4), ("confidence", 4)]
+
+
+# -- method configs instantiate (conf/method/*.yaml carry _target_) ----------------------------------
+def test_every_method_config_instantiates_its_class_with_its_settings(setup):
+    """Each conf/method/*.yaml, composed as `python -m infer method=<name> method.<key>=...` would,
+    builds the class its _target_ names with the configured settings (no model is loaded)."""
+    from infer.hf_assisted import HFAssisted
+    from infer.methods import METHODS, PEARLMethod, instantiate_method, resolve_method
+    from infer.oracle import Oracle
+    from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, TargetOnly
+
+    assert sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")) == sorted(METHODS)
+    cases = {
+        "target_only": ([], TargetOnly, {}),
+        "fixed_k": (["method.k=7"], FixedK, {"k": 7}),
+        "svip": (["method.threshold=0.45", "method.c=0.2", "method.max_candidates=9"], SVIP,
+                 {"threshold": 0.45, "c": 0.2, "max_candidates": 9}),
+        "specdecpp": ([f"method.head={setup.head}", "method.threshold=0.35", "method.min_candidates=2",
+                       "method.max_candidates=11"], SpecDecPP,
+                      {"threshold": 0.35, "min_candidates": 2, "max_candidates": 11, "head_depth": 1,
+                       "head_kind": "resnet"}),
+        "hf_assisted": (["method.mode=confidence", "method.num_assistant_tokens=5", "method.confidence_threshold=0.25"],
+                        HFAssisted, {"mode": "confidence", "num_assistant_tokens": 5, "confidence_threshold": 0.25}),
+        "oracle": ([], Oracle, {}),
+        "pearl": (["method.gamma=3", "method.stop=svip", "method.threshold=0.6", "method.num_threads=2"], PEARLMethod,
+                  {"gamma": 3, "stop": "svip", "threshold": 0.6, "c": 0.15, "num_threads": 2,
+                   "switch_interval": 0.0001}),
+    }
+    for name, (overrides, cls, settings) in cases.items():
+        cfg = make_cfg(*setup.base, f"method={name}", *overrides)
+        assert cfg.method.name == name
+        objects = {"head": AcceptanceHead(setup.pair.draft_hidden, 1)} if name == "specdecpp" else {}
+        assert type(instantiate_method(cfg.method, **objects)) is cls, name  # hydra.utils.instantiate
+        spec = resolve_method(cfg.method, setup.pair.draft, SamplingConfig(temperature=0))
+        assert type(spec.method) is cls, name
+        assert {k: v for k, v in spec.settings.items() if k not in ("head", "head_sha")} == settings, name
+    spec = resolve_method(make_cfg(*setup.base, "method=specdecpp", f"method.head={setup.head}").method,
+                          setup.pair.draft, SamplingConfig(temperature=0))
+    assert spec.method.head is spec.head and spec.head.draft == setup.pair.draft  # the loaded head, checked
+    pearl = resolve_method(make_cfg("method=pearl", "method.stop=svip", "method.threshold=0.6").method, "d",
+                           SamplingConfig()).method
+    assert isinstance(pearl.policy, SVIP) and pearl.policy.threshold == 0.6
+
+
+def test_a_bad_method_setting_is_the_constructors_error_on_the_command_line(setup, tmp_path):
+    """`python -m infer method=svip method.threshold=2`: the run stops before any model loads with
+    the constructor's message, naming the setting; no result file is written."""
+    out = tmp_path / "cli"
+    cmd = [sys.executable, "-m", "infer", *setup.base, "method=svip", "method.threshold=2", f"out={out}",
+           f"hydra.run.dir={tmp_path}/hydra"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "SVIP: threshold must be a number in [0, 1], got 2" in done.stderr, done.stderr[-3000:]
+    assert not out.exists()
 
 
 def test_sweep_loads_models_once(setup, monkeypatch):

@@ -15,18 +15,16 @@ from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp.dataset import FEATURES
 from specdecpp.head import AcceptanceHead
-from specdecpp.loading import load_model
-from specdecpp.mixing import (
+from specdecpp.head_metrics import (
     binary_entropy,
     binary_kl,
     calibration_bins,
     expected_calibration_error,
-    mixed_example,
-    mixed_features,
-    mixing_mask,
     rejection_auroc,
-    weighted_bce,
 )
+from specdecpp.loading import load_model
+from specdecpp.loss import weighted_bce
+from specdecpp.mixing import mixed_example, mixed_features, mixing_mask
 from train import run
 from train.cache import feature_cache
 from train.checks import check_draft_matches
@@ -330,6 +328,27 @@ def test_small_data_preset_combines_with_a_head():
     assert cfg.callbacks.early_stopping.monitor == "val/loss" and "checkpoint" in cfg.callbacks
 
 
+def test_module_and_datamodule_are_instantiated_from_their_config_groups():
+    """conf/model and conf/datamodule name the Lightning classes; their settings follow the public
+    keys (an experiment's loss.w_rej, data.batch_size, optimizer.lr) by interpolation."""
+    from functools import partial
+
+    from hydra.utils import instantiate
+
+    cfg = train_cfg(["+experiment=[wrej12_d1,small_data]", "data.mix_ratio=0.2", "seed=4"])
+    model = instantiate(cfg.model)
+    assert isinstance(model, partial) and model.func is AcceptanceHeadModule
+    assert (model.keywords["w_rej"], model.keywords["w_acc"], model.keywords["mix_ratio"], model.keywords["mix_seed"]) == \
+        (12, 1, 0.2, 4)
+    optimizer = model.keywords["optimizer"](params=[torch.zeros(1, requires_grad=True)])
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.defaults["lr"] == 3e-3
+    module = model(head=AcceptanceHead(32, 1))
+    assert (module.hparams.w_rej, module.hparams.warmup_ratio, module.hparams.remix_each_epoch) == (12, 0.03, False)
+    data = instantiate(cfg.datamodule)
+    assert data.func is HeadDataModule
+    assert (data.keywords["batch_size"], data.keywords["seed"], data.keywords["train_split"]) == (8, 4, "train")
+
+
 def test_every_experiment_config_runs(tiny_dataset, tiny_pair, tmp_path):
     """The glob sweep expands to the paper's 20 heads; each composes and trains a few steps."""
     jobs = sweep_jobs("wrej*")
@@ -434,6 +453,58 @@ def test_early_stopping_saves_the_best_epochs_weights_not_the_last(tiny_pair, dr
                           "~callbacks.progress_bar", "~callbacks.checkpoint", "weights=last"]))
     assert AcceptanceHead.from_pretrained(last["out"]).meta["training"]["weights"] == "last"
     torch.testing.assert_close(AcceptanceHead.from_pretrained(last["out"]).state_dict(), snapshots[last_epoch])
+
+
+def test_best_weights_are_the_monitored_best_epochs_and_survive_a_resume(tiny_dataset, tiny_pair, tmp_path,
+                                                                        monkeypatch):
+    """weights=best_val keeps the weights of the epoch whose monitored val/loss is lowest (Lightning's
+    ModelCheckpoint(monitor="val/loss")): a run whose val/loss is best at epoch 1 of 3 saves epoch 1's
+    head, not epoch 0's or 2's; a run interrupted in epoch 2 and resumed still does."""
+    scripted = {0: 0.5, 1: 0.2, 2: 0.9}  # val/loss by epoch: best at epoch 1
+    snapshots = {}
+    real_end, real_step = AcceptanceHeadModule.on_validation_epoch_end, AcceptanceHeadModule.training_step
+
+    def scripted_end(self):
+        self._val_sum = scripted[self.current_epoch] * self._val_count
+        real_end(self)
+        snapshots[self.current_epoch] = {k: v.clone() for k, v in self.head.state_dict().items()}
+
+    def crashing_step(self, batch, batch_idx):
+        if self.global_step == crash_at:
+            raise RuntimeError("simulated crash")
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(AcceptanceHeadModule, "on_validation_epoch_end", scripted_end)
+    monkeypatch.setattr(AcceptanceHeadModule, "training_step", crashing_step)
+
+    def overrides(out):  # 6 steps per epoch, a checkpoint every 2
+        return [*base_overrides(tiny_pair, tiny_dataset, tmp_path, "trainer=cpu", "trainer.max_epochs=3"),
+                "+experiment=wrej3_d1", "~callbacks.progress_bar", "callbacks.checkpoint.every_n_train_steps=2",
+                "optimizer.lr=0.05", f"out={out}"]
+
+    crash_at = -1
+    result = run(train_cfg(overrides(tmp_path / "one")))
+    assert result["module"].val_loss_per_epoch == pytest.approx([0.5, 0.2, 0.9])
+    saved = AcceptanceHead.from_pretrained(tmp_path / "one")
+    torch.testing.assert_close(saved.state_dict(), snapshots[1])
+    for other in (0, 2):  # the weights did change between epochs: the choice is visible
+        assert not torch.allclose(saved.state_dict()["blocks.0.linear.weight"],
+                                  snapshots[other]["blocks.0.linear.weight"]), other
+    assert (saved.meta["training"]["weights"], saved.meta["training"]["best_epoch"]) == ("best_val", 1)
+    torch.testing.assert_close(result["module"].head.cpu().state_dict(), snapshots[1])  # evaluated with them
+
+    first_run = dict(snapshots)
+    snapshots.clear()
+    crash_at = 14  # in epoch 2, after the checkpoint at step 14: resumed from there
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(train_cfg(overrides(tmp_path / "two")))
+    assert sorted(snapshots) == [0, 1]
+    crash_at = -1
+    snapshots.clear()
+    resumed = AcceptanceHead.from_pretrained(run(train_cfg(overrides(tmp_path / "two")))["out"])
+    assert sorted(snapshots) == [2]  # only epoch 2 ran again: epoch 1's best came from the checkpoint
+    assert resumed.meta["training"]["best_epoch"] == 1
+    torch.testing.assert_close(resumed.state_dict(), first_run[1])
 
 
 def test_interrupted_run_resumes_from_its_last_checkpoint(tiny_dataset, tiny_pair, tmp_path, monkeypatch):

@@ -18,8 +18,6 @@ from specdecpp.head import build_head
 from specdecpp.loading import dtype_name, load_config, load_model, resolve_device, resolve_dtype
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
-from .data import HeadDataModule
-from .module import AcceptanceHeadModule
 from .plots import plot_calibration
 
 log = logging.getLogger(__name__)
@@ -37,8 +35,11 @@ NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra",
                 "data.allow_draft_mismatch", "trainer.default_root_dir", "trainer.enable_progress_bar",
                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.accelerator",
                 "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.use_distributed_sampler",
-                "trainer.num_sanity_val_steps", "callbacks.checkpoint",
+                "trainer.num_sanity_val_steps", "callbacks.checkpoint", "best_checkpoint.dirpath",
                 "callbacks.lr_monitor", "callbacks.progress_bar"}
+# Config nodes whose values follow public keys by interpolation (model: loss.w_rej, ...): such a
+# value is part of the identity through its source; a value set on the node itself is its own key.
+DERIVED = ("model", "datamodule")
 IDENTITY_KEY = "specdecpp_training_identity"
 
 
@@ -55,8 +56,10 @@ def training_identity(cfg: DictConfig, dataset_fingerprint: str, draft_ref: str)
     """What makes two runs the same run: the dataset's fingerprint, the draft and every setting
     that changes training (flattened dotted keys), so that only the same run resumes."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    derived = {f"{group}.{key}" for group in DERIVED if group in cfg for key in cfg[group]
+               if OmegaConf.is_interpolation(cfg[group], key)}
     identity = {k: v for k, v in flat.items()
-                if not any(k == skip or k.startswith(skip + ".") for skip in NOT_IDENTITY)}
+                if not any(k == skip or k.startswith(skip + ".") for skip in NOT_IDENTITY | derived)}
     identity.update({"dataset_fingerprint": dataset_fingerprint, "pair.draft": str(draft_ref)})
     return dict(sorted(identity.items()))
 
@@ -67,7 +70,7 @@ def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
     A checkpoint of any other training (another dataset, head, schedule or seed; also a finished
     run, whose ``last.ckpt`` would otherwise be resumed at its last epoch and train nothing) is
     refused with the keys that differ."""
-    checkpoint = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
+    checkpoint = next((c for c in callbacks if isinstance(c, ModelCheckpoint) and c.save_last), None)
     if checkpoint is None or checkpoint.dirpath is None:
         return None
     last = Path(checkpoint.dirpath) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
@@ -87,10 +90,10 @@ def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
     return str(last)
 
 
-def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str) -> dict:
+def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str, best_epoch: int | None) -> dict:
     """How the head was made, for its config.json."""
     data, loss = cfg.data, cfg.loss
-    return {"weights": weights, "best_epoch": module.best_epoch,
+    return {"weights": weights, "best_epoch": best_epoch,
             "val_loss_per_epoch": module.val_loss_per_epoch, "dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
             "depth": int(cfg.head.depth), "head_kind": str(cfg.head.get("kind", "resnet")), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
             "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
@@ -171,19 +174,16 @@ def run(cfg: DictConfig) -> dict:
         check_split(splits[name], name, str(data.path), vocab)
 
     head = make_head(cfg.head, hidden_size, draft_ref, meta)
-    datamodule = HeadDataModule(
-        splits, train_split=data.train_split, val_split=val_split, draft=load_draft, draft_ref=draft_ref,
-        batch_size=data.batch_size, num_workers=data.num_workers, mix_ratio=data.mix_ratio,
-        mix_seed=data.mix_seed, seed=cfg.seed, cache_features=data.cache_features, cache_dir=data.cache_dir,
-        cache_dtype=data.cache_dtype, feature_batch_size=data.feature_batch_size,
-        feature_spec=head.feature_spec(), feature_size=head.feature_size,
+    datamodule = instantiate(cfg.datamodule)(
+        splits, val_split=val_split, draft=load_draft, draft_ref=draft_ref, feature_spec=head.feature_spec(),
+        feature_size=head.feature_size,
         draft_precision=dtype_name(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))))
-    module = AcceptanceHeadModule(
-        head, optimizer=instantiate(cfg.optimizer), w_rej=float(loss.w_rej), w_acc=float(loss.w_acc),
-        warmup_ratio=cfg.scheduler.warmup_ratio, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed,
-        remix_each_epoch=data.remix_each_epoch, draft=None if data.cache_features else load_draft())
+    module = instantiate(cfg.model)(head=head, draft=None if data.cache_features else load_draft())
 
     callbacks = _instantiate_all(cfg.get("callbacks"))
+    best = instantiate(cfg.best_checkpoint) if cfg.weights == "best_val" and val_split is not None else None
+    if best is not None:
+        callbacks.append(best)
     identity = training_identity(cfg, dataset_fingerprint(original_splits, meta), draft_ref)
     identity["hidden_size"] = hidden_size
     module.training_identity = identity
@@ -195,10 +195,13 @@ def run(cfg: DictConfig) -> dict:
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
-    weights = "best_val" if cfg.weights == "best_val" and module.use_best_weights() else "last"
-    if weights == "best_val":
-        log.info("keeping the weights of epoch %d (lowest val/loss %.5f)", module.best_epoch,
-                 min(module.val_loss_per_epoch))
+    weights, best_epoch = "last", None
+    if best is not None and best.best_model_path:  # the monitored best epoch's weights
+        saved = torch.load(best.best_model_path, map_location="cpu", weights_only=False)
+        module.load_state_dict(saved["state_dict"])
+        weights, best_epoch = "best_val", int(saved["epoch"])
+        log.info("keeping the weights of epoch %d (best %s %.5f)", best_epoch, best.monitor,
+                 float(best.best_model_score))
 
     eval_splits = [name for name in ("train", HOLDOUT_SPLIT, "dev", "test") if name in splits]
     module.set_eval_splits(eval_splits)
@@ -212,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_calibration(results, out / "calibration.png", title=f"{cfg.experiment_name} (D={cfg.head.depth}, "
                                                                       f"w_rej={loss.w_rej})")
-    training = _training_record(cfg, meta, trainer, module, weights)
+    training = _training_record(cfg, meta, trainer, module, weights, best_epoch)
     if holdout is not None:
         training["validation"] = holdout
         (out / "validation_ids.json").write_text(json.dumps(holdout["ids"]) + "\n")

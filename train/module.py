@@ -10,7 +10,8 @@ import torch
 from torchmetrics import MinMetric
 
 from specdecpp.head import AcceptanceHead
-from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, weighted_bce
+from specdecpp.loss import weighted_bce
+from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features
 
 from .metrics import head_metrics
 
@@ -45,11 +46,9 @@ class AcceptanceHeadModule(L.LightningModule):
         self.eval_metrics = torch.nn.ModuleList()
         self.eval_results: dict[str, dict] = {}
         self.training_identity: dict | None = None  # set by train.app; saved in every checkpoint
-        # best-on-validation weights: val/loss (the weighted BCE over all validation positions,
-        # what early stopping monitors) after each epoch, the lowest one's epoch and head weights
+        # val/loss of each epoch: the weighted BCE over all validation positions (of every rank),
+        # logged once per epoch; early stopping and the best-weights ModelCheckpoint monitor it
         self.val_loss_per_epoch: list[float] = []
-        self.best_epoch: int | None = None
-        self.best_state: dict[str, torch.Tensor] | None = None
         self._val_sum, self._val_count = 0.0, 0
 
     # -- features and loss ---------------------------------------------------------------------
@@ -103,7 +102,6 @@ class AcceptanceHeadModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, logits, labels = self.model_step(batch)
         self.val_metrics.update(logits, labels)
-        self.log("val/loss", loss, on_epoch=True, batch_size=labels.numel(), sync_dist=True)
         positions = labels.numel()
         if self.trainer.world_size > 1:  # the one-process batch loss and size, on every rank
             totals = self.global_totals(loss, labels)
@@ -113,11 +111,9 @@ class AcceptanceHeadModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking and self._val_count > 0:
-            epoch_loss = self._val_sum / self._val_count  # = the epoch's logged val/loss (one process)
+            epoch_loss = self._val_sum / self._val_count  # the same on every rank: the one-process value
             self.val_loss_per_epoch.append(epoch_loss)
-            if self.best_epoch is None or epoch_loss < min(self.val_loss_per_epoch[:-1]):
-                self.best_epoch = int(self.current_epoch)
-                self.best_state = {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()}
+            self.log("val/loss", epoch_loss, prog_bar=True, sync_dist=True)
         self._val_sum, self._val_count = 0.0, 0
         values = self.val_metrics.compute()
         self.val_metrics.reset()
@@ -129,20 +125,10 @@ class AcceptanceHeadModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.training_identity is not None:
             checkpoint["specdecpp_training_identity"] = self.training_identity
-        checkpoint["specdecpp_best"] = {"epoch": self.best_epoch, "state": self.best_state,
-                                        "val_loss_per_epoch": self.val_loss_per_epoch}
+        checkpoint["specdecpp_val_loss_per_epoch"] = self.val_loss_per_epoch
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        best = checkpoint.get("specdecpp_best") or {}
-        self.best_epoch, self.best_state = best.get("epoch"), best.get("state")
-        self.val_loss_per_epoch = list(best.get("val_loss_per_epoch", []))
-
-    def use_best_weights(self) -> bool:
-        """Load the best-on-validation head weights (False when no validation ran)."""
-        if self.best_state is None:
-            return False
-        self.head.load_state_dict(self.best_state)
-        return True
+        self.val_loss_per_epoch = list(checkpoint.get("specdecpp_val_loss_per_epoch", []))
 
     # -- final evaluation on named splits (trainer.test with one loader per split) -------------
     def set_eval_splits(self, names: list[str]) -> None:
