@@ -25,9 +25,17 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdecpp import SVIP, AcceptanceHead, PEARLDecoder, SpeculativeDecoder, StopPolicy, load_head
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    PEARLDecoder,
+    SpecDecPP,
+    SpeculativeDecoder,
+    StopPolicy,
+    load_head,
+)
 from specdecpp.identity import same_model
-from specdecpp.policies import check_count
+from specdecpp.pearl import MAX_AUTO_GAMMA
 from specdecpp.sampling import SamplingConfig
 
 from .hf_assisted import HF_MODES
@@ -107,7 +115,7 @@ def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
     """Load the head of ``method.head`` and check it fits the draft, before the models load."""
     head_path = m.get("head")
     if not head_path:
-        raise ValueError("method specdecpp: set method.head to a head directory (heads/<experiment>, "
+        raise ValueError(f"method {m.get('name')}: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
     head = load_head(str(head_path))
     size = draft_hidden_size(draft_ref)
@@ -156,6 +164,8 @@ def _tag(name: str, s: dict, m) -> str:
         return tag + (f"_c{_num(s['confidence_threshold'])}" if s["mode"] == "confidence" else "")
     if name == "pearl":
         tag = f"g{s['gamma']}" + (f"_svip_h{_num(s['threshold'])}_c{_num(s['c'])}" if s["stop"] == "svip" else "")
+        if s["stop"] == "specdecpp":
+            tag += f"_{Path(str(m.get('head')).rstrip('/')).name}_h{_num(s['threshold'])}"
         return tag + (f"_t{s['num_threads']}" if s["num_threads"] != 1 else "")
     return name
 
@@ -166,7 +176,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     name = m.get("name")
     m = method_config(name, m)
     objects, head, settings = {}, None, {}
-    if name == "specdecpp":
+    if name == "specdecpp" or (name == "pearl" and m.get("stop") == "specdecpp"):
         head = load_checked_head(m, draft_ref)
         check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
         objects["head"] = head
@@ -179,29 +189,33 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
 
 
 class PEARLMethod:
-    """PEARL (specdecpp.PEARLDecoder) from config: its settings are checked here, before the models
-    load (the decoder needs the models to be built); ``stop="svip"`` ends a draft block where
-    SVIP(threshold, c) would stop, that policy checking its own settings."""
+    """PEARL (specdecpp.PEARLDecoder) from config, checked before the models load by the decoder's
+    own ``check_settings``. ``stop`` ends a draft block early under a stop policy: ``svip``
+    (threshold, c) or ``specdecpp`` (a head of either kind from ``head``, at ``threshold``); each
+    policy checks its own settings."""
+
+    STOPS = (None, "svip", "specdecpp")
 
     def __init__(self, gamma: int | str = "auto", stop: str | None = None, threshold: float = 0.5, c: float = 0.15,
-                 num_threads: int | None = 1, switch_interval: float | None = 1e-4) -> None:
-        if gamma != "auto":
-            check_count("PEARL", "gamma", gamma)
-        if stop not in (None, "svip"):
-            raise ValueError(f"PEARL: stop must be null or svip, got {stop!r}")
-        if num_threads is not None:
-            check_count("PEARL", "num_threads", num_threads)
-        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
-                                            or not switch_interval > 0):
-            raise ValueError(f"PEARL: switch_interval must be a number of seconds > 0 or null, got {switch_interval!r}")
+                 num_threads: int | None = 1, switch_interval: float | None = 1e-4,
+                 head: AcceptanceHead | None = None) -> None:
+        PEARLDecoder.check_settings(gamma, num_threads, switch_interval)
+        if stop not in self.STOPS:
+            raise ValueError(f"PEARL: stop must be null, svip or specdecpp, got {stop!r}")
+        if stop == "specdecpp" and not isinstance(head, AcceptanceHead):
+            raise ValueError("PEARL: stop=specdecpp needs method.head, a head directory "
+                             "(heads/<experiment>, written by `python -m train +experiment=...`)")
         self.gamma, self.stop, self.num_threads, self.switch_interval = gamma, stop, num_threads, switch_interval
-        self.policy = SVIP(threshold, c=c, max_candidates=40) if stop == "svip" else None
+        self.policy = (SVIP(threshold, c=c, max_candidates=40) if stop == "svip" else
+                       SpecDecPP(head, threshold, max_candidates=MAX_AUTO_GAMMA) if stop == "specdecpp" else None)
 
     def settings(self) -> dict:
         settings = {"gamma": self.gamma, "stop": self.stop, "num_threads": self.num_threads,
                     "switch_interval": self.switch_interval}
-        if self.policy is not None:
+        if self.stop == "svip":
             settings.update(threshold=self.policy.threshold, c=self.policy.c)
+        elif self.stop == "specdecpp":
+            settings.update(threshold=self.policy.threshold, head_kind=self.policy.head.kind)
         return settings
 
     def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import GenerateOutput, RunStats
-from .policies import StopPolicy
+from .policies import StopPolicy, check_count
 from .reduced_vocab import output_vocab_size
 from .rounds import (
     Block,
@@ -180,8 +180,7 @@ class PEARLDecoder:
     def __init__(self, draft, target, gamma: int | str = "auto", sampling: SamplingConfig | None = None,
                  policy: StopPolicy | None = None, num_threads: int | None = 1,
                  switch_interval: float | None = 1e-4) -> None:
-        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
-            raise ValueError(f"PEARLDecoder: gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        self.check_settings(gamma, num_threads, switch_interval)
         if policy is not None and not isinstance(policy, StopPolicy):
             raise TypeError(f"PEARLDecoder: policy must be a StopPolicy or None, got {type(policy).__name__}")
         self.device = check_pair_devices(draft, target)
@@ -195,6 +194,18 @@ class PEARLDecoder:
         self.costs: dict | None = None  # Theorem 1's measurement, when gamma="auto"
         if policy is not None:
             policy.bind(draft, self.sampling.temperature)
+
+    @staticmethod
+    def check_settings(gamma, num_threads, switch_interval) -> None:
+        """The one check of PEARL's own settings (also run by configs before the models load)."""
+        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+            raise ValueError(f"PEARLDecoder: gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if num_threads is not None:
+            check_count("PEARLDecoder", "num_threads", num_threads)
+        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(
+                switch_interval, (int, float)) or not switch_interval > 0):
+            raise ValueError(f"PEARLDecoder: switch_interval must be a number of seconds > 0 or None, "
+                             f"got {switch_interval!r}")
 
     def resolve_gamma(self) -> int:
         if self.gamma is None:

@@ -104,7 +104,7 @@ class SVIP(StopPolicy):
 
     def __init__(self, threshold: float = 0.3, c: float = 0.15, max_candidates: int = 40) -> None:
         self.threshold = check_threshold("SVIP", "threshold", threshold)
-        if not (isinstance(c, (int, float)) and c > 0):
+        if isinstance(c, bool) or not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"SVIP: c must be > 0, got {c!r}")
         self.c = float(c)
         self.max_candidates = check_count("SVIP", "max_candidates", max_candidates)

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_lm
 from test_engine import noisy_copy
 
-from specdecpp import SVIP, PEARLDecoder, SamplingConfig, verify
+from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig, verify
 from specdecpp.compat import cache_kwargs
 from specdecpp.hooks import new_cache
 
@@ -196,13 +196,21 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
     base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
             f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=2", "progress=false",
             "sampling=greedy", f"out={tmp_path}/out/${{method.name}}"]
+    heads = {"paper": AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft),
+             "next": NextTokenHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft)}
+    for kind, head in heads.items():
+        head.save_pretrained(tmp_path / f"head_{kind}")
     rows = {}
     for name, overrides in {"target_only": ["method=target_only"],
                             "pearl": ["method=pearl", "method.gamma=3"],
-                            "pearl_auto_svip": ["method=pearl", "method.stop=svip", "method.threshold=0.5"]}.items():
+                            "pearl_auto_svip": ["method=pearl", "method.stop=svip", "method.threshold=0.5"],
+                            **{f"pearl_{kind}": ["method=pearl", "method.gamma=3", "method.stop=specdecpp",
+                                                 f"method.head={tmp_path}/head_{kind}", "method.threshold=0.3"]
+                               for kind in heads}}.items():
         rows[name] = read_rows(app.run(make_cfg(*base, *overrides))["path"])
     reference = [r["output_ids"] for r in rows["target_only"]]
-    for name in ("pearl", "pearl_auto_svip"):
+    assert rows["pearl_next"][0]["tag"] == "g3_head_next_h0.3" and rows["pearl_next"][0]["settings"]["head_kind"] == "next"
+    for name in ("pearl", "pearl_auto_svip", "pearl_paper", "pearl_next"):
         assert [r["output_ids"] for r in rows[name]] == reference, name
         for r in rows[name]:
             assert r["method"] == "pearl" and r["wall_time_s"] > 0 and r["forward_time_s"] is None
@@ -220,7 +228,8 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
     assert "| pearl | g3 |" in report["text"] and "both busy" in report["text"]
 
 
-@pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=specdecpp", "stop"),
+@pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=other", "stop"),
+                                            ("method.stop=specdecpp", "method.head"), ("method.num_threads=0", "num_threads"),
                                             ("method.switch_interval=-1", "switch_interval")])
 def test_infer_pearl_bad_settings_are_refused(override, match):
     from test_infer import make_cfg
