@@ -79,6 +79,15 @@ class GenerateOutput:
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
 
 
+def finish(stats: RunStats, seq: Sequence, wall_time_s: float, draft: ModelRunner,
+           target: ModelRunner, return_caches: bool) -> GenerateOutput:
+    """The end of every decoder's ``generate``: the totals and the output."""
+    stats.wall_time_s = wall_time_s
+    stats.n_generated = seq.n_generated
+    caches = {"draft": draft.cache, "target": target.cache} if return_caches else None
+    return GenerateOutput(tokens=seq.output(), stats=stats, caches=caches)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one prompt (batch 1) with any :class:`StopPolicy`.
 
@@ -130,7 +139,4 @@ class SpeculativeDecoder:
 
         if not marks.exact:
             stats.draft_time_s = stats.target_time_s = float("nan")
-        stats.wall_time_s = clock.now() - t_start
-        stats.n_generated = seq.n_generated
-        return GenerateOutput(tokens=seq.output(), stats=stats, caches={
-            "draft": drafter.runner.cache, "target": target.cache} if return_caches else None)
+        return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)

@@ -42,19 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import GenerateOutput, RunStats
+from . import rounds
+from .engine import GenerateOutput, RunStats, finish
 from .policies import StopPolicy, check_count
 from .reduced_vocab import output_vocab_size
-from .rounds import (
-    Block,
-    Clock,
-    Drafter,
-    ExactRule,
-    ModelRunner,
-    Sequence,
-    check_generate_args,
-    check_pair_devices,
-)
 from .sampling import SamplingConfig
 from .timing import time_forward
 
@@ -85,7 +76,7 @@ class PEARLStats(RunStats):
 def _time_forwards(model, vocab: int, context: torch.Tensor, steps: int) -> float:
     """Median seconds of a cached one-token forward after ``context`` (``torch.utils.benchmark``,
     CUDA synchronised; the cache is rolled back untimed between calls)."""
-    runner = ModelRunner(model, vocab, want_hidden=False)
+    runner = rounds.ModelRunner(model, vocab, want_hidden=False)
     runner.feed(context)
     length = runner.length
     return time_forward(lambda: runner.feed(context[-1:]), reset=lambda: runner.rollback(length),
@@ -183,11 +174,11 @@ class PEARLDecoder:
         self.check_settings(gamma, num_threads, switch_interval)
         if policy is not None and not isinstance(policy, StopPolicy):
             raise TypeError(f"PEARLDecoder: policy must be a StopPolicy or None, got {type(policy).__name__}")
-        self.device = check_pair_devices(draft, target)
+        self.device = rounds.check_pair_devices(draft, target)
         self.draft, self.target, self.policy = draft, target, policy
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
-        self.rule = ExactRule(self.sampling)
+        self.rule = rounds.ExactRule(self.sampling)
         self.num_threads, self.switch_interval = num_threads, switch_interval
         self.gamma_setting = gamma
         self.gamma: int | None = None if gamma == "auto" else gamma
@@ -219,16 +210,16 @@ class PEARLDecoder:
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
-        check_generate_args(prompt_ids, max_new_tokens)
+        rounds.check_generate_args(prompt_ids, max_new_tokens)
         gamma = self.resolve_gamma()
         # two streams of randomness fixed up front: the draft's samples and the verification's
         seeds = torch.randint(0, 2**62, (2,), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
         draft_gen, verify_gen = (torch.Generator(self.device).manual_seed(s) for s in seeds)
-        clock = Clock(self.device)  # each thread's reading waits for its own CUDA stream only
-        seq = Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
-        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock)
-        target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
+        clock = rounds.Clock(self.device)  # each thread's reading waits for its own CUDA stream only
+        seq = rounds.Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
+        drafter = rounds.Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock)
+        target, stats = rounds.ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
         q_pending, m = [], 0  # pending drafts: seq.tokens[n : n + m] (q_pending empty under greedy)
         t_start = clock.now()
 
@@ -245,7 +236,7 @@ class PEARLDecoder:
                 # p(. | tokens[:n + i]) for i = 0..m: tests the m pending drafts and the block's first
                 logits = target.feed(seq.tokens[target.length : n + m], n_logits=m + 1)[0]
                 t1 = clock.now()
-                block = worker.result() if count else Block(0, [], t1, t1)
+                block = worker.result() if count else rounds.Block(0, [], t1, t1)
 
                 n_test = m + min(block.k, 1)
                 n_acc, token = self.rule(seq.tokens[n : n + n_test], q_pending + block.q[:1],
@@ -265,10 +256,7 @@ class PEARLDecoder:
                 stats.add_round(block.k, n_test, n_acc, discarded, block.t1 - block.t0, t1 - t0)
                 stats.overlap_time_s += max(0.0, min(block.t1, t1) - max(block.t0, t0))
 
-        stats.wall_time_s = clock.now() - t_start
-        stats.n_generated = seq.n_generated
-        return GenerateOutput(tokens=seq.output(), stats=stats, caches={
-            "draft": drafter.runner.cache, "target": target.cache} if return_caches else None)
+        return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
 
     def settings(self) -> dict:
         return {"gamma": self.gamma_setting, "policy": None if self.policy is None else self.policy.name,

@@ -31,6 +31,8 @@ from specdecpp import (
     TargetOnly,
     warp,
 )
+from specdecpp.compat import cache_kwargs
+from specdecpp.hooks import new_cache
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
@@ -179,6 +181,31 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 
     first = run(0)
     assert run(0) == first and run(1) != first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head"])
+def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
+    """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
+    holds (the target: every committed token but the newest; the draft: at most that)."""
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, sampling, heads)
+    out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40,
+                           generator=torch.Generator().manual_seed(3), return_caches=True)
+    tokens, s = out.tokens[0], out.stats
+    assert len(s.accept_lengths) > 5 and min(s.accept_lengths) < max(s.candidate_lengths)  # rollbacks happened
+    for role, model in (("target", target), ("draft", draft)):
+        cache = out.caches[role]
+        length = cache.get_seq_length()
+        assert length == len(tokens) - 1 if role == "target" else length <= len(tokens) - 1
+        fresh = new_cache(model)
+        with torch.no_grad():
+            model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
+        for mine, ref in zip(cache.layers, fresh.layers, strict=True):
+            assert mine.keys.shape == ref.keys.shape
+            torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
 
 
 def test_the_distribution_test_rejects_the_draft_alone(cpu_pair6):
