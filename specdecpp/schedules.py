@@ -1,5 +1,5 @@
-"""Learning-rate schedules shared by the head's training (train/) and the demo draft's distillation
-(scripts/build_demo_draft.py)."""
+"""Learning-rate schedules, one home for every training loop of the project (the acceptance head's
+in train/, a draft's distillation in scripts/)."""
 
 from __future__ import annotations
 
