@@ -23,7 +23,8 @@ from .methods import METHODS
 # Methods our engine runs: their rows feed the Eq. 2.1 regression (HF and the oracle do not).
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
-SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode"}
+SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode",
+         "cascade": "alpha"}
 # Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
 CONCURRENT_METHODS = ("pearl",)
 
@@ -82,7 +83,15 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         # PEARL: the share of the wall time both models were busy at once, and the gamma(s) it ran with
         "both_busy_share": sum(r["overlap_time_s"] for r in rows) / wall if concurrent and wall else None,
         "gamma_used": sorted({r.get("gamma_used") for r in rows}) if concurrent else None,
+        # lossy methods (cascades) are judged by their quality beside the exact ones (the reference)
+        "lossy": any(r.get("lossy") for r in rows),
+        **{key: _mean(r.get(key) for r in rows) for key in ("target_logprob_per_token", "greedy_match")},
     }
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _order(entry: dict) -> tuple:

@@ -214,3 +214,64 @@ def test_same_seed_same_output(pair32, device):
                                 generator=torch.Generator().manual_seed(seed)).tokens.tolist()
 
     assert run(0) == run(0) and run(0) != run(1)
+
+
+# -- in the harness: method=cascade, lossy rows, quality, the report ----------------------------------
+def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tiny_pair, tmp_path):
+    from test_infer import make_cfg
+
+    from infer import app
+    from infer.report import build_report
+    from infer.results import read_rows
+    from specdecpp import AcceptanceHead, load_pair
+    from specdecpp.quality import target_quality
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft).save_pretrained(tmp_path / "head")
+    base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=2", "progress=false",
+            "sampling=greedy", f"out={tmp_path}/out/${{method.name}}"]
+    rows = {name: read_rows(app.run(make_cfg(*base, *overrides))["path"]) for name, overrides in {
+        "target_only": ["method=target_only"],
+        "fixed_k": ["method=fixed_k", "method.k=3"],
+        "cascade": ["method=cascade", "method.rule=diff", "method.alpha=0.5", "method.k=3"],
+        "cascade_head": ["method=cascade", "method.rule=opt", "method.alpha=0.1", "method.stop=specdecpp",
+                         f"method.head={tmp_path}/head", "method.threshold=0.5"],
+    }.items()}
+    assert rows["cascade"][0]["tag"] == "diff_a0.5_k3" and rows["cascade_head"][0]["tag"] == "opt_a0.1_head_h0.5"
+    assert all(r["lossy"] for name in ("cascade", "cascade_head") for r in rows[name])
+    assert not any(r["lossy"] for name in ("target_only", "fixed_k") for r in rows[name])
+    for r in rows["target_only"] + rows["fixed_k"]:  # exact greedy: every token is the target's argmax
+        assert r["greedy_match"] == 1.0
+    # quality recomputed independently for one cascade row
+    draft, target, tok = load_pair(tiny_pair.draft, tiny_pair.target)
+    from specdecpp.prompts import encode_prompt
+
+    row = rows["cascade"][0]
+    ids = torch.tensor([encode_prompt(tok, {"sea": "Write a short poem about the sea.",
+                                            "math": "What is 12 times 7?"}[row["prompt_id"]])])
+    with torch.no_grad():
+        full = target(torch.tensor([ids[0].tolist() + row["output_ids"]])).logits[0]
+    logits = full[ids.shape[1] - 1 : -1]
+    out = torch.tensor(row["output_ids"])
+    match = float((logits.argmax(-1) == out).float().mean())
+    logp = float(torch.log_softmax(logits, -1).gather(-1, out[:, None]).mean())
+    assert row["greedy_match"] == pytest.approx(match) and row["target_logprob_per_token"] == pytest.approx(logp, abs=1e-4)
+    assert target_quality(target, ids, [], SamplingConfig(temperature=0))["greedy_match"] is None
+    report = build_report(tmp_path / "out", tmp_path / "report")
+    assert "| cascade (LOSSY) | diff_a0.5_k3 |" in report["text"]
+    assert any(p.name.startswith("quality_") and p.exists() for p in report["images"])
+
+
+def test_infer_bad_cascade_settings_are_the_constructors_errors():
+    from test_infer import make_cfg
+
+    from infer.methods import resolve_method
+
+    for override, match in (("method.rule=nope", "rule"), ("method.alpha=-1", "alpha"),
+                            ("method.stop=other", "stop"), ("method.stop=specdecpp", "method.head"),
+                            ("method.k=0", "k")):
+        with pytest.raises(ValueError, match=match):
+            resolve_method(make_cfg("method=cascade", override).method, "draft", SamplingConfig())
