@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from specdecpp.cascade import Cascade
 from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
 from specdecpp.labels import (
     label_responses,
@@ -27,6 +28,7 @@ from specdecpp.sampling import SamplingConfig
 from .plan import (
     Shard,
     build_meta,
+    cascade_of,
     check_resumable,
     load_split_prompts,
     owned_shards,
@@ -72,7 +74,8 @@ class _Progress:
 
 
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
-                max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress) -> list[dict]:
+                max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress,
+                cascade: Cascade | None = None) -> list[dict]:
     """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
     continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
     keeping the target's p_i; then labelled ``batch_size`` at a time (one draft forward), grouped
@@ -92,7 +95,8 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
         batch = order[start:start + batch_size]
         labels = label_responses(draft, target, [encoded[i] for i in batch], [responses[i] for i in batch], sampling,
                                  [gens[i] for i in batch], vocab=vocab,
-                                 target_probs=None if target_probs is None else [target_probs[i] for i in batch])
+                                 target_probs=None if target_probs is None else [target_probs[i] for i in batch],
+                                 cascade=cascade)
         for i, lab in zip(batch, labels, strict=True):
             prompt = shard.prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
@@ -161,7 +165,7 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
     for shard in todo:
         rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
                            max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
-                           vocab=vocab, progress=progress)
+                           vocab=vocab, progress=progress, cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None)
         save_shard(out, shard.split, shard.index, rows)
     progress.bar.close()
     return progress.prompts, progress.tokens, time.perf_counter() - progress.start

@@ -102,7 +102,22 @@ def settings_meta(cfg: DictConfig) -> dict:
                     "limit": {split: limit_of(cfg, split) for split in splits_of(cfg)}},
         "max_new_tokens": int(cfg.max_new_tokens),
         "shard_size": int(cfg.shard_size),
+        # only when set, so datasets labelled before the option existed still resume
+        **({"labels": {"cascade": cascade_of(cfg)}} if cascade_of(cfg) is not None else {}),
     }
+
+
+def cascade_of(cfg: DictConfig) -> dict | None:
+    """``labels.cascade`` ({rule, alpha} or null) checked by specdecpp.Cascade, as a plain dict."""
+    node = (cfg.get("labels") or {}).get("cascade")
+    if node is None:
+        return None
+    spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    unknown = set(spec) - {"rule", "alpha"}
+    if unknown:
+        raise ValueError(f"labels.cascade: unknown keys {sorted(unknown)}; give rule and alpha")
+    specdecpp.Cascade(spec.get("rule"), spec.get("alpha"))
+    return {"rule": spec["rule"], "alpha": spec["alpha"]}
 
 
 def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:

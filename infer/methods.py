@@ -47,7 +47,7 @@ METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "hf_assisted"
 LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 # keys of a method config that infer reads itself; every other key goes to the ``_target_``
-APP_KEYS = ("name", "allow_draft_mismatch", "allow_sampling_mismatch")
+APP_KEYS = ("name", "allow_draft_mismatch", "allow_sampling_mismatch", "allow_label_mismatch")
 
 
 @dataclass
@@ -151,6 +151,21 @@ def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: Sampling
                          "method.allow_sampling_mismatch=true to use it anyway")
 
 
+def check_head_labels(head: AcceptanceHead, head_path: str, cascade: dict | None, allow: bool) -> None:
+    """A head learns the acceptance of the rule its labels were made under (exact min(1, p/q), or a
+    cascade's min(1, pi/q), data_gen's ``labels.cascade``): refuse it under another rule unless
+    allowed (an exact-label head stops too early under a lenient cascade)."""
+    meta = (head.meta.get("training") or {}).get("dataset_meta") or {}
+    trained = (meta.get("labels") or {}).get("cascade")
+    if allow or trained == cascade:
+        return
+    def describe(c):
+        return "exact min(1, p/q)" if c is None else f"cascade {c['rule']} alpha={c['alpha']:g}"
+    raise ValueError(f"method.head {head_path!r} was trained on labels of {describe(trained)}, but this "
+                     f"method verifies with {describe(cascade)}; train a head on data_gen labels of this "
+                     "rule (labels.cascade=...), or pass method.allow_label_mismatch=true to use it anyway")
+
+
 def _tag(name: str, s: dict, m) -> str:
     """The file-name tag of a method's settings (results/<...>/<tag>__<sampling>__s<seed>.jsonl)."""
     if name == "target_only":
@@ -187,6 +202,8 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     if name == "specdecpp" or (name in ("pearl", "cascade") and m.get("stop") == "specdecpp"):
         head = load_checked_head(m, draft_ref)
         check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
+        check_head_labels(head, str(m.get("head")), {"rule": m.get("rule"), "alpha": m.get("alpha")}
+                          if name == "cascade" else None, bool(m.get("allow_label_mismatch", False)))
         objects["head"] = head
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head)}
     method = instantiate_method(m, **objects)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cascade import Cascade
 from .compat import cache_kwargs
 from .hooks import FinalHidden, keep_last, new_cache
 from .loading import token_set
@@ -276,8 +277,12 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
 def label_responses(draft, target, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], sampling: SamplingConfig,
                     generators: Sequence[torch.Generator], vocab: int | None = None,
-                    target_probs: Sequence[SparseProbs] | None = None) -> list[TokenLabels]:
+                    target_probs: Sequence[SparseProbs] | None = None,
+                    cascade: Cascade | None = None) -> list[TokenLabels]:
     """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
+
+    ``cascade``: label with the cascade's acceptance min(1, pi_i(Y_i) / q_i(Y_i)) instead, pi_i =
+    ``cascade.target(q_i, p_i)`` (specdecpp/cascade.py); sampled decoding only (temperature > 0).
 
     One draft forward and one target forward for the whole batch; no target forward when
     ``target_probs`` (kept while sampling, :func:`sample_responses_with_probs`) gives every p_i.
@@ -286,6 +291,9 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
     if not (len(prompts) == len(responses) == len(generators)):
         raise ValueError(f"label_responses: {len(prompts)} prompts, {len(responses)} responses and "
                          f"{len(generators)} generators must match")
+    if cascade is not None and sampling.greedy:
+        raise ValueError("labels under a cascade need sampled decoding (temperature > 0): the greedy limit "
+                         "of a cascade has no acceptance probability to learn")
     vocab = vocab or shared_vocab(draft, target)
     draft_logits = response_logits(draft, prompts, responses, vocab)
     if target_probs is None:
@@ -307,7 +315,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
             y = sample(q, gen)
             p = target_p(b, i, j)
             ys.append(y)
-            ratios.append(acceptance_ratio(p, q, y).float())
+            ratios.append(acceptance_ratio(p if cascade is None else cascade.target(q, p), q, y).float())
             entropies.append(entropy(d_logits, sampling.temperature).float())
         labels.append(TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies)))
     return labels

@@ -238,7 +238,7 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
         "fixed_k": ["method=fixed_k", "method.k=3"],
         "cascade": ["method=cascade", "method.rule=diff", "method.alpha=0.5", "method.k=3"],
         "cascade_head": ["method=cascade", "method.rule=opt", "method.alpha=0.1", "method.stop=specdecpp",
-                         f"method.head={tmp_path}/head", "method.threshold=0.5"],
+                         f"method.head={tmp_path}/head", "method.threshold=0.5", "method.allow_label_mismatch=true"],
     }.items()}
     assert rows["cascade"][0]["tag"] == "diff_a0.5_k3" and rows["cascade_head"][0]["tag"] == "opt_a0.1_head_h0.5"
     assert all(r["lossy"] for name in ("cascade", "cascade_head") for r in rows[name])
@@ -275,3 +275,80 @@ def test_infer_bad_cascade_settings_are_the_constructors_errors():
                             ("method.k=0", "k")):
         with pytest.raises(ValueError, match=match):
             resolve_method(make_cfg("method=cascade", override).method, "draft", SamplingConfig())
+
+
+# -- labels under a cascade (data_gen labels.cascade), and heads trained on them -------------------------
+def test_data_gen_labels_under_a_cascade_equal_an_independent_recomputation(tiny_pair, tmp_path):
+    from test_data_gen import PROMPTS, make_cfg, recompute_row
+
+    from data_gen import run
+    from specdecpp.dataset import load_labelled
+    from specdecpp.loading import load_model
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    import json
+
+    prompts_file.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
+    cascade = Cascade("token_v3", 0.9)
+    out = tmp_path / "data"
+    run(make_cfg(tiny_pair, prompts_file, out, "+labels.cascade={rule: token_v3, alpha: 0.9}", "splits=[dev]"))
+    splits, meta = load_labelled(out)
+    assert meta["labels"] == {"cascade": {"rule": "token_v3", "alpha": 0.9}}
+    draft, target = load_model(tiny_pair.draft, "cpu"), load_model(tiny_pair.target, "cpu")
+    sampling = SamplingConfig.from_mapping(meta["sampling"])
+    lenient = 0
+    for row in splits["dev"]:
+        ref = recompute_row(row, draft, target, sampling, meta["seed"], meta["max_new_tokens"],
+                            tiny_pair.tokenizer.eos_token_id)
+        assert row["draft_ids"] == ref["draft_ids"]
+        prefix, response = list(row["prompt_ids"]), row["target_ids"]
+        with torch.no_grad():
+            d = torch.stack([draft(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
+            t = torch.stack([target(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
+        q, p = warp(d, sampling), warp(t, sampling)
+        y = torch.tensor(row["draft_ids"])
+        rows = torch.arange(len(response))
+        pi = torch.tensor([_by_hand("token_v3", 0.9, qi.tolist(), pj.tolist()) for qi, pj in zip(q, p, strict=True)])
+        expected = torch.clamp(pi[rows, y] / q[rows, y], max=1.0)
+        torch.testing.assert_close(torch.tensor(row["p_acc"]), expected.float(), atol=1e-5, rtol=1e-4)
+        lenient += int((expected > ref["p_acc"] + 1e-6).sum())
+    assert lenient > 0  # the cascade accepts some tokens the exact rule would not
+    assert cascade.rule == meta["labels"]["cascade"]["rule"]
+
+
+def test_data_gen_refuses_cascade_labels_under_greedy_and_bad_rules(tiny_pair, tmp_path):
+    from test_data_gen import make_cfg
+
+    from data_gen import run
+
+    with pytest.raises(ValueError, match="temperature > 0"):
+        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "a", "+labels.cascade={rule: opt, alpha: 0.1}",
+                     "sampling=greedy", "prompts=bundled", "splits=[dev]", "limit=1"))
+    with pytest.raises(ValueError, match="rule"):
+        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "b", "+labels.cascade={rule: nope, alpha: 0.1}",
+                     "prompts=bundled", "splits=[dev]", "limit=1"))
+
+
+def test_infer_refuses_a_head_trained_under_another_rule(tiny_pair, tmp_path):
+    from test_infer import make_cfg
+
+    from infer.methods import resolve_method
+    from specdecpp import AcceptanceHead
+
+    def head_with(labels, name):
+        head = AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft)
+        head.meta = {"training": {"dataset_meta": {"sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0},
+                                                   **({"labels": labels} if labels else {})}}}
+        head.save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    exact, opt = head_with(None, "exact"), head_with({"cascade": {"rule": "opt", "alpha": 0.1}}, "opt")
+    sampling = SamplingConfig(temperature=1.0, top_k=50)
+    cascade = ["method=cascade", "method.rule=opt", "method.alpha=0.1", "method.stop=specdecpp"]
+    resolve_method(make_cfg(*cascade, f"method.head={opt}").method, tiny_pair.draft, sampling)  # the same rule
+    with pytest.raises(ValueError, match="exact min.*cascade opt alpha=0.1"):
+        resolve_method(make_cfg(*cascade, f"method.head={exact}").method, tiny_pair.draft, sampling)
+    with pytest.raises(ValueError, match="cascade opt alpha=0.1.*exact"):
+        resolve_method(make_cfg("method=specdecpp", f"method.head={opt}").method, tiny_pair.draft, sampling)
+    resolve_method(make_cfg(*cascade, f"method.head={exact}", "method.allow_label_mismatch=true").method,
+                   tiny_pair.draft, sampling)
