@@ -291,7 +291,7 @@ def test_data_gen_labels_under_a_cascade_equal_an_independent_recomputation(tiny
     prompts_file.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
     cascade = Cascade("token_v3", 0.9)
     out = tmp_path / "data"
-    run(make_cfg(tiny_pair, prompts_file, out, "+labels.cascade={rule: token_v3, alpha: 0.9}", "splits=[dev]"))
+    run(make_cfg(tiny_pair, prompts_file, out, "labels.cascade={rule: token_v3, alpha: 0.9}", "splits=[dev]"))
     splits, meta = load_labelled(out)
     assert meta["labels"] == {"cascade": {"rule": "token_v3", "alpha": 0.9}}
     draft, target = load_model(tiny_pair.draft, "cpu"), load_model(tiny_pair.target, "cpu")
@@ -322,10 +322,10 @@ def test_data_gen_refuses_cascade_labels_under_greedy_and_bad_rules(tiny_pair, t
     from data_gen import run
 
     with pytest.raises(ValueError, match="temperature > 0"):
-        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "a", "+labels.cascade={rule: opt, alpha: 0.1}",
+        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "a", "labels.cascade={rule: opt, alpha: 0.1}",
                      "sampling=greedy", "prompts=bundled", "splits=[dev]", "limit=1"))
     with pytest.raises(ValueError, match="rule"):
-        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "b", "+labels.cascade={rule: nope, alpha: 0.1}",
+        run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "b", "labels.cascade={rule: nope, alpha: 0.1}",
                      "prompts=bundled", "splits=[dev]", "limit=1"))
 
 
