@@ -9,15 +9,32 @@ every row's caches equal a fresh prefill of its tokens after many ragged rounds 
 compactions). The registry entries ``batch-*`` of test_exactness.py run the same decoders through
 the shared tests one row at a time."""
 
+# ruff: noqa: F811 (test arguments named as the fixtures imported from test_exactness)
 from __future__ import annotations
 
 import pytest
 import torch
 from stats import chi_square_pvalue
-from test_exactness import DEVICES, PROMPT, SAMPLINGS, cpu_pair6, cpu_pair32, exact_distribution, on  # noqa: F401
+from test_exactness import (  # the registry's pairs and heads (fixtures), reused as they are
+    DEVICES,
+    PROMPT,
+    SAMPLINGS,
+    cpu_pair6,  # noqa: F401
+    cpu_pair32,  # noqa: F401
+    exact_distribution,
+    on,
+)
 
 import specdecpp.batch
-from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, SpeculativeDecoder, StopPolicy, TargetOnly
+from specdecpp import (
+    SVIP,
+    FixedK,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    StopPolicy,
+    TargetOnly,
+)
 from specdecpp.compat import cache_kwargs
 from specdecpp.hooks import new_cache
 
