@@ -79,6 +79,7 @@ class GenerateOutput:
     stats: RunStats
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
     batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
+    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K), shared by its rows
 
 
 def finish(stats: RunStats, seq: Sequence, wall_time_s: float, draft: ModelRunner,
@@ -166,6 +167,7 @@ class SpeculativeDecoder:
         outputs: list[GenerateOutput | None] = [None] * len(prompts)
         slots = batch_size or len(prompts)
         queue, rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt; rows: slot -> prompt
+        rounds: list[tuple[int, int]] = []  # (rows, longest K) per round: costmodel.batch_latency
         with drafter:
             while queue or rows:
                 if queue and len(rows) < slots:  # waiting prompts take the free slots
@@ -185,6 +187,7 @@ class SpeculativeDecoder:
                 verdicts = [self.rule(s.tokens[s.n : s.n + k], block.q_rows(b), logits[b, : k + 1], gens[i])
                             for b, (i, s, k) in enumerate(zip(rows, live, block.ks, strict=True))]
                 t_verified = marks.now()
+                rounds.append((len(rows), max(block.ks)))
                 for i, s, k, (n_acc, token) in zip(rows, live, block.ks, verdicts, strict=True):
                     kept = s.commit(n_acc, token)
                     stats[i].add_round(k, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
@@ -197,7 +200,7 @@ class SpeculativeDecoder:
                     for b in done:
                         i = rows[b]
                         out = finish(stats[i], seqs[i], now - joined[i], None, None, False)
-                        out.batch_size = slots
+                        out.batch_size, out.batch_rounds = slots, rounds
                         if return_caches:
                             out.caches = {"draft": drafter.runner.row_cache(b) if drafting else None,
                                           "target": target.row_cache(b)}
