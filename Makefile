@@ -34,7 +34,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'~comparison.oracle'
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
-	potential bench bench-costs bench-run bench-report bench-pearl reference-heads
+	potential bench bench-costs bench-run bench-report bench-pearl bench-batch reference-heads
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -124,7 +124,14 @@ bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixe
 	$(PYTHON) scripts/bench_pearl.py --prompts $(strip $(PEARL_PROMPTS)) --max-new-tokens $(strip $(PEARL_TOKENS)) \
 		--overlap --svip-gamma 4 --out reports/pearl/bench.json
 
-bench: install bench-report  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
+BATCH_PROMPTS ?= 8     # per prompt set (bundled test, HumanEval test): 16 prompts, batches of 1, 4 and 16
+BATCH_TOKENS ?= 64
+
+bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, SpecDec++ per row (both head kinds); interleaved
+	$(PYTHON) scripts/bench_batch.py --prompts $(strip $(BATCH_PROMPTS)) --max-new-tokens $(strip $(BATCH_TOKENS)) \
+		--batch-sizes 1 4 16 --fixed-k 1 3 --repeats 2 --out reports/batch/bench.json
+
+bench: install bench-report bench-batch  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"
 
 reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on this 2-core CPU)

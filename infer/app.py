@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from specdecpp import StopPolicy
 from specdecpp.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.quality import target_quality
@@ -23,7 +24,7 @@ from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
 
 from .methods import MethodSpec, build_runner, resolve_method
-from .results import ResultWriter, check_resumable, prompt_seed, read_rows
+from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,16 @@ class Job:
     warmup_tokens: int
     progress: bool
     profile: bool = False
+    batch_size: int = 1
 
 
 def sampling_tag(s: SamplingConfig) -> str:
     return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
 
 
-def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int) -> Path:
-    return Path(str(out_dir)) / f"{spec.tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
+def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int, batch_size: int = 1) -> Path:
+    tag = spec.tag + (f"_b{batch_size}" if batch_size > 1 else "")
+    return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -87,15 +90,21 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    batch_size = cfg.get("batch_size", 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1 and not isinstance(spec.method, StopPolicy):
+        raise ValueError(f"batch_size={batch_size}: method={spec.name} decodes one prompt at a time; batches run "
+                         "the engine's stop policies (target_only, fixed_k, svip, specdecpp)")
     p = cfg.prompts
     prompts = load_prompts(p.source, split=p.get("split"), limit=p.get("limit"), path=p.get("path"))
     run_keys = {
         "method": spec.name, "settings": spec.settings,
         "pair": {"name": cfg.pair.name, "draft": str(cfg.pair.draft), "target": str(cfg.pair.target)},
         "prompts": {"name": p.name, "source": p.source, "split": p.get("split")},
-        "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens,
+        "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
     }
-    path = result_path(cfg.out, spec, sampling, seed)
+    path = result_path(cfg.out, spec, sampling, seed, batch_size)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}
@@ -103,7 +112,8 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                todo=[q for q in prompts if q.id not in done], n_done=len(done),
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
-               progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)))
+               progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
+               batch_size=batch_size)
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -160,6 +170,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
         for job, runner in zip(jobs, runners, strict=True):
             if runner.timed and job.todo:
                 runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
+    if any(job.batch_size > 1 for job in jobs):
+        return execute_batched(jobs, runners, writers, order, encoded, eos, target)
     todo = [{q.id for q in job.todo} for job in jobs]
     total = sum(len(t) for t in todo)
     desc = f"{jobs[0].spec.name} {jobs[0].spec.tag}" if len(jobs) == 1 else f"{len(jobs)} methods, interleaved"
@@ -177,10 +189,46 @@ def execute(jobs: list[Job], models) -> list[dict]:
     return [summarize(job) for job in jobs]
 
 
+# Prompts per generate_batch call, in units of batch_size: a call runs batch_size rows at once and
+# the others wait for a free slot (continuous batching); interleaved jobs alternate call by call.
+CALL_SLOTS = 4
+
+
+def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target) -> list[dict]:
+    """:func:`execute` for ``batch_size`` > 1: each job decodes ``CALL_SLOTS * batch_size`` prompts
+    per ``generate_batch`` call, every job a call's prompts before the next call's (paired in time).
+    Each row records its batch: ``batch_size``, ``batch_id`` (the call) and ``batch_wall_time_s``
+    (the call's wall time, which its rows share: throughput = tokens / the calls' time)."""
+    for job, runner in zip(jobs, runners, strict=True):
+        if not hasattr(runner, "generate_batch"):
+            raise ValueError(f"batch_size={job.batch_size}: method={job.spec.name} has no batched runner")
+    ids = list(encoded)
+    todo = [{q.id for q in job.todo} for job in jobs]
+    width = CALL_SLOTS * max(job.batch_size for job in jobs)
+    with tqdm(total=sum(len(t) for t in todo), disable=not jobs[0].progress, unit="run",
+              desc=f"{len(jobs)} method(s), batches of {[job.batch_size for job in jobs]}") as bar:
+        for start in range(0, len(ids), width):
+            chunk = ids[start : start + width]
+            for job, runner, writer, ids_todo in zip(jobs, runners, writers, todo, strict=True):
+                mine = [pid for pid in chunk if pid in ids_todo]
+                if not mine:
+                    continue
+                seeds = [prompt_seed(job.run_keys["seed"], pid) for pid in mine]
+                outs, wall = runner.generate_batch([encoded[pid] for pid in mine], job.max_new_tokens, seeds, eos,
+                                                   job.batch_size)
+                batch_id = f"{mine[0]}+{len(mine)}"
+                for pid, (output_ids, stats, extra) in zip(mine, outs, strict=True):
+                    row = make_row(job, order[pid], encoded[pid].shape[1], output_ids, stats, extra, runner.timed,
+                                   target.device, target.dtype)
+                    writer.append({**row, "batch_id": batch_id, "batch_wall_time_s": wall})
+                bar.update(len(mine))
+    return [summarize(job) for job in jobs]
+
+
 def summarize(job: Job) -> dict:
     rows = read_rows(job.path)
     timed = [r for r in rows if r.get("timed")]
-    wall = sum(r["wall_time_s"] for r in timed)
+    wall = pooled_wall(timed)
     return {"path": str(job.path), "method": job.spec.name, "tag": job.spec.tag, "rows": len(rows),
             "new_rows": len(rows) - job.n_done,
             "tokens_per_s": sum(r["n_generated"] for r in timed) / wall if wall > 0 else None}

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 # Keys that must agree between a run and the rows already in its result file.
-RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens")
+RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size")
+RUN_DEFAULTS = {"batch_size": 1}  # what a row written before the key existed means
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -59,13 +60,19 @@ def repair_tail(path: Path) -> None:
 def check_resumable(path: Path, rows: list[dict], run: dict) -> None:
     """Refuse to append to a file written with other settings (it would mix two experiments)."""
     for row in rows:
-        diff = [k for k in RUN_KEYS if row.get(k) != run.get(k)]
+        diff = [k for k in RUN_KEYS if row.get(k, RUN_DEFAULTS.get(k)) != run.get(k, RUN_DEFAULTS.get(k))]
         if diff:
             k = diff[0]
             raise ValueError(
                 f"result file {path} holds rows with different {', '.join(diff)} "
                 f"(file: {row.get(k)!r}, this run: {run.get(k)!r}); choose another out= directory "
                 f"or pair.name, or move that file away; it was left untouched")
+
+
+def pooled_wall(rows: list[dict]) -> float:
+    """The wall time of timed rows: one prompt's each, or for batched rows each call's once."""
+    calls = {r["batch_id"]: r["batch_wall_time_s"] for r in rows if r.get("batch_id") is not None}
+    return sum(r["wall_time_s"] for r in rows if r.get("batch_id") is None) + sum(calls.values())
 
 
 class ResultWriter:

@@ -19,6 +19,7 @@ from specdecpp.costmodel import (
 from specdecpp.stats import paired_ratio_interval
 
 from .methods import METHODS
+from .results import pooled_wall
 
 # Methods our engine runs: their rows feed the Eq. 2.1 regression (HF and the oracle do not).
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
@@ -33,22 +34,23 @@ def sampling_label(s: dict) -> str:
     return "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g}, top-k={s['top_k']}, top-p={s['top_p']:g}"
 
 
-GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling")
+GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling", "batch_size")
 
 
 def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows compared in one table: same pair, device, prompt set and sampling."""
+    """Rows compared in one table: same pair, device, prompt set, sampling and batch size (a batched
+    method against target-only at the same batch size)."""
     groups = defaultdict(list)
     for row in rows:
         key = (row["pair"]["name"], row["pair"]["draft"], row["pair"]["target"], row.get("device", "?"),
-               row["prompts"]["name"], sampling_label(row["sampling"]))
+               row["prompts"]["name"], sampling_label(row["sampling"]), row.get("batch_size", 1))
         groups[key].append(row)
     return dict(sorted(groups.items()))
 
 
 def fit_group(rows: list[dict]) -> CostFit | None:
     """Eq. 2.1 over the timed rows of our engine; None where the counts cannot separate the costs."""
-    engine = [r for r in rows if r["method"] in ENGINE_METHODS and r.get("timed")]
+    engine = [r for r in rows if r["method"] in ENGINE_METHODS and r.get("timed") and r.get("batch_id") is None]
     try:
         return fit_cost_model([r["n_draft"] for r in engine], [r["n_target"] for r in engine],
                               [r["wall_time_s"] for r in engine])
@@ -61,7 +63,7 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     n = sum(r["n_generated"] for r in rows)
     rounds = [a for r in rows for a in r["accept_lengths"]]
     timed = all(r.get("timed") for r in rows)
-    wall = sum(r["wall_time_s"] for r in rows) if timed else None
+    wall = pooled_wall(rows) if timed else None
     dr = sum(r["n_discarded"] for r in rows) / n if n else math.nan
     vr = sum(r["n_target"] for r in rows) / n if n else math.nan
     concurrent = first["method"] in CONCURRENT_METHODS
@@ -143,10 +145,11 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
         e["speedup"] = e["speedup_predicted"] = e["speedup_ci95"] = e["speedup_width_predicted"] = None
         if base and e["tokens_per_s"] and base["tokens_per_s"]:
             e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
-            e["speedup_ci95"] = paired_speedup_ci(e_rows, base_rows)
+            batched = any(r.get("batch_id") is not None for r in e_rows)  # rows share their calls' time
+            e["speedup_ci95"] = None if batched else paired_speedup_ci(e_rows, base_rows)
         if base and e["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
             e["speedup_predicted"] = e["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
-        if base_width and e["method"] not in CONCURRENT_METHODS:
+        if base_width and e["method"] not in CONCURRENT_METHODS and rows[0].get("batch_size", 1) == 1:
             latency = width_latency(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
     return {"fit": fit.to_dict() if fit else None, "entries": entries,

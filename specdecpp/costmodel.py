@@ -14,12 +14,20 @@
     {"schema": "specdecpp.costs/1",
      "t_draft": 0.0021, "t_target": 0.0157,            # seconds per cached one-token forward
      "target_by_width": {"1": 0.0157, "2": 0.0171, ...},  # optional: t_target(n), n tokens at once
+     "target_by_batch": {"4": {"1": 0.021, "2": 0.024, ...}, ...},  # optional: t_target(B, n), B rows of n
+     "draft_by_batch": {"4": 0.0031, ...},                # optional: t_draft(B), B rows of one token
      "draft": "...", "target": "...", "device": "cpu", "dtype": "bfloat16", "threads": 1,
      "measured_by": "python -m infer.costs"}             # provenance, kept as ``Costs.meta``
 
 Files without ``schema`` (what ``scripts/measure_pair.py --costs-out`` wrote) have the same keys
 and load the same way; an ``infer.report`` ``summary.json`` gives its first fitted group's costs.
 All functions are elementwise in numpy arrays, so bootstrap statistics call them directly.
+
+Batches (``SpeculativeDecoder.generate_batch``): a round of B rows costs one draft forward of B
+rows per draft step (the longest row's K steps) and one target forward of B rows of width
+max_b K_b + 1, so Eq. 2.1 becomes T = sum over rounds of K_max,r * t_draft(B_r) + t_target(B_r,
+K_max,r + 1) (:func:`batch_latency`, from the rounds a batch call records); at B = 1 it is
+:func:`latency_by_width` times N.
 """
 
 from __future__ import annotations
@@ -116,6 +124,8 @@ class Costs:
     t_target: float
     target_by_width: Mapping[int, float] | None = None
     meta: Mapping = field(default_factory=dict, compare=False)
+    target_by_batch: Mapping[int, Mapping[int, float]] | None = None
+    draft_by_batch: Mapping[int, float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -141,11 +151,36 @@ class Costs:
         scoring K + 1 tokens at t_target(K + 1)."""
         return float(sum(r * self.target_cost(k + 1) for k, r in widths.items()))
 
+    def batch_target_cost(self, rows: int, width: int) -> float:
+        """t_target(B, n): B rows of n tokens each in one forward, interpolated linearly in n at the
+        nearest measured batch sizes and then in B (held flat beyond the measured ones)."""
+        curves = {int(b): c for b, c in (self.target_by_batch or {}).items()}
+        if not curves:
+            raise ValueError("no batched target cost given (costs.json has no target_by_batch): "
+                             "measure it with `python -m infer.costs --batch-sizes 1 4 16`")
+        sizes = sorted(curves)
+        by_size = [float(np.interp(width, sorted(map(int, curves[b])),
+                                   [curves[b][n] for n in sorted(curves[b], key=int)])) for b in sizes]
+        return float(np.interp(rows, sizes, by_size))
+
+    def batch_draft_cost(self, rows: int) -> float:
+        """t_draft(B): B rows of one token in one draft forward (interpolated in B)."""
+        if not self.draft_by_batch:
+            raise ValueError("no batched draft cost given (costs.json has no draft_by_batch): "
+                             "measure it with `python -m infer.costs --batch-sizes 1 4 16`")
+        sizes = sorted(int(b) for b in self.draft_by_batch)
+        return float(np.interp(rows, sizes, [self.draft_by_batch[b] for b in sizes]))
+
     def to_dict(self) -> dict:
         """The ``costs.json`` payload (schema :data:`SCHEMA`)."""
         out = {"schema": SCHEMA, "t_draft": self.t_draft, "t_target": self.t_target}
         if self.target_by_width:
             out["target_by_width"] = {str(int(n)): float(t) for n, t in sorted(self.target_by_width.items())}
+        if self.target_by_batch:
+            out["target_by_batch"] = {str(int(b)): {str(int(n)): float(t) for n, t in sorted(c.items())}
+                                      for b, c in sorted(self.target_by_batch.items())}
+        if self.draft_by_batch:
+            out["draft_by_batch"] = {str(int(b)): float(t) for b, t in sorted(self.draft_by_batch.items())}
         return {**out, **{k: v for k, v in self.meta.items() if k not in out}}
 
 
@@ -153,6 +188,13 @@ def latency_by_width(costs: Costs, n_tokens, n_draft, verification_cost):
     """Seconds per token with a width-dependent target: (t_draft * N_draft + the verifications'
     cost, :meth:`Costs.verification_cost`) / N."""
     return (costs.t_draft * n_draft + verification_cost) / n_tokens
+
+
+def batch_latency(costs: Costs, rounds: Sequence[tuple[int, int]]) -> float:
+    """Eq. 2.1 for a batch call: seconds of its ``rounds``, each ``(B_r, K_max_r)`` (rows in the
+    round, the longest row's candidates): K_max_r draft forwards of B_r rows and one target forward
+    of B_r rows of K_max_r + 1 tokens. Divide the call's generated tokens by it for tokens/s."""
+    return float(sum(k * costs.batch_draft_cost(b) + costs.batch_target_cost(b, k + 1) for b, k in rounds))
 
 
 # -- costs.json ------------------------------------------------------------------------------------
@@ -192,6 +234,8 @@ def load_costs(path: str | Path) -> Costs:
     try:
         t_draft, t_target = float(data["t_draft"]), float(data["t_target"])
         width = {int(n): float(t) for n, t in (data.get("target_by_width") or {}).items()}
+        by_batch = {int(b): {int(n): float(t) for n, t in c.items()} for b, c in (data.get("target_by_batch") or {}).items()}
+        draft_batch = {int(b): float(t) for b, t in (data.get("draft_by_batch") or {}).items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and target_by_width must be numbers "
                          f"({exc})") from exc
@@ -200,6 +244,10 @@ def load_costs(path: str | Path) -> Costs:
     if any(n < 1 or t <= 0 for n, t in width.items()):
         raise ValueError(f"costs file {str(path)!r}: target_by_width needs widths >= 1 and positive seconds, "
                          f"got {width}")
+    if any(b < 1 or n < 1 or t <= 0 for b, c in by_batch.items() for n, t in c.items()) or \
+            any(b < 1 or t <= 0 for b, t in draft_batch.items()):
+        raise ValueError(f"costs file {str(path)!r}: target_by_batch / draft_by_batch need batch sizes and "
+                         f"widths >= 1 and positive seconds")
     meta = {k: v for k, v in data.items() if k not in ("schema", "t_draft", "t_target", "target_by_width",
-                                                       "r2", "n_rows")}
-    return Costs(t_draft, t_target, width or None, meta)
+                                                       "target_by_batch", "draft_by_batch", "r2", "n_rows")}
+    return Costs(t_draft, t_target, width or None, meta, by_batch or None, draft_batch or None)

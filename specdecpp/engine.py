@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .batch import BatchDrafter, BatchRunner, check_batch_args
 from .cascade import Cascade, CascadeRule
 from .policies import StopPolicy
 from .reduced_vocab import output_vocab_size
@@ -78,6 +79,8 @@ class GenerateOutput:
     tokens: torch.Tensor  # [1, L + n]: the prompt, then the n generated tokens
     stats: RunStats
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
+    batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
+    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K), shared by its rows
 
 
 def finish(stats: RunStats, seq: Sequence, wall_time_s: float, draft: ModelRunner,
@@ -147,3 +150,77 @@ class SpeculativeDecoder:
         if not marks.exact:
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
+                       generators: list[torch.Generator | None] | None = None,
+                       eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
+                       return_caches: bool = False) -> list[GenerateOutput]:
+        """Decode a batch of prompts (1-D LongTensors of any lengths), each row stopping its draft
+        at its own candidate length (the policy's ``stop_rows``; a row that stopped waits for the
+        others), the target verifying every row's candidates in one forward and each row accepting,
+        committing and rolling back on its own (:mod:`specdecpp.batch`). ``generators[b]`` draws
+        row b's samples only, so a row's output does not depend on its batch-mates. At most
+        ``batch_size`` rows run at once (None: all); a finished row (EOS, length) leaves the batch
+        and the next waiting prompt takes its slot. Returns one :class:`GenerateOutput` per prompt,
+        in order; its ``stats.wall_time_s`` is the time from the row's joining to its finish."""
+        check_batch_args(prompts, max_new_tokens, generators, batch_size)
+        if self.rule.lossy:
+            raise NotImplementedError("generate_batch does not run a cascade yet: decode cascades one prompt "
+                                      "at a time (generate)")
+        gens = [device_generator(g, self.device) for g in (generators or [None] * len(prompts))]
+        clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
+        seqs = [Sequence(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
+        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks)
+        target, drafting = BatchRunner(self.target, self.vocab, want_hidden=False), self.policy.max_candidates > 0
+        stats, joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
+        outputs: list[GenerateOutput | None] = [None] * len(prompts)
+        slots = batch_size or len(prompts)
+        queue, rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt; rows: slot -> prompt
+        rounds: list[tuple[int, int]] = []  # (rows, longest K) per round: costmodel.batch_latency
+        with drafter:
+            while queue or rows:
+                if queue and len(rows) < slots:  # waiting prompts take the free slots
+                    new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
+                    prefixes = [seqs[i].tokens[: seqs[i].n - 1] for i in new]
+                    target.add_rows(prefixes)
+                    if drafting:
+                        drafter.runner.add_rows(prefixes)
+                    rows += new
+                    for i in new:
+                        joined[i] = clock.now()
+                live = [seqs[i] for i in rows]
+                block = drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
+                                      [gens[i] for i in rows])
+                logits = target.feed([s.tokens[target.lengths[b] : s.n + k]  # p_1..p_{K_b+1} per row
+                                      for b, (s, k) in enumerate(zip(live, block.ks, strict=True))])[0]
+                verdicts = [self.rule(s.tokens[s.n : s.n + k], block.q_rows(b), logits[b, : k + 1], gens[i])
+                            for b, (i, s, k) in enumerate(zip(rows, live, block.ks, strict=True))]
+                t_verified = marks.now()
+                rounds.append((len(rows), max(block.ks)))
+                for i, s, k, (n_acc, token) in zip(rows, live, block.ks, verdicts, strict=True):
+                    kept = s.commit(n_acc, token)
+                    stats[i].add_round(k, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
+                target.rollback([s.n - 1 for s in live])
+                if drafting:
+                    drafter.runner.rollback([s.n - 1 for s in live])
+                done = [b for b, s in enumerate(live) if s.finished]
+                if done:
+                    now = clock.now()
+                    for b in done:
+                        i = rows[b]
+                        out = finish(stats[i], seqs[i], now - joined[i], None, None, False)
+                        out.batch_size, out.batch_rounds = slots, rounds
+                        if return_caches:
+                            out.caches = {"draft": drafter.runner.row_cache(b) if drafting else None,
+                                          "target": target.row_cache(b)}
+                        outputs[i] = out
+                    keep = [b for b in range(len(rows)) if b not in done]
+                    target.select(keep)
+                    if drafting:
+                        drafter.runner.select(keep)
+                    rows = [rows[b] for b in keep]
+        if not marks.exact:
+            for s in stats:
+                s.draft_time_s = s.target_time_s = float("nan")
+        return outputs

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import join_rows, trim_left
 from .cascade import Cascade
 from .compat import cache_kwargs
 from .hooks import FinalHidden, keep_last, new_cache
@@ -70,35 +71,6 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
         mask[b, width - len(s):] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     return ids.to(device), mask.to(device), positions.to(device)
-
-
-def _left_pad_to(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zeros on the left of ``dim`` up to ``width``."""
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _join_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
-    """Append ``other``'s rows to ``cache`` (in place), both left-padded to one length; return
-    the joined attention mask. Every row's tokens stay a contiguous suffix of the cache."""
-    width = max(mask.shape[1], other_mask.shape[1])
-    for layer, new in zip(cache.layers, other.layers, strict=True):
-        layer.keys = torch.cat([_left_pad_to(layer.keys, width, 2), _left_pad_to(new.keys, width, 2)])
-        layer.values = torch.cat([_left_pad_to(layer.values, width, 2), _left_pad_to(new.values, width, 2)])
-    return torch.cat([_left_pad_to(mask, width, 1), _left_pad_to(other_mask, width, 1)])
-
-
-def _trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
-    """Drop the leading cache columns that no row attends to (left by rows that finished)."""
-    first = int(mask.any(0).int().argmax())
-    if first > 0:
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-    return mask[:, first:]
 
 
 # Sparse target distributions kept while sampling (for labels without a second target forward)
@@ -188,7 +160,7 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
                                 use_cache=True, **cache_kwargs(target, fresh),
                                 logits_to_keep=keep_last(ids.shape[1], 1, device)).logits[:, -1, :vocab]
             if rows:
-                mask = _join_rows(cache, mask, fresh, new_mask)
+                mask = join_rows(cache, mask, fresh, new_mask)
                 positions = torch.cat([positions, new_positions[:, -1:]])
                 logits = torch.cat([logits, new_logits])
             else:
@@ -222,7 +194,7 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
                 continue
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
-            mask = _trim_left(cache, mask[index])
+            mask = trim_left(cache, mask[index])
             positions = positions[index]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
         positions = positions + 1

@@ -6,6 +6,12 @@ produced ``q_k``, ``hidden`` is the draft's final hidden state at the same posit
 ``y_{k-1}`` (at the last accepted token when k == 1), and ``token`` is ``y_k`` (a 0-d tensor). The engine also stops at
 ``max_candidates`` (0 = target-only decoding), at EOS and at the length limit. It never looks at
 a policy's type.
+
+A batch of rows (``SpeculativeDecoder.generate_batch``) asks the same question of every row at
+once: ``stop_rows(k, logits [B, V], hidden [B, H], tokens [B], active [B]) -> bool tensor [B]``,
+computed on the device (the engine reads the decisions once per draft step, never per row). The
+built-in policies answer ``should_stop`` with the same code (a batch of one row); ``active`` marks
+the rows still drafting (a row that stopped waits: its entries are filler and its answer unused).
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ class StopPolicy:
                     token: torch.Tensor | None = None) -> bool:
         raise NotImplementedError
 
+    def stop_rows(self, k: int, logits: torch.Tensor, hidden: torch.Tensor | None, tokens: torch.Tensor,
+                  active: torch.Tensor) -> torch.Tensor:
+        """One decision per row of a batch, as a bool tensor [B] on the rows' device: should row b
+        stop after its candidate ``tokens[b]`` (the k-th of the round)? Needed by ``generate_batch``."""
+        raise NotImplementedError(f"{type(self).__name__} decides one row at a time (should_stop); implement "
+                                  "stop_rows(k, logits, hidden, tokens, active) to decode a batch with it")
+
+    def _one_row(self, k, logits, hidden, token) -> bool:
+        """``should_stop`` through ``stop_rows`` on a batch of one row."""
+        tokens = token.reshape(1) if token is not None else None
+        rows = self.stop_rows(k, logits.unsqueeze(0), None if hidden is None else hidden.unsqueeze(0), tokens,
+                              torch.ones(1, dtype=torch.bool, device=logits.device))
+        return bool(rows[0])
+
     def settings(self) -> dict:
         return {}
 
@@ -73,6 +93,9 @@ class TargetOnly(StopPolicy):
     def should_stop(self, k, logits, hidden, token=None) -> bool:
         return True
 
+    def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
+        return torch.ones_like(active)
+
 
 class FixedK(StopPolicy):
     """Speculative decoding with a constant candidate length K."""
@@ -85,7 +108,10 @@ class FixedK(StopPolicy):
         self.max_candidates = self.k
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
-        return k >= self.k
+        return k >= self.k  # from k alone: no tensor, no sync
+
+    def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
+        return torch.full_like(active, k >= self.k)
 
     def settings(self) -> dict:
         return {"k": self.k}
@@ -114,8 +140,11 @@ class SVIP(StopPolicy):
         self.temperature = temperature
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
-        h = float(entropy(logits, self.temperature))
-        return math.sqrt(self.c * h) > self.threshold
+        return self._one_row(k, logits, hidden, token)
+
+    def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
+        h = entropy(logits, self.temperature).double()  # float64 as math.sqrt on the host would be
+        return (self.c * h).sqrt() > self.threshold
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "c": self.c, "max_candidates": self.max_candidates}
@@ -142,7 +171,7 @@ class SpecDecPP(StopPolicy):
         self.max_candidates = check_count("SpecDecPP", "max_candidates", max_candidates)
         if self.min_candidates > self.max_candidates:
             raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
-        self._p_all_accepted = 1.0
+        self._p_all_accepted: torch.Tensor | None = None  # [B] float64, per row, this round
 
     @property
     def needs_hidden(self) -> bool:
@@ -153,14 +182,19 @@ class SpecDecPP(StopPolicy):
         self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
 
     def new_round(self) -> None:
-        self._p_all_accepted = 1.0
+        self._p_all_accepted = None
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return self._one_row(k, logits, hidden, token)
 
     @torch.no_grad()
-    def should_stop(self, k, logits, hidden, token=None) -> bool:
+    def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
+        if self._p_all_accepted is None:  # the round's first call
+            self._p_all_accepted = torch.ones(logits.shape[0], dtype=torch.float64, device=logits.device)
         # lag 0: y_k from e_{k-1} (hidden), q_k (logits) and y_k; lag 1: y_{k-1} from e_{k-1}
         if k > self.head.lag:
-            self._p_all_accepted *= float(torch.sigmoid(self.head.score(hidden, logits, token)))
-        return k >= self.min_candidates and 1.0 - self._p_all_accepted > self.threshold
+            self._p_all_accepted *= torch.sigmoid(self.head.score(hidden, logits, tokens)).double()
+        return (1.0 - self._p_all_accepted > self.threshold) & (k >= self.min_candidates)
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "min_candidates": self.min_candidates,

@@ -36,12 +36,42 @@ from specdecpp.hooks import new_cache
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
+MATES = ([3], [4, 1, 0, 2, 1])  # batch-mates of other lengths (token ids < 5 fit both test pairs)
+
+
+class InBatch:
+    """``generate_batch`` seen through one row: the prompt under test shares a batch with
+    :data:`MATES` (their own generators), first and all rows at once, or last with
+    ``batch_size=2`` so that it takes the slot a finished mate leaves (continuous batching)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, queued: bool = False) -> None:
+        self.decoder, self.queued = decoder, queued
+
+    def generate(self, prompt_ids, max_new_tokens, generator=None, eos_token_id=None, return_caches=False):
+        device = prompt_ids.device
+        mates = [torch.tensor(m, device=device) for m in MATES]
+        prompts = [*mates, prompt_ids[0]] if self.queued else [prompt_ids[0], *mates]
+        gens = None
+        if generator is not None:
+            mate_gens = [torch.Generator().manual_seed(100 + j) for j in range(len(mates))]
+            gens = [*mate_gens, generator] if self.queued else [generator, *mate_gens]
+        outs = self.decoder.generate_batch(prompts, max_new_tokens, gens, eos_token_id,
+                                           batch_size=2 if self.queued else None, return_caches=return_caches)
+        return outs[-1] if self.queued else outs[0]
+
+
 DECODERS = {
     "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
     "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
     "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
     "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
     "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    "batch-fixed_k3": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, FixedK(3), s)),
+    "batch-svip": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s)),
+    "batch-paper_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s)),
+    "batch-lag_free_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s)),
+    "batch_queued-lag_free_head": lambda d, t, s, h: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s), queued=True),
     "pearl-gamma2": lambda d, t, s, h: PEARLDecoder(d, t, 2, s),
     "pearl-svip": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4)),
     "pearl-paper_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4)),
@@ -141,7 +171,8 @@ SAMPLINGS = [
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling,eos", SAMPLINGS)
-@pytest.mark.parametrize("name", list(DECODERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("batch") else n
+                                  for n in DECODERS])  # batches: one row per call is slow; test_batch.py
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
     """The first 3 generated tokens (fewer when EOS ends a sequence) follow the target's exact
     warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
@@ -164,7 +195,7 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
         assert post > 12  # PEARL's post-verify rounds (pending drafts) were exercised
     if name != "chain-target_only":
         assert accepted > 300  # the acceptance path is exercised, not only resampling
-    if name.startswith("chain-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):
+    if not name.startswith("pearl-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):
         assert len(first_k) >= 2, first_k  # the adaptive stop really varies
 
 
@@ -185,7 +216,8 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
-@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
+                                  "batch-paper_head", "batch_queued-lag_free_head"])
 def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
     """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
     holds (the target: every committed token but the newest; the draft: at most that)."""

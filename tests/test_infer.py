@@ -19,7 +19,8 @@ import infer.app as app
 from infer import sweep
 from infer.report import build_report
 from infer.report import main as report_main
-from infer.results import ResultWriter, prompt_seed, read_rows
+from infer.results import ResultWriter, prompt_seed, read_result_dir, read_rows
+from infer.summary import summarize_results
 from specdecpp import AcceptanceHead
 from specdecpp.costmodel import Costs, fit_cost_model, predicted_latency_per_token, save_costs
 from specdecpp.potential import greedy_oracle
@@ -589,3 +590,28 @@ def test_pair_comes_from_the_heads_config(setup, tmp_path):
         app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={bare}"))
     with pytest.raises(ValueError, match="pair.draft is not set"):
         app.prepare(make_cfg(*base, "method=fixed_k"))
+
+
+def test_batch_size_rows_record_it_and_greedy_outputs_equal_batch_one(setup):
+    """batch_size=2 (continuous batching over the prompts): the rows record the batch size and
+    their call, the file tag says _b2, greedy outputs equal batch size 1's, target-only batched too;
+    the report compares each method with target-only at the same batch size."""
+    common = [*setup.base, "sampling=greedy", "~comparison.svip", "~comparison.specdecpp",
+              "~comparison.hf_assisted", "~comparison.oracle", "comparison.fixed_k.k=[2]"]
+    one = sweep.run(make_cfg(*common, f"out={setup.root}/b1/${{method.name}}"))
+    two = sweep.run(make_cfg(*common, "batch_size=2", "interleave=true", f"out={setup.root}/b2/${{method.name}}"))
+    for a, b in zip(one, two, strict=True):
+        assert Path(b["path"]).name.startswith(Path(a["path"]).name.split("__")[0] + "_b2__")
+        ra, rb = read_rows(Path(a["path"])), read_rows(Path(b["path"]))
+        assert [(r["prompt_id"], r["output_ids"]) for r in ra] == [(r["prompt_id"], r["output_ids"]) for r in rb]
+        assert all(r["batch_size"] == 2 and r["batch_wall_time_s"] > 0 and r["batch_id"] for r in rb)
+        assert all(r["batch_size"] == 1 and "batch_id" not in r for r in ra)
+        assert b["tokens_per_s"] > 0
+    groups = summarize_results(read_result_dir(setup.root / "b2"))
+    assert [g["batch_size"] for g in groups] == [2]
+    assert {e["method"] for e in groups[0]["entries"]} == {"target_only", "fixed_k"}
+    assert all(e["speedup"] is not None for e in groups[0]["entries"])
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        app.prepare(make_cfg(*setup.base, "method=fixed_k", "batch_size=0"))
+    with pytest.raises(ValueError, match="decodes one prompt at a time"):
+        app.prepare(make_cfg(*setup.base, "method=hf_assisted", "batch_size=2"))

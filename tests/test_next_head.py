@@ -167,8 +167,8 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
 
         def score(self, hidden, logits, token):
             feats = self.features_of(hidden, logits, token)
-            self.calls.append((int(token), feats.detach().clone()))
-            return torch.tensor(2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
+            self.calls.append((int(token), feats.detach().reshape(-1).clone()))  # one row (a batch of 1)
+            return torch.full(token.shape, 2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
 
     class Recorder(SpecDecPP):
         def new_round(self):

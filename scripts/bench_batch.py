@@ -1,0 +1,194 @@
+"""Measured tokens/s of batched decoding, B = 1, 4, 16: target-only, fixed K and SpecDec++ with
+per-row stopping (the best reference head of each kind), in one interleaved run with intervals,
+beside Eq. 2.1/2.3 generalised to batches with the measured t_draft(B) and t_target(B, n).
+
+    python scripts/bench_batch.py                        # the demo pair, 8 bundled + 8 HumanEval test prompts
+    python scripts/bench_batch.py --repeats 2 --max-new-tokens 32 --out reports/batch/bench.json
+
+Every prompt set is split into batches of B prompts (16 prompts: 16 calls at B = 1, 4 at B = 4, 1
+at B = 16); one unit is one ``generate_batch`` call, decoded by every method in turn (rotated) before
+the next unit, so load drift on a shared machine touches all methods alike. Row b is seeded from
+its prompt id (infer.results.prompt_seed), the same in every method and batch size. Printed per B
+and method: pooled tokens/s (all tokens / all wall time), the speedup over target-only at the same
+B with a paired 95% bootstrap interval over units (specdecpp.stats), and the prediction from the
+calls' recorded rounds (specdecpp.costmodel.batch_latency) with costs measured first in the same
+process (t_draft(B) and t_target(B, n) by timing BatchRunner forwards on a real prompt's cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infer.results import prompt_seed
+from specdecpp import (
+    FixedK,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+    load_head,
+    load_pair,
+)
+from specdecpp.batch import BatchRunner
+from specdecpp.costmodel import Costs, batch_latency
+from specdecpp.loading import dtype_name, eos_token_ids
+from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp.reduced_vocab import output_vocab_size
+from specdecpp.stats import paired_ratio_interval
+from specdecpp.timing import time_forwards
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
+
+
+def batch_costs(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int) -> Costs:
+    """t_draft(B) (one token per row) and t_target(B, n), medians of BatchRunner forwards after a
+    cached ``context`` in every row, the cache rolled back and compacted after each (untimed)."""
+    calls, resets = {}, {}
+    runners = []
+    for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
+        for b in sizes:
+            runner = BatchRunner(model, output_vocab_size(model), want_hidden=False)
+            runner.add_rows([torch.tensor(context[:-21], device=model.device)] * b)
+            tail = torch.tensor(context[-21:], device=model.device)
+            runners.append(runner)
+            length = runner.lengths[0]
+            for n in ws:
+                calls[(name, b, n)] = (lambda r=runner, t=tail[:n], b=b: r.feed([t] * b, n_logits=t.shape[0]))
+                resets[(name, b, n)] = (lambda r=runner, length=length, b=b: (r.rollback([length] * b), r.compact()))
+    with torch.no_grad():
+        timed = time_forwards(calls, repeats=repeats, warmup=2, resets=resets)
+    target_by_batch = {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes}
+    draft_by_batch = {b: timed[("draft", b, 1)].median for b in sizes}
+    return Costs(draft_by_batch[1], target_by_batch[1][1], {n: target_by_batch[1][n] for n in widths},
+                 {"measured_by": "scripts/bench_batch.py"}, target_by_batch, draft_by_batch)
+
+
+def best_heads() -> dict[str, tuple[str, float]]:
+    """The best reference head of each kind and its threshold (demo/heads/selection.json)."""
+    ranking = json.loads((ROOT / "demo/heads/selection.json").read_text())["ranking"]
+    out = {}
+    for entry in ranking:  # best first within each kind
+        out.setdefault(entry["kind"], (entry["name"], entry["best_threshold"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="demo")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per set (bundled test, HumanEval test)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--fixed-k", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts")
+    ap.add_argument("--timing-steps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="fast")
+    ap.add_argument("--out", default="reports/batch/bench.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cache = os.environ.get("SPECDECPP_CACHE", ".cache")
+    draft, target, tokenizer = load_pair(f"{cache}/{args.pair}/draft", f"{cache}/{args.pair}/target",
+                                         device="cpu", dtype=args.dtype)
+    eos = sorted(eos_token_ids(tokenizer, target))
+    prompts = [q for source in ("bundled", "humaneval") for q in load_prompts(source, split="test", limit=args.prompts)]
+    encoded = [(q.id, encode_prompt(tokenizer, q.prompt)) for q in prompts]
+    if any(len(encoded) % b for b in args.batch_sizes):
+        raise SystemExit(f"--batch-sizes must divide the {len(encoded)} prompts")
+
+    heads = best_heads()
+    methods = {"target_only": TargetOnly()}
+    methods.update({f"fixed_k{k}": FixedK(k) for k in args.fixed_k})
+    for kind, (name, threshold) in sorted(heads.items()):
+        methods[f"specdecpp_{kind}({name}@{threshold:g})"] = SpecDecPP(load_head(ROOT / "demo/heads" / name),
+                                                                      threshold=threshold)
+    decoders = {m: SpeculativeDecoder(draft, target, p, SAMPLING) for m, p in methods.items()}
+
+    widths = sorted({1, 2, 3, 4, 6, 9, 14, 21})
+    sizes = sorted({1, 2, 4, 8, 16} | set(args.batch_sizes))
+    t0 = time.perf_counter()
+    costs = batch_costs(draft, target, max((ids for _, ids in encoded), key=len), sizes, widths, args.timing_steps)
+    print(f"costs measured in {time.perf_counter() - t0:.0f} s: t_draft(B) "
+          + ", ".join(f"{b}: {t * 1e3:.1f} ms" for b, t in costs.draft_by_batch.items()))
+    for b, curve in costs.target_by_batch.items():
+        print(f"  t_target({b}, n) ms: " + ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in curve.items()))
+
+    decoders["target_only"].generate_batch([torch.tensor(encoded[0][1])], 8)  # warm-up, untimed
+    units: dict[tuple[int, str], list[dict]] = {}
+    load_before = os.getloadavg()
+    t_run = time.perf_counter()
+    unit = 0
+    for rep in range(args.repeats):
+        for b in args.batch_sizes:
+            for start in range(0, len(encoded), b):
+                group = encoded[start: start + b]
+                order = list(decoders)
+                order = order[unit % len(order):] + order[: unit % len(order)]  # rotate who goes first
+                unit += 1
+                for m in order:
+                    gens = [torch.Generator().manual_seed(prompt_seed(rep, pid)) for pid, _ in group]
+                    t = time.perf_counter()
+                    outs = decoders[m].generate_batch([torch.tensor(ids) for _, ids in group], args.max_new_tokens,
+                                                      gens, eos_token_id=eos)
+                    wall = time.perf_counter() - t
+                    tokens = sum(o.stats.n_generated for o in outs)
+                    stats = [o.stats for o in outs]
+                    units.setdefault((b, m), []).append({
+                        "tokens": tokens, "wall_s": wall, "predicted_s": batch_latency(costs, outs[0].batch_rounds),
+                        "rounds": len(outs[0].batch_rounds),
+                        "draft_calls": sum(s.n_draft_calls for s in stats),
+                        "discarded": sum(s.n_discarded for s in stats),
+                        "accepted": sum(sum(s.accept_lengths) for s in stats),
+                        "candidates": sum(sum(s.candidate_lengths) for s in stats),
+                        "batch_width_mean": float(np.mean([k for _, k in outs[0].batch_rounds])),
+                        "row_k_mean": float(np.mean([k for s in stats for k in s.candidate_lengths])),
+                    })
+            print(f"rep {rep} B={b} done ({time.perf_counter() - t_run:.0f} s)", flush=True)
+
+    table = []
+    for b in args.batch_sizes:
+        base = units[(b, "target_only")]
+        for m in decoders:
+            us = units[(b, m)]
+            tok, wall, pred = (np.array([u[k] for u in us], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
+            btok, bwall, bpred = (np.array([u[k] for u in base], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
+            ci = paired_ratio_interval(tok, wall, btok, bwall, n_resamples=2000) if m != "target_only" else (None, None)
+            table.append({
+                "batch_size": b, "method": m, "units": len(us), "tokens": int(tok.sum()),
+                "tokens_per_s": tok.sum() / wall.sum(), "speedup": (tok.sum() / wall.sum()) / (btok.sum() / bwall.sum()),
+                "speedup_ci95": ci, "predicted_tokens_per_s": tok.sum() / pred.sum(),
+                "predicted_speedup": (tok.sum() / pred.sum()) / (btok.sum() / bpred.sum()),
+                "mean_row_k": float(np.mean([u["row_k_mean"] for u in us])),
+                "mean_batch_k": float(np.mean([u["batch_width_mean"] for u in us])),
+                "accepted_per_candidate": sum(u["accepted"] for u in us) / max(sum(u["candidates"] for u in us), 1),
+                "discarded_per_token": sum(u["discarded"] for u in us) / tok.sum(),
+            })
+    print(f"\n{platform.processor() or platform.machine()}, torch threads {args.threads}, dtype "
+          f"{dtype_name(target.dtype)}, {len(encoded)} prompts x {args.repeats} passes, {args.max_new_tokens} tokens, "
+          f"T=1 top-k 50; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    print("| B | method | tokens/s | speedup vs target-only (95% CI) | Eq. 2.1 predicted tok/s (speedup) "
+          "| mean K per row | mean K_max per round | accepted / candidate |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        ci = f" [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]" if r["speedup_ci95"][0] is not None else ""
+        print(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.3f}{ci} | "
+              f"{r['predicted_tokens_per_s']:.1f} ({r['predicted_speedup']:.3f}) | {r['mean_row_k']:.2f} | "
+              f"{r['mean_batch_k']:.2f} | {r['accepted_per_candidate']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
+                               "args": vars(args), "threads": args.threads, "dtype": dtype_name(target.dtype),
+                               "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
