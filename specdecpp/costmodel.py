@@ -14,6 +14,7 @@
     {"schema": "specdecpp.costs/1",
      "t_draft": 0.0021, "t_target": 0.0157,            # seconds per cached one-token forward
      "target_by_width": {"1": 0.0157, "2": 0.0171, ...},  # optional: t_target(n), n tokens at once
+     "draft_by_width": {"1": 0.0021, "2": 0.0023, ...},   # optional: the draft's, n tokens at once
      "draft": "...", "target": "...", "device": "cpu", "dtype": "bfloat16", "threads": 1,
      "measured_by": "python -m infer.costs"}             # provenance, kept as ``Costs.meta``
 
@@ -116,6 +117,7 @@ class Costs:
     t_target: float
     target_by_width: Mapping[int, float] | None = None
     meta: Mapping = field(default_factory=dict, compare=False)
+    draft_by_width: Mapping[int, float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -129,12 +131,12 @@ class Costs:
 
     def target_cost(self, width):
         """t_target(width), interpolated linearly between measured widths, held flat beyond."""
-        curve = sorted((int(n), float(t)) for n, t in (self.target_by_width or {}).items())
-        if not curve:
-            raise ValueError("no width-dependent target cost given (costs.json has no target_by_width)")
-        xs, ys = [x for x, _ in curve], [y for _, y in curve]
-        out = np.interp(width, xs, ys)
-        return float(out) if np.ndim(out) == 0 else out
+        return _interpolate(self.target_by_width, width, "target_by_width")
+
+    def draft_cost(self, width):
+        """t_draft(width): the draft's cost of one forward over ``width`` tokens after a cached prefix
+        (a token tree's level), interpolated like :meth:`target_cost`."""
+        return _interpolate(self.draft_by_width, width, "draft_by_width")
 
     def verification_cost(self, widths: Mapping[int, int]) -> float:
         """Seconds of the target's verifications: ``widths[K]`` rounds of K candidates, each
@@ -146,7 +148,19 @@ class Costs:
         out = {"schema": SCHEMA, "t_draft": self.t_draft, "t_target": self.t_target}
         if self.target_by_width:
             out["target_by_width"] = {str(int(n)): float(t) for n, t in sorted(self.target_by_width.items())}
+        if self.draft_by_width:
+            out["draft_by_width"] = {str(int(n)): float(t) for n, t in sorted(self.draft_by_width.items())}
         return {**out, **{k: v for k, v in self.meta.items() if k not in out}}
+
+
+def _interpolate(by_width: Mapping[int, float] | None, width, key: str):
+    """A width curve at ``width``, linear between measured widths, flat beyond."""
+    curve = sorted((int(n), float(t)) for n, t in (by_width or {}).items())
+    if not curve:
+        raise ValueError(f"no width-dependent cost given (costs.json has no {key}; measure it with "
+                         "`python -m infer.costs --costs-out FILE`)")
+    out = np.interp(width, [x for x, _ in curve], [y for _, y in curve])
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def latency_by_width(costs: Costs, n_tokens, n_draft, verification_cost):
@@ -192,14 +206,15 @@ def load_costs(path: str | Path) -> Costs:
     try:
         t_draft, t_target = float(data["t_draft"]), float(data["t_target"])
         width = {int(n): float(t) for n, t in (data.get("target_by_width") or {}).items()}
+        draft_width = {int(n): float(t) for n, t in (data.get("draft_by_width") or {}).items()}
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and target_by_width must be numbers "
+        raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and the width curves must be numbers "
                          f"({exc})") from exc
     if not (0 < t_draft < t_target):
         raise ValueError(f"costs file {str(path)!r}: need 0 < t_draft < t_target, got {t_draft} and {t_target}")
-    if any(n < 1 or t <= 0 for n, t in width.items()):
-        raise ValueError(f"costs file {str(path)!r}: target_by_width needs widths >= 1 and positive seconds, "
-                         f"got {width}")
+    for key, curve in (("target_by_width", width), ("draft_by_width", draft_width)):
+        if any(n < 1 or t <= 0 for n, t in curve.items()):
+            raise ValueError(f"costs file {str(path)!r}: {key} needs widths >= 1 and positive seconds, got {curve}")
     meta = {k: v for k, v in data.items() if k not in ("schema", "t_draft", "t_target", "target_by_width",
-                                                       "r2", "n_rows")}
-    return Costs(t_draft, t_target, width or None, meta)
+                                                       "draft_by_width", "r2", "n_rows")}
+    return Costs(t_draft, t_target, width or None, meta, draft_width or None)

@@ -234,20 +234,26 @@ class TreeRule:
         for c in children:
             x = drafted[c]
             u = float(torch.rand((), generator=gen, device=r_dist.device))
-            if u * float(d_dist[x]) < float(r_dist[x]):
+            if u * float(d_dist[x]) < float(r_dist[x]):  # accept with min(1, R(x) / D(x))
                 return c
-            r_dist = residual(r_dist, d_dist)  # with the current D
             drawn.append(x)
-            d_dist = d_dist.clone()
-            d_dist[x] = 0
-            mass = float(d_dist.sum())
-            if mass > 0:
-                d_dist = d_dist / mass
-            else:  # q's support is used up: the next draw was uniform over the tokens not drawn yet
-                d_dist = torch.ones_like(d_dist)
-                d_dist[drawn] = 0
-                d_dist = d_dist / d_dist.sum()
+            r_dist, d_dist = reject(r_dist, d_dist, drawn)
         return r_dist
+
+
+def reject(r_dist: torch.Tensor, d_dist: torch.Tensor, drawn: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """After child ``drawn[-1]`` is rejected: ``R <- Norm[(R - D)+]`` with the current D, then the
+    child leaves D, which is renormalised (uniform over the tokens not in ``drawn`` once it is empty):
+    the next child's D is the distribution it was drawn from (:func:`gumbel_top_k`)."""
+    r_dist = residual(r_dist, d_dist)
+    d_dist = d_dist.clone()
+    d_dist[drawn[-1]] = 0
+    mass = float(d_dist.sum())
+    if mass > 0:
+        return r_dist, d_dist / mass
+    d_dist = torch.ones_like(d_dist)
+    d_dist[drawn] = 0
+    return r_dist, d_dist / d_dist.sum()
 
 
 def check_tree_model(model, role: str) -> None:
