@@ -290,7 +290,9 @@ class SequoiaRunner(EngineRunner):
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         output_ids, s, extra = super().generate(prompt_ids, max_new_tokens, seed, eos_token_id)
+        widths = {str(w): s.draft_widths.count(w) for w in sorted(set(s.draft_widths))}
         extra["row"] = {"tree_size": s.tree_size, "tree_depth": s.tree_depth, "n_draft_tokens": s.n_draft_tokens,
+                        "draft_widths": widths,
                         "tokens_per_target_call": s.tokens_per_target_call, "accepted_ranks": s.accepted_ranks}
         return output_ids, s, extra
 

@@ -52,12 +52,14 @@ TREE_ATTENTION = ("eager", "sdpa")  # attention implementations that take a cust
 class SequoiaStats(RunStats):
     """:class:`RunStats` of a tree decoder. Per round, ``candidate_lengths`` holds the tree's
     drafted nodes (all scored by the target) and ``accept_lengths`` the accepted path's length;
-    ``n_draft_calls`` counts draft forwards (one per level), ``n_draft_tokens`` the tokens they
-    fed; ``accepted_ranks[r]`` lists the sibling rank (1 = first drawn) of each accepted node."""
+    ``n_draft_calls`` counts draft forwards (one per level), ``draft_widths`` the tokens each fed
+    (``n_draft_tokens`` their sum); ``accepted_ranks[r]`` lists the sibling rank (1 = first drawn)
+    of each accepted node."""
 
     tree_size: int = 0
     tree_depth: int = 0
     n_draft_tokens: int = 0
+    draft_widths: list[int] = field(default_factory=list)
     accepted_ranks: list[list[int]] = field(default_factory=list)
 
     @property
@@ -108,11 +110,11 @@ class TreePlan:
 @dataclass
 class TreeBlock:
     """A drafted tree: ``tokens`` [N] and, unless greedy, ``q[node]`` (the warped draft row the
-    node's children were drawn from; ``q[-1]`` is the root's); the draft fed ``fed_tokens``."""
+    node's children were drawn from; ``q[-1]`` is the root's); ``widths``: each draft forward's tokens."""
 
     tokens: torch.Tensor
     q: dict
-    fed_tokens: int
+    widths: list[int]
     t0: float
     t1: float
 
@@ -156,9 +158,9 @@ class TreeDrafter:
         """Draft ``plan.tree`` after the committed ``seq[:n]`` (the root is ``seq[n - 1]``)."""
         t0, tree, runner = self.clock.now(), plan.tree, self.runner
         tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=seq.device)
-        q_rows, fed_tokens = {}, 0
+        q_rows, widths = {}, []
         if tree.n_nodes:
-            fed_tokens = n - runner.length
+            widths.append(n - runner.length)
             logits = runner.feed(seq[runner.length : n])[0]
             for depth, (counts, level) in enumerate(zip(plan.counts, tree.levels, strict=False)):
                 parents = [-1] if depth == 0 else plan.fed[depth - 1]
@@ -167,11 +169,11 @@ class TreeDrafter:
                     prefix = torch.ones(len(parents), n, dtype=torch.bool, device=seq.device)
                     positions = torch.full((len(parents),), n - 1 + depth, device=seq.device)
                     logits = runner.feed(tokens[parents], len(parents), positions, torch.cat([prefix, mask], 1))[0]
-                    fed_tokens += len(parents)
+                    widths.append(len(parents))
                 tokens[level.start : level.stop], q = self._children(logits, counts, gen)
                 if q is not None:
                     q_rows.update(zip(parents, q, strict=True))
-        return TreeBlock(tokens, q_rows, fed_tokens, t0, self.clock.now())
+        return TreeBlock(tokens, q_rows, widths, t0, self.clock.now())
 
 
 def score_tree(runner: ModelRunner, seq: torch.Tensor, n: int, plan: TreePlan, tokens: torch.Tensor) -> torch.Tensor:
@@ -321,7 +323,8 @@ class SequoiaDecoder:
             size = plan.tree.n_nodes
             stats.add_round(plan.n_draft_forwards, size, len(path), size + 1 - kept,
                             block.t1 - block.t0, t_verified - block.t1)
-            stats.n_draft_tokens += block.fed_tokens
+            stats.n_draft_tokens += sum(block.widths)
+            stats.draft_widths += block.widths
             stats.accepted_ranks.append([plan.tree.ranks[i] for i in path])
 
         if not marks.exact:

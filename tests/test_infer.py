@@ -131,6 +131,12 @@ def test_sequoia_rows_and_tree_choice(setup, greedy_results, tmp_path):
     assert row["tree_size"] == 8 and row["output_ids"] == reference["sea"]
     assert row["settings"]["expected_tokens"] == pytest.approx(TokenTree(row["settings"]["parents"]).expected_tokens(
         [0.6, 0.2, 0.1]))
+    report = build_report(tmp_path, tmp_path / "report", costs)
+    (group,) = report["groups"]
+    (dp_entry,) = [e for e in group["entries"] if e["settings"]["tree_source"].startswith("dp")]
+    assert dp_entry["tokens_per_target_call"] == pytest.approx(row["tokens_per_target_call"])
+    assert dp_entry["predicted_tokens_per_s"] is None  # constant-cost Eq. 2.3 does not price trees
+    assert "tokens per target call (the DP's G(n, d) = " in report["text"] and len(report["images"]) == 2
     with pytest.raises(ValueError, match="method.acceptance"):
         app.run(make_cfg(*setup.base, "method=sequoia", "method.tree=null", f"out={tmp_path}/bad"))
     with pytest.raises(ValueError, match="breadth-first"):
