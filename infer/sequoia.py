@@ -68,7 +68,8 @@ def decode(args, tree: TokenTree, split: str):
 
 def measure(args) -> dict:
     counts, rounds, meta = [0] * args.width, 0, {}
-    for meta, stats in decode(args, TokenTree.star(args.width), args.split):
+    for run_meta, stats in decode(args, TokenTree.star(args.width), args.split):
+        meta = run_meta
         for tested, ranks in zip(stats.candidate_lengths, stats.accepted_ranks, strict=True):
             if tested == args.width:
                 rounds += 1

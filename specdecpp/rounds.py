@@ -109,7 +109,7 @@ class ModelRunner:
         """Keep only the cached positions ``keep`` (strictly increasing), in that order: a token
         tree's accepted path moves next to the prefix. Positions before the first gap stay put."""
         keep = [int(k) for k in keep]
-        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and (keep[0] < 0 or keep[-1] >= self.length)):
+        if any(b <= a for a, b in zip(keep, keep[1:], strict=False)) or (keep and (keep[0] < 0 or keep[-1] >= self.length)):
             raise ValueError(f"compact: keep must be strictly increasing cache positions < {self.length}, got {keep}")
         first = next((i for i, k in enumerate(keep) if k != i), len(keep))
         if first < len(keep):

@@ -36,11 +36,11 @@ from .reduced_vocab import output_vocab_size
 from .rounds import (
     Clock,
     ModelRunner,
-    Sequence as Committed,
     check_generate_args,
     check_pair_devices,
     device_generator,
 )
+from .rounds import Sequence as Committed
 from .sampling import SamplingConfig, sample, warp
 from .tree import TokenTree
 from .verify import residual

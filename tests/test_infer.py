@@ -283,7 +283,13 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
     """Each conf/method/*.yaml, composed as `python -m infer method=<name> method.<key>=...` would,
     builds the class its _target_ names with the configured settings (no model is loaded)."""
     from infer.hf_assisted import HFAssisted
-    from infer.methods import METHODS, PEARLMethod, SequoiaMethod, instantiate_method, resolve_method
+    from infer.methods import (
+        METHODS,
+        PEARLMethod,
+        SequoiaMethod,
+        instantiate_method,
+        resolve_method,
+    )
     from infer.oracle import Oracle
     from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, TargetOnly
 

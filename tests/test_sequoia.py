@@ -18,9 +18,8 @@ from test_engine import noisy_copy
 
 from specdecpp import SamplingConfig, SequoiaDecoder, TokenTree
 from specdecpp.costmodel import Costs
-from specdecpp.rounds import ModelRunner
+from specdecpp.rounds import Clock, ModelRunner
 from specdecpp.sequoia import TreeDrafter, TreePlan, gumbel_top_k, reject, score_tree
-from specdecpp.rounds import Clock
 from specdecpp.tree_search import TreeDP, choose_tree, draft_widths
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -275,7 +274,7 @@ def _all_trees(m: int, depth: int, width: int) -> tuple:
     out = []
     for parts in range(1, min(width, m - 1) + 1):
         for cuts in itertools.combinations(range(1, m - 1), parts - 1):
-            sizes = [b - a for a, b in zip((0, *cuts), (*cuts, m - 1))]
+            sizes = [b - a for a, b in zip((0, *cuts), (*cuts, m - 1), strict=True)]
             for kids in itertools.product(*(_all_trees(s, depth - 1, width) for s in sizes)):
                 out.append(kids)
     return tuple(out)
