@@ -120,6 +120,7 @@ class ModelRunner:
                     kv = getattr(layer, name)
                     kv[..., first : len(keep), :] = kv.index_select(-2, src)
         self.rollback(len(keep))
+
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached)."""
         extra = self.length - length
