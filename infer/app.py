@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from specdecpp.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.prompts import Prompt, encode_prompt, load_prompts
+from specdecpp.quality import target_quality
+from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
 
 from .methods import MethodSpec, build_runner, resolve_method
@@ -117,7 +119,10 @@ def load_models(pair: dict):
 
 
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
-             timed: bool, device: torch.device, dtype: torch.dtype) -> dict:
+             timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
+    """One result row. ``lossy``: the method's output does not follow the target's distribution
+    (a cascade); ``quality`` (specdecpp.quality.target_quality, untimed) is recorded for every
+    method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
@@ -130,6 +135,7 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
         "tokens_per_s": stats.tokens_per_s if timed else None,
         "discard_rate": stats.discard_rate, "verification_rate": stats.verification_rate,
         "mean_accept_length": stats.mean_accept_length, "output_ids": output_ids,
+        "lossy": bool(getattr(job.spec.method, "lossy", False)), **(quality or {}),
         **(extra.get("row") or {}),  # a method's own counts (PEARL: gamma_used, overlap_time_s, ...)
     }
 
@@ -164,8 +170,9 @@ def execute(jobs: list[Job], models) -> list[dict]:
                     continue
                 output_ids, stats, extra = runner.generate(ids, job.max_new_tokens,
                                                            prompt_seed(job.run_keys["seed"], pid), eos)
+                quality = target_quality(target, ids, output_ids, job.sampling, output_vocab_size(target))
                 writer.append(make_row(job, order[pid], ids.shape[1], output_ids, stats, extra, runner.timed,
-                                       target.device, target.dtype))
+                                       target.device, target.dtype, quality))
                 bar.update(1)
     return [summarize(job) for job in jobs]
 

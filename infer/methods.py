@@ -30,6 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from specdecpp import (
     SVIP,
     AcceptanceHead,
+    Cascade,
+    FixedK,
     PEARLDecoder,
     SequoiaDecoder,
     SpecDecPP,
@@ -47,7 +49,8 @@ from specdecpp.tree_search import choose_tree
 from .hf_assisted import HF_MODES
 from .timing import Clock, ForwardMeter
 
-METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle")
+METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
+LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 # keys of a method config that infer reads itself; every other key goes to the ``_target_``
 APP_KEYS = ("name", "allow_draft_mismatch", "allow_sampling_mismatch")
@@ -168,6 +171,11 @@ def _tag(name: str, s: dict, m) -> str:
     if name == "hf_assisted":
         tag = f"{s['mode']}_n{s['num_assistant_tokens']}"
         return tag + (f"_c{_num(s['confidence_threshold'])}" if s["mode"] == "confidence" else "")
+    if name == "cascade":
+        policy = s["policy"]
+        stop = {"fixed_k": lambda: f"k{policy['k']}", "svip": lambda: f"svip_h{_num(policy['threshold'])}",
+                "specdecpp": lambda: f"{Path(str(m.get('head')).rstrip('/')).name}_h{_num(policy['threshold'])}"}
+        return f"{s['rule']}_a{_num(s['alpha'])}_{stop[s['stop']]()}"
     if name == "pearl":
         tag = f"g{s['gamma']}" + (f"_svip_h{_num(s['threshold'])}_c{_num(s['c'])}" if s["stop"] == "svip" else "")
         if s["stop"] == "specdecpp":
@@ -185,7 +193,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     name = m.get("name")
     m = method_config(name, m)
     objects, head, settings = {}, None, {}
-    if name == "specdecpp" or (name == "pearl" and m.get("stop") == "specdecpp"):
+    if name == "specdecpp" or (name in ("pearl", "cascade") and m.get("stop") == "specdecpp"):
         head = load_checked_head(m, draft_ref)
         check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
         objects["head"] = head
@@ -264,6 +272,35 @@ class SequoiaMethod:
 
     def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
         return SequoiaRunner(SequoiaDecoder(draft, target, self.tree, sampling, profile=profile), profile)
+
+
+class CascadeMethod:
+    """A speculative cascade (LOSSY, opt-in): ``specdecpp.Cascade(rule, alpha)`` in our engine with
+    a stop policy: ``stop=fixed_k`` (``k``), ``svip`` (``threshold``, ``c``) or ``specdecpp``
+    (``head`` of either kind, ``threshold``); each part checks its own settings."""
+
+    STOPS = ("fixed_k", "svip", "specdecpp")
+    lossy = True
+
+    def __init__(self, rule: str = "opt", alpha: float = 0.1, stop: str = "fixed_k", k: int = 4,
+                 threshold: float = 0.5, c: float = 0.15, max_candidates: int = 20,
+                 head: AcceptanceHead | None = None) -> None:
+        self.cascade = Cascade(rule, alpha)
+        if stop not in self.STOPS:
+            raise ValueError(f"cascade: stop must be one of {', '.join(self.STOPS)}, got {stop!r}")
+        if stop == "specdecpp" and not isinstance(head, AcceptanceHead):
+            raise ValueError("cascade: stop=specdecpp needs method.head, a head directory")
+        self.stop = stop
+        self.policy = (FixedK(k) if stop == "fixed_k" else SVIP(threshold, c=c, max_candidates=max_candidates)
+                       if stop == "svip" else SpecDecPP(head, threshold, max_candidates=max_candidates))
+
+    def settings(self) -> dict:
+        return {"rule": self.cascade.rule, "alpha": self.cascade.alpha, "stop": self.stop,
+                "policy": self.policy.settings(), "lossy": True}
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
+        return EngineRunner(SpeculativeDecoder(draft, target, self.policy, sampling, profile=profile,
+                                               cascade=self.cascade), profile)
 
 
 class EngineRunner:

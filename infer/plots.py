@@ -35,6 +35,8 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
             label = f"hf_assisted {e['settings']['mode']}"
         elif e["method"] == "pearl" and rest.get("stop"):
             label += f" +{rest['stop']} h={rest.get('threshold'):g}"
+        elif e["method"] == "cascade":
+            label = f"cascade {rest['rule']} +{rest['stop']} (lossy)"
         elif e["method"] == "svip" and (rest.get("c"), rest.get("max_candidates")) != (0.15, 40):
             label += f" c={rest.get('c'):g} max={rest.get('max_candidates')}"
         out[label].append(e)
@@ -112,6 +114,38 @@ def throughput_plot(group: dict, path: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(f"{group['pair']} / {group['prompts']} / {group['sampling']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def quality_plot(group: dict, path: Path) -> Path:
+    """Lossy methods (cascades, one line per rule over alpha) against the exact ones: the target's
+    mean log-likelihood per token (greedy: the share of tokens equal to the target's greedy choice)
+    against tokens/s and against target calls per token. Exact methods are the reference points."""
+    key, ylabel = (("greedy_match", "tokens equal to the target's greedy choice") if group["greedy"] else
+                   ("target_logprob_per_token", "target log-likelihood per token"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, xkey, xlabel in ((axes[0], "tokens_per_s", "tokens/s (measured)"),
+                             (axes[1], "verification_rate", "target calls per token")):
+        for label, items in series(group["entries"]).items():
+            items = [e for e in items if e.get(key) is not None and e.get(xkey) is not None]
+            if not items:
+                continue
+            lossy = items[0].get("lossy")
+            color, marker = _style(label, items[0]["method"])
+            ax.plot([e[xkey] for e in items], [e[key] for e in items], marker=marker, color=color if not lossy else None,
+                    linestyle="-" if lossy else "none", label=label, alpha=1.0 if lossy else 0.6)
+            if lossy:
+                for e in items:
+                    ax.annotate(f"α={e['settings']['alpha']:g}", (e[xkey], e[key]), fontsize=7,
+                                textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Quality against speed: lossy cascades beside the exact methods ({group['sampling']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

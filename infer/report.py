@@ -14,13 +14,13 @@ from pathlib import Path
 
 from specdecpp.costmodel import Costs, load_costs
 
-from .plots import pareto_plot, throughput_plot
+from .plots import pareto_plot, quality_plot, throughput_plot
 from .results import read_result_dir
 from .summary import R2_WARNING, summarize_results
 
 COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq. 2.3 speedup",
            "Eq. 2.3 speedup, t_target(n)", "measured/Eq. 2.3", "outside forwards", "both busy", "mean accepted",
-           "discard rate", "verification rate")
+           "discard rate", "verification rate", "target log-lik/token", "greedy match")
 
 
 def _f(x, digits: int = 2, suffix: str = "") -> str:
@@ -34,13 +34,14 @@ def group_table(group: dict) -> str:
                    else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
         ci = e.get("speedup_ci95")
         lines.append("| " + " | ".join([
-            e["method"], e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
+            e["method"] + (" (LOSSY)" if e.get("lossy") else ""), e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
             f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-",
             _f(e["speedup_predicted"], suffix="x"), _f(e.get("speedup_width_predicted"), suffix="x"),
             _f(e["measured_over_predicted"]),
             _f(None if e["outside_forward_share"] is None else 100 * e["outside_forward_share"], 1, "%"),
             _f(None if e.get("both_busy_share") is None else 100 * e["both_busy_share"], 1, "%"),
             _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
+            _f(e.get("target_logprob_per_token"), 3), _f(e.get("greedy_match"), 3),
         ]) + " |")
     return "\n".join(lines)
 
@@ -98,6 +99,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
     for g in groups:
         slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"])
         pngs = [pareto_plot(g, out / f"pareto_{slug}.png"), throughput_plot(g, out / f"throughput_{slug}.png")]
+        if any(e.get("lossy") for e in g["entries"]):
+            pngs.append(quality_plot(g, out / f"quality_{slug}.png"))
         images += pngs
         sections += [
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
@@ -127,7 +130,11 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "constant-cost Eq. 2.3 does not apply (its discard rate counts every unaccepted node); mean "
         "accepted = accepted candidates per round; discard rate = N_discarded / N; verification "
         "rate = N_target / N (rates pooled over prompts). The oracle (greedy only) is counted, not "
-        "timed: its speedup is Eq. 2.3's.\n")
+        "timed: its speedup is Eq. 2.3's. (LOSSY) marks a speculative cascade: its output does not follow "
+        "the target's distribution, so its speed is only comparable at its quality: target log-lik/token = "
+        "mean log-probability of the output under the target's warped distribution (greedy: its raw "
+        "softmax), greedy match = share of output tokens equal to the target's argmax at their position "
+        "(specdecpp/quality.py); the exact methods' values are the reference.\n")
     report = "\n".join(sections)
     (out / "report.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")

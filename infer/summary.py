@@ -24,7 +24,7 @@ from .methods import METHODS
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
 SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode",
-         "sequoia": "tree_size"}
+         "sequoia": "tree_size", "cascade": "alpha"}
 # Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
 CONCURRENT_METHODS = ("pearl",)
 # Token trees: a draft forward feeds a level of several nodes, so Eq. 2.3's constant t_draft per
@@ -89,7 +89,15 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         "gamma_used": sorted({r.get("gamma_used") for r in rows}) if concurrent else None,
         # token trees: tokens per target call, against the DP's G(n, d) for the tree (when it was chosen by it)
         "tokens_per_target_call": n / sum(r["n_target"] for r in rows) if first["method"] in TREE_METHODS else None,
+        # lossy methods (cascades) are judged by their quality beside the exact ones (the reference)
+        "lossy": any(r.get("lossy") for r in rows),
+        **{key: _mean(r.get(key) for r in rows) for key in ("target_logprob_per_token", "greedy_match")},
     }
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _order(entry: dict) -> tuple:

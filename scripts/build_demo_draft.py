@@ -54,6 +54,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecpp.sampling import SamplingConfig, warp
+from specdecpp.schedules import warmup_cosine
 from specdecpp_demo.pair import (
     TARGET_GGUF,
     TARGET_HUB_ID,
@@ -389,11 +390,7 @@ def lr_factor(step: int, warmup: int, total: int, restarts: list[int] | tuple[in
     bounds = sorted({0, *restarts, total})
     start = max(b for b in bounds[:-1] if b <= step)
     end = min(b for b in bounds if b > start)
-    step, total = step - start, end - start
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step - start, warmup, end - start, floor=0.1, warmup_offset=1)
 
 
 def save_atomic(obj, path: Path) -> None:

@@ -1,5 +1,6 @@
 """specdecpp: learned stop predictors (SpecDec++) for speculative decoding, and its baselines."""
 
+from .cascade import Cascade
 from .engine import GenerateOutput, RunStats, SpeculativeDecoder
 from .head import AcceptanceHead, NextTokenHead, load_head
 from .identity import register_resolver
@@ -14,7 +15,8 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
-    "SVIP", "SamplingConfig", "SequoiaDecoder", "SequoiaStats", "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "TokenTree", "load_head",
+    "AcceptanceHead", "Cascade", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
+    "SVIP", "SamplingConfig", "SequoiaDecoder", "SequoiaStats", "SpecDecPP", "SpeculativeDecoder", "StopPolicy",
+    "TargetOnly", "TokenTree", "load_head",
     "load_pair", "register_resolver", "verify", "warp",
 ]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cascade import Cascade, CascadeRule
 from .policies import StopPolicy
 from .reduced_vocab import output_vocab_size
 from .rounds import (
@@ -97,17 +98,22 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None,
-                 profile: bool = False) -> None:
+                 profile: bool = False, cascade: Cascade | None = None) -> None:
         """``profile=True`` synchronises CUDA around every round's draft and target phases so that
         ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
-        the wall time and reports those two as NaN (on CPU they are measured either way)."""
+        the wall time and reports those two as NaN (on CPU they are measured either way).
+
+        ``cascade``: None (default) decodes exactly; a :class:`~specdecpp.cascade.Cascade` makes the
+        decoding LOSSY: the output follows the cascade's target ``pi`` (specdecpp/cascade.py), and
+        a fully accepted round spends one more draft forward for the bonus token's ``pi``."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
         self.device = check_pair_devices(draft, target)
-        self.rule = ExactRule(self.sampling)
+        self.cascade = cascade
+        self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
     @torch.no_grad()
@@ -119,7 +125,7 @@ class SpeculativeDecoder:
         gen = device_generator(generator, self.device)
         clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
         seq = Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
-        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks)
+        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
         target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
         t_start = clock.now()
 
@@ -129,12 +135,13 @@ class SpeculativeDecoder:
                 block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen)
                 k = block.k
                 logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
-                n_acc, token = self.rule(seq.tokens[n : n + k], block.q, logits, gen)
+                n_acc, token = self.rule(seq.tokens[n : n + k], block.q, logits, gen, draft_logits=block.draft_logits,
+                                         peek=lambda b=block, end=n + k: drafter.peek(b, seq.tokens, end))
                 t_verified = marks.now()
                 kept = seq.commit(n_acc, token)
                 target.rollback(seq.n - 1)
                 drafter.runner.rollback(seq.n - 1)
-                stats.add_round(k, k, n_acc, k + 1 - kept,  # k - n_acc, plus tokens cut after an EOS
+                stats.add_round(k + block.extra_forwards, k, n_acc, k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
                                 block.t1 - block.t0, t_verified - block.t1)
 
         if not marks.exact:

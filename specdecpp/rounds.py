@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -181,6 +181,12 @@ class Block:
     q: list
     t0: float
     t1: float
+    logits: list = field(default_factory=list)  # the draft's raw logits rows, with keep_logits
+    extra_forwards: int = 0  # draft forwards beyond the k candidates (a cascade's peek)
+
+    @property
+    def draft_logits(self) -> torch.Tensor | None:
+        return torch.stack(self.logits) if self.logits else None
 
 
 class Drafter:
@@ -193,8 +199,9 @@ class Drafter:
     """
 
     def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
-                 eos: set[int], clock: Clock) -> None:
+                 eos: set[int], clock: Clock, keep_logits: bool = False) -> None:
         self.policy = policy if policy is not None else _NeverStop()
+        self.keep_logits = keep_logits
         self.sampling, self.eos, self.clock = sampling, eos, clock
         self.needs_hidden = self.policy.needs_hidden
         self.stop_at_eos = bool(eos) and self.policy.reads_values
@@ -211,6 +218,7 @@ class Drafter:
         """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``."""
         t0 = self.clock.now()
         cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
+        kept_logits = []
         policy.new_round()
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])
@@ -221,11 +229,19 @@ class Drafter:
                 y = sample(q_k, gen)
                 q_rows.append(q_k)
             seq[start + k] = y
+            if self.keep_logits:
+                kept_logits.append(logits[-1])
             k += 1
             if policy.should_stop(k, logits[-1], hidden[-1] if self.needs_hidden else None, y) or \
                     (self.stop_at_eos and int(y) in self.eos):
                 break
-        return Block(k, q_rows, t0, self.clock.now())
+        return Block(k, q_rows, t0, self.clock.now(), kept_logits)
+
+    def peek(self, block: Block, seq: torch.Tensor, end: int) -> torch.Tensor:
+        """The draft's raw logits at position ``end`` (after ``seq[:end]``): one more forward,
+        counted in ``block.extra_forwards`` (a cascade's bonus token needs the draft's q there)."""
+        block.extra_forwards += 1
+        return self.runner.feed(seq[self.runner.length : end])[0][-1]
 
 
 class ExactRule:
@@ -244,7 +260,9 @@ class ExactRule:
         self.sampling = sampling
 
     def __call__(self, tokens: torch.Tensor, q_rows: list, logits: torch.Tensor,
-                 gen: torch.Generator | None, bonus: bool = True) -> tuple[int, int | None]:
+                 gen: torch.Generator | None, bonus: bool = True, draft_logits=None,
+                 peek=None) -> tuple[int, int | None]:
+        """``draft_logits`` and ``peek`` (what a lossy rule may need) are not read here."""
         if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
             return verify(tokens, None, logits, greedy=True, bonus=bonus)
         p = warp(logits, self.sampling)

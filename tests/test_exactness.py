@@ -165,7 +165,7 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
         post += getattr(out.stats, "n_post_verify_rounds", 0)
     assert chi_square_pvalue(seqs, expected) > 1e-4, name
     if name.startswith("pearl-"):
-        assert post > 30  # PEARL's post-verify rounds (pending drafts) were exercised
+        assert post > 12  # PEARL's post-verify rounds (pending drafts) were exercised
     if name != "chain-target_only":
         assert accepted > 300  # the acceptance path is exercised, not only resampling
     if name.startswith("chain-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):

@@ -12,6 +12,7 @@ from torchmetrics import MinMetric
 from specdecpp.head import AcceptanceHead
 from specdecpp.loss import weighted_bce
 from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features
+from specdecpp.schedules import warmup_cosine
 
 from .metrics import head_metrics
 
@@ -162,8 +163,4 @@ class AcceptanceHeadModule(L.LightningModule):
         if step == 0:
             return 0.0 if self.hparams.warmup_ratio > 0 else 1.0
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = math.ceil(self.hparams.warmup_ratio * total)
-        if step < warmup:
-            return step / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return warmup_cosine(step, math.ceil(self.hparams.warmup_ratio * total), total)

@@ -1,0 +1,277 @@
+"""Speculative cascades are lossy on purpose, and exact against their own target pi: every emitted
+token (the bonus included) follows pi = T(q, p) at its position, computed here directly from both
+models; the rules' formulas recomputed by hand; the exact and the draft-only ends; greedy limits;
+same seed, same output. Each decoder test also runs on CUDA under the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from stats import chi_square_pvalue
+from test_exactness import DEVICES, _pair6, exact_distribution, on
+
+from specdecpp import SVIP, Cascade, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, warp
+from specdecpp.cascade import RULES
+
+PROMPT = [0, 1]
+
+
+# -- the rules, recomputed by hand ------------------------------------------------------------------
+def _by_hand(rule: str, alpha: float, q: list[float], p: list[float]) -> list[float]:
+    max_q, max_p = max(q), max(p)
+    tv = sum(max(0.0, a - b) for a, b in zip(p, q, strict=True))
+    if rule in ("chow", "diff", "opt"):
+        defer = {"chow": max_q < 1 - alpha, "diff": max_q < max_p - alpha,
+                 "opt": max_q < max_p - alpha * tv}[rule]
+        return list(p) if defer else list(q)
+    r = [{"token_v1": qv < max_p - alpha, "token_v2": pv < max_p - alpha,
+          "token_v3": pv < (1 - alpha) * max_p}[rule] for qv, pv in zip(q, p, strict=True)]
+    eta = sum(qv for qv, rv in zip(q, r, strict=True) if rv)
+    return [qv * (0 if rv else 1) + pv * eta for qv, pv, rv in zip(q, p, r, strict=True)]
+
+
+Q = [0.5, 0.3, 0.15, 0.05]
+P = [0.2, 0.6, 0.1, 0.1]
+ALPHAS = [0.0, 0.07, 0.33, 0.42, 0.9]  # no ties with the thresholds (float32 vs float64)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_target_matches_the_formulas_and_is_a_distribution(rule, alpha):
+    pi = Cascade(rule, alpha).target(torch.tensor([Q]), torch.tensor([P]))[0]
+    assert pi.tolist() == pytest.approx(_by_hand(rule, alpha, Q, P), abs=1e-6)
+    assert float(pi.sum()) == pytest.approx(1.0, abs=1e-6) and (pi >= 0).all()
+
+
+def test_both_branches_occur_in_the_sweep():
+    """Over the alphas above, every sequence-level rule both defers (pi = p) and keeps q."""
+    for rule in ("chow", "diff", "opt"):
+        outs = {tuple(_by_hand(rule, a, Q, P)) for a in ALPHAS}
+        assert outs == {tuple(P), tuple(Q)}, rule
+
+
+@pytest.mark.parametrize("bad,match", [(("nope", 0.1), "rule"), (("opt", -0.1), "alpha"),
+                                       (("opt", True), "alpha"), (("chow", float("nan")), "alpha")])
+def test_bad_cascades_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Cascade(*bad)
+
+
+def test_a_cascade_must_be_a_cascade():
+    draft, target = _pair6()
+    with pytest.raises(TypeError, match="cascade"):
+        SpeculativeDecoder(draft, target, FixedK(2), cascade=("opt", 0.1))
+
+
+# -- the decoder follows pi ---------------------------------------------------------------------------
+def pi_distribution(draft, target, cascade: Cascade, prompt, n_tokens, sampling):
+    """P(first n_tokens) when every position samples from pi = T(q, p) of that prefix."""
+    dist = {}
+    for seq in itertools.product(range(target.config.vocab_size), repeat=n_tokens):
+        prob, ids = 1.0, list(prompt)
+        for tok in seq:
+            with torch.no_grad():
+                q = warp(draft(torch.tensor([ids])).logits[0, -1], sampling)
+                p = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
+            prob *= float(cascade.target(q, p)[tok])
+            if prob == 0:
+                break
+            ids.append(tok)
+        if prob > 0:
+            dist[seq] = prob
+    return dist
+
+
+@pytest.fixture(scope="module")
+def pair6():
+    return _pair6()
+
+
+def _sample(decoder, device, n_samples=1200, max_new_tokens=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    seqs, accepted = [], 0
+    for _ in range(n_samples):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), max_new_tokens, generator=g)
+        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 2].tolist()))
+        accepted += sum(out.stats.accept_lengths)
+    return seqs, accepted
+
+
+CASES = [  # alphas where the rule both defers and keeps q on this pair's first two positions
+    ("chow", 0.3, FixedK(2), SamplingConfig(temperature=1.0)),
+    ("diff", 0.1, FixedK(3), SamplingConfig(temperature=1.0)),
+    ("opt", 0.3, SVIP(threshold=0.33, max_candidates=3), SamplingConfig(temperature=1.0, top_k=3)),
+    ("token_v1", 0.2, FixedK(2), SamplingConfig(temperature=1.0)),
+    ("token_v2", 0.8, FixedK(1), SamplingConfig(temperature=0.8, top_k=4)),
+    ("token_v3", 0.8, TargetOnly(), SamplingConfig(temperature=1.0)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule,alpha,policy,sampling", CASES, ids=[c[0] for c in CASES])
+def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampling, device):
+    draft, target = pair6
+    cascade = Cascade(rule, alpha)
+    expected = pi_distribution(draft, target, cascade, PROMPT, 2, sampling)
+    exact = exact_distribution(target, PROMPT, 2, sampling)
+    tv = 0.5 * sum(abs(expected.get(s, 0.0) - exact.get(s, 0.0)) for s in set(expected) | set(exact))
+    assert tv > 0.02, tv  # pi is not p here: lossy
+    d, t, _ = on(device, (draft, target, {}))
+    seqs, accepted = _sample(SpeculativeDecoder(d, t, policy, sampling, cascade=cascade), device)
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    if not isinstance(policy, TargetOnly):
+        assert accepted > 300
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_exact_end_is_exact_decoding_and_the_other_end_is_the_draft(pair6, device):
+    """chow with alpha = 0 defers wherever q is not one-hot: the target's own distribution; opt with
+    a huge alpha never defers: the draft's own distribution (the bonus token included)."""
+    draft, target = pair6
+    sampling = SamplingConfig(temperature=1.0)
+    d, t, _ = on(device, (draft, target, {}))
+    seqs, _ = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("chow", 0.0)), device)
+    assert chi_square_pvalue(seqs, exact_distribution(target, PROMPT, 2, sampling)) > 1e-4
+    seqs, accepted = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("opt", 1e9)), device)
+    assert chi_square_pvalue(seqs, exact_distribution(draft, PROMPT, 2, sampling)) > 1e-4
+    assert chi_square_pvalue(seqs, exact_distribution(target, PROMPT, 2, sampling)) < 1e-6  # and not the target's
+    assert accepted == 1200 * 2  # q = pi: every candidate accepted
+
+
+def test_the_bonus_token_follows_pi(pair6):
+    """With K = 1 and 2 tokens, the second token is the bonus token whenever the first candidate is
+    accepted; its conditional distribution given the first must be pi's, not p's."""
+    draft, target = pair6
+    sampling = SamplingConfig(temperature=1.0)
+    cascade = Cascade("token_v3", 0.95)  # pi mixes q and p at both positions; most y_1 accepted
+    decoder = SpeculativeDecoder(draft, target, FixedK(1), sampling, cascade=cascade)
+    g = torch.Generator().manual_seed(11)
+    seconds = []
+    for _ in range(2000):
+        out = decoder.generate(torch.tensor([PROMPT]), 2, generator=g)
+        if out.stats.accept_lengths[0] == 1:  # the second token was the round's bonus
+            seconds.append(tuple(out.tokens[0, 2:4].tolist()))
+    assert len(seconds) > 500
+    first = max(set(s[0] for s in seconds), key=[s[0] for s in seconds].count)
+    sub = [(s[1],) for s in seconds if s[0] == first]
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + [first]])
+        pi = cascade.target(warp(draft(ids).logits[0, -1], sampling), warp(target(ids).logits[0, -1], sampling))
+        p = warp(target(ids).logits[0, -1], sampling)
+    assert chi_square_pvalue(sub, {(v,): float(pi[v]) for v in range(5)}) > 1e-4
+    assert chi_square_pvalue(sub, {(v,): float(p[v]) for v in range(5)}) < 1e-3
+
+
+# -- greedy limits, determinism ----------------------------------------------------------------------
+def greedy_pi_decoding(draft, target, cascade, prompt, n):
+    """The paper's greedy limit, token by token: confidences from the softmax, pi from one-hots."""
+    greedy, ids = SamplingConfig(temperature=0), list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            dl, tl = draft(torch.tensor([ids])).logits[0, -1], target(torch.tensor([ids])).logits[0, -1]
+        pi = cascade.target(warp(dl, greedy), warp(tl, greedy), torch.softmax(dl, -1), torch.softmax(tl, -1))
+        ids.append(int(pi.argmax()))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    from test_exactness import noisy_copy, tiny_lm
+
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    return noisy_copy(target, 0.3, seed=6), target
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule,alpha", [("chow", 0.6), ("diff", 0.02), ("opt", 0.3), ("token_v1", 0.05),
+                                        ("token_v3", 0.4)])
+def test_greedy_follows_the_greedy_limit_of_pi(pair32, rule, alpha, device):
+    draft, target = pair32
+    cascade = Cascade(rule, alpha)
+    d, t, _ = on(device, (draft, target, {}))
+    decoder = SpeculativeDecoder(d, t, FixedK(3), SamplingConfig(temperature=0), cascade=cascade)
+    differs_from_target = False
+    for prompt in ([1, 2, 3], [7], [4, 4, 9, 10]):
+        ref = greedy_pi_decoding(draft, target, cascade, prompt, 16)
+        out = decoder.generate(torch.tensor([prompt], device=device), 16)
+        assert out.tokens[0].tolist() == ref, prompt
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+        differs_from_target |= plain != ref
+    if rule != "chow":
+        assert differs_from_target  # lossy: the greedy output is not the target's own
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_output(pair32, device):
+    d, t, _ = on(device, (*pair32, {}))
+    decoder = SpeculativeDecoder(d, t, FixedK(3), SamplingConfig(temperature=1.0, top_k=10),
+                                 cascade=Cascade("opt", 0.2))
+
+    def run(seed):
+        return decoder.generate(torch.tensor([[1, 2]], device=device), 24,
+                                generator=torch.Generator().manual_seed(seed)).tokens.tolist()
+
+    assert run(0) == run(0) and run(0) != run(1)
+
+
+# -- in the harness: method=cascade, lossy rows, quality, the report ----------------------------------
+def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tiny_pair, tmp_path):
+    from test_infer import make_cfg
+
+    from infer import app
+    from infer.report import build_report
+    from infer.results import read_rows
+    from specdecpp import AcceptanceHead, load_pair
+    from specdecpp.quality import target_quality
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft).save_pretrained(tmp_path / "head")
+    base = [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=2", "progress=false",
+            "sampling=greedy", f"out={tmp_path}/out/${{method.name}}"]
+    rows = {name: read_rows(app.run(make_cfg(*base, *overrides))["path"]) for name, overrides in {
+        "target_only": ["method=target_only"],
+        "fixed_k": ["method=fixed_k", "method.k=3"],
+        "cascade": ["method=cascade", "method.rule=diff", "method.alpha=0.5", "method.k=3"],
+        "cascade_head": ["method=cascade", "method.rule=opt", "method.alpha=0.1", "method.stop=specdecpp",
+                         f"method.head={tmp_path}/head", "method.threshold=0.5"],
+    }.items()}
+    assert rows["cascade"][0]["tag"] == "diff_a0.5_k3" and rows["cascade_head"][0]["tag"] == "opt_a0.1_head_h0.5"
+    assert all(r["lossy"] for name in ("cascade", "cascade_head") for r in rows[name])
+    assert not any(r["lossy"] for name in ("target_only", "fixed_k") for r in rows[name])
+    for r in rows["target_only"] + rows["fixed_k"]:  # exact greedy: every token is the target's argmax
+        assert r["greedy_match"] == 1.0
+    # quality recomputed independently for one cascade row
+    draft, target, tok = load_pair(tiny_pair.draft, tiny_pair.target)
+    from specdecpp.prompts import encode_prompt
+
+    row = rows["cascade"][0]
+    ids = torch.tensor([encode_prompt(tok, {"sea": "Write a short poem about the sea.",
+                                            "math": "What is 12 times 7?"}[row["prompt_id"]])])
+    with torch.no_grad():
+        full = target(torch.tensor([ids[0].tolist() + row["output_ids"]])).logits[0]
+    logits = full[ids.shape[1] - 1 : -1]
+    out = torch.tensor(row["output_ids"])
+    match = float((logits.argmax(-1) == out).float().mean())
+    logp = float(torch.log_softmax(logits, -1).gather(-1, out[:, None]).mean())
+    assert row["greedy_match"] == pytest.approx(match) and row["target_logprob_per_token"] == pytest.approx(logp, abs=1e-4)
+    assert target_quality(target, ids, [], SamplingConfig(temperature=0))["greedy_match"] is None
+    report = build_report(tmp_path / "out", tmp_path / "report")
+    assert "| cascade (LOSSY) | diff_a0.5_k3 |" in report["text"]
+    assert any(p.name.startswith("quality_") and p.exists() for p in report["images"])
+
+
+def test_infer_bad_cascade_settings_are_the_constructors_errors():
+    from test_infer import make_cfg
+
+    from infer.methods import resolve_method
+
+    for override, match in (("method.rule=nope", "rule"), ("method.alpha=-1", "alpha"),
+                            ("method.stop=other", "stop"), ("method.stop=specdecpp", "method.head"),
+                            ("method.k=0", "k")):
+        with pytest.raises(ValueError, match=match):
+            resolve_method(make_cfg("method=cascade", override).method, "draft", SamplingConfig())
