@@ -34,7 +34,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'~comparison.oracle'
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
-	potential bench bench-costs bench-run bench-report bench-pearl bench-batch reference-heads
+	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch reference-heads
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -103,15 +103,23 @@ BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=
 	'~comparison.hf_assisted' '+comparison.hf_assisted=[{mode:constant,num_assistant_tokens:[1,2,3,4]},{mode:[heuristic,confidence],num_assistant_tokens:4}]' \
 	'~comparison.oracle'
 
-bench-costs: demo-pair
+bench-costs: demo-pair  # both width curves up to 64 tokens (Sequoia's tree sizes)
 	test -f reports/bench/costs.json || $(PYTHON) -m infer.costs --limit 10 --max-new-tokens 96 \
-		--timing-steps 60 --out reports/bench/pair.json --costs-out reports/bench/costs.json
+		--timing-steps 60 --max-width 64 --out reports/bench/pair.json --costs-out reports/bench/costs.json
 
-bench-run: demo-pair
+SEQUOIA_TREE := reports/bench/tree__t1-k50-p1.json
+bench-tree: bench-costs  # Sequoia's tree (docs/sequoia.md): acceptance vector on dev prompts, the DP priced by the measured curves
+	test -f reports/bench/acceptance__t1-k50-p1.json || $(PYTHON) -m infer.sequoia measure --width 16 \
+		--temperature 1 --top-k 50 --quiet --out reports/bench/acceptance__t1-k50-p1.json
+	test -f $(SEQUOIA_TREE) || $(PYTHON) -m infer.sequoia tree --costs reports/bench/costs.json \
+		--acceptance reports/bench/acceptance__t1-k50-p1.json --out $(SEQUOIA_TREE) --table reports/bench/tree_candidates.json
+
+bench-run: demo-pair bench-tree
 	for set in bundled humaneval; do \
 		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(BENCH_PROMPTS)) \
 			max_new_tokens=$(strip $(BENCH_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
-			'out=results/bench/$${prompts.name}/$${method.name}' $(BENCH_COMPARISON) || exit 1; \
+			'out=results/bench/$${prompts.name}/$${method.name}' $(BENCH_COMPARISON) \
+			'+comparison.sequoia={tree:$(SEQUOIA_TREE)}' || exit 1; \
 	done
 
 bench-report: bench-costs bench-run

@@ -10,7 +10,9 @@ costs: median seconds of one cached forward of one token, batch 1, draft and tar
     decoding engine's own model call, timed by ``specdecpp.timing.time_forwards``
     (``torch.utils.benchmark.Timer``: CUDA-synchronised) and interleaved call by call so that
     machine load affects both alike; in the same loop the target's cost of scoring n = 2..8 tokens
-    at once (a verification of n - 1 candidates): the width curve t_target(n).
+    at once (a verification of n - 1 candidates): the width curve t_target(n), and the draft's
+    t_draft(n) (a token tree's level of n nodes, specdecpp.tree_search). --max-width W extends
+    both curves to 12, 16, 24, 32, 48, 64, 96, 128, ... up to W (token trees of Sequoia's sizes).
 acceptance: the target samples a response to each held-out prompt (temperature 1, top-k 50);
     at every response position, alpha_i = sum_v min(p_i(v), q_i(v)) with p and q the warped
     (temperature 1, top-k 50) target and draft distributions given the same prefix; the mean of
@@ -20,7 +22,8 @@ coverage: for a draft with a reduced output vocabulary, the target's probability
 precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on CPUs with native
     bf16 dot products, else float32); --compare-dtype float32 times the same pair at float32 in the
     same loop.
---costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, provenance),
+--costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, draft_by_width,
+    provenance),
     read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
 --out FILE: everything measured (acceptance per prompt source, the fixed-K table) as JSON.
 Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
@@ -93,8 +96,9 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     with torch.no_grad():
         for name, model in models.items():
             runner = ModelRunner(model, output_vocab_size(model), want_hidden=False)
-            runner.feed(context[0, :-9].to(model.device))
-            length, tail = runner.length, context[0, -9:].to(model.device)
+            tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
+            runner.feed(context[0, :-tail_len].to(model.device))
+            length, tail = runner.length, context[0, -tail_len:].to(model.device)
             for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
                 calls[(name, n)] = (lambda r=runner, t=tail[:n], n=n: r.feed(t, n_logits=n))
                 resets[(name, n)] = (lambda r=runner, length=length: r.rollback(length))
@@ -105,9 +109,21 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     return out
 
 
+def measured_widths(max_width: int) -> list[int]:
+    """The widths the cost curves are timed at: 1..8, then 12, 16, 24, 32, 48, 64, 96, ... up to
+    ``max_width``."""
+    out, n = list(range(1, min(max_width, 8) + 1)), 8
+    while True:
+        for m in (n * 3 // 2, n * 2):
+            if m > max_width:
+                return out
+            out.append(m)
+        n *= 2
+
+
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
             timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
-            device: str = "cpu") -> dict:
+            device: str = "cpu", max_width: int = 8) -> dict:
     draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
     per_source = {}
     for source in sources:
@@ -127,14 +143,14 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
                               "acceptance_per_prompt_std": (torch.stack([a.mean() for a in alphas]).std().item()
                                                              if len(alphas) > 1 else float("nan"))}
     context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
-                              64, None, seed)  # a prompt and 64 response tokens: a mid-generation cache
+                              64 + max(0, max_width - 8), None, seed)  # a mid-generation cache, 64 tokens in
     models = {"draft": draft, "target": target}
     others = {dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)} - {dtype_name(target.dtype)}
     for name in sorted(others):  # the same pair at another precision, timed in the same loop
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
-    timed = step_times(models, context, timing_steps,
-                       {name: list(range(2, 9)) for name in models if name.startswith("target")})
+    widths = measured_widths(max_width)
+    timed = step_times(models, context, timing_steps, {name: widths for name in models})
     times = {name: t[1] for name, t in timed.items()}
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
@@ -149,7 +165,7 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
-            "target_by_width_s": timed["target"], "draft_output_vocab": output_vocab_info(draft),
+            "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"], "draft_output_vocab": output_vocab_info(draft),
             "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k]}
 
 
@@ -173,6 +189,8 @@ def table(result: dict) -> str:
               f"{result['draft_output_vocab']['vocab_size']} tokens)",
               "target cost of scoring n tokens after a cached prefix (ms): " + ", ".join(
                   f"n={n}: {t * 1e3:.1f}" for n, t in sorted(result["target_by_width_s"].items())),
+              "draft cost of n tokens at once (ms): " + ", ".join(
+                  f"n={n}: {t * 1e3:.1f}" for n, t in sorted(result["draft_by_width_s"].items())),
               "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
@@ -189,7 +207,7 @@ def pair_costs(result: dict) -> Costs:
     """The cost model's view of a measurement: what ``--costs-out`` writes."""
     meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
     return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
-                 {**meta, "measured_by": "python -m infer.costs"})
+                 {**meta, "measured_by": "python -m infer.costs"}, dict(result.get("draft_by_width_s") or {}) or None)
 
 
 def pair_config(name: str) -> dict:
@@ -217,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--timing-steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-width", type=int, default=8, help="time both models' forwards over up to this many "
+                        "tokens at once (default 8; token trees: e.g. 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", help="precision of both models (default: the pair config's; the demo's is fast: "
                         "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
@@ -241,9 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or pair.get("device") or "cpu"
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.max_width < 1:
+        parser.error(f"--max-width must be >= 1, got {args.max_width}")
     torch.set_num_threads(args.threads)
     result = measure(str(draft), str(target), args.sources, args.limit, args.max_new_tokens, args.timing_steps,
-                     args.seed, args.dtype or pair.get("dtype") or "fast", tuple(args.compare_dtype), device)
+                     args.seed, args.dtype or pair.get("dtype") or "fast", tuple(args.compare_dtype), device,
+                     args.max_width)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -3,7 +3,8 @@
 A method config (conf/method/<name>.yaml) names what it builds with ``_target_``: a stop policy of
 the library (``specdecpp.FixedK``, ``specdecpp.SVIP``, ``specdecpp.SpecDecPP``,
 ``specdecpp.TargetOnly``), run by our engine, or a method of this app that is no stop policy
-(:class:`infer.hf_assisted.HFAssisted`, :class:`infer.oracle.Oracle`, :class:`PEARLMethod`), which
+(:class:`infer.hf_assisted.HFAssisted`, :class:`infer.oracle.Oracle`, :class:`PEARLMethod`,
+:class:`SequoiaMethod`), which
 makes its own runner. ``hydra.utils.instantiate`` calls the target with the config's settings, so
 its constructor is the one check of them; only ``name`` and the head's pair checks
 (``allow_*_mismatch``) are infer's own keys.
@@ -17,6 +18,7 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,19 +33,23 @@ from specdecpp import (
     Cascade,
     FixedK,
     PEARLDecoder,
+    SequoiaDecoder,
     SpecDecPP,
     SpeculativeDecoder,
     StopPolicy,
+    TokenTree,
     load_head,
 )
+from specdecpp.costmodel import load_costs
 from specdecpp.identity import same_model
 from specdecpp.pearl import MAX_AUTO_GAMMA
 from specdecpp.sampling import SamplingConfig
+from specdecpp.tree_search import choose_tree
 
 from .hf_assisted import HF_MODES
 from .timing import Clock, ForwardMeter
 
-METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "hf_assisted", "oracle", "cascade")
+METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
 LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 # keys of a method config that infer reads itself; every other key goes to the ``_target_``
@@ -190,6 +196,9 @@ def _tag(name: str, s: dict, m) -> str:
         if s["stop"] == "specdecpp":
             tag += f"_{Path(str(m.get('head')).rstrip('/')).name}_h{_num(s['threshold'])}"
         return tag + (f"_t{s['num_threads']}" if s["num_threads"] != 1 else "")
+    if name == "sequoia":
+        digest = hashlib.sha256(json.dumps(s["parents"]).encode()).hexdigest()[:8]
+        return f"n{s['tree_size']}_d{s['tree_depth']}_{digest}"
     return name
 
 
@@ -246,6 +255,40 @@ class PEARLMethod:
     def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
         return PEARLRunner(PEARLDecoder(draft, target, self.gamma, sampling, policy=self.policy,
                                         num_threads=self.num_threads, switch_interval=self.switch_interval))
+
+
+class SequoiaMethod:
+    """Sequoia (specdecpp.SequoiaDecoder) from config: ``tree`` is a tree JSON file (``python -m
+    infer.sequoia tree`` writes one) or a list of parent indices; or, with ``tree: null``, the tree
+    is chosen here by the DP from ``acceptance`` (``python -m infer.sequoia measure``'s file) and
+    ``costs`` (a costs.json with both width curves) over tree sizes ``sizes`` (default: the measured
+    widths) and depths <= ``max_depth``."""
+
+    def __init__(self, tree=None, acceptance: str | None = None, costs: str | None = None,
+                 sizes: list[int] | None = None, max_depth: int = 12) -> None:
+        if tree is not None:
+            self.tree = TokenTree.coerce(list(tree) if not isinstance(tree, (str, Path)) else tree)
+            self.source = str(tree) if isinstance(tree, (str, Path)) else "list"
+        else:
+            if not acceptance or not costs:
+                raise ValueError("sequoia: set method.tree (a tree JSON file or a list of parents), or both "
+                                 "method.acceptance (python -m infer.sequoia measure) and method.costs (python -m "
+                                 "infer.costs --max-width 64) for the DP to choose one")
+            from .sequoia import load_acceptance
+
+            try:
+                p = load_acceptance(Path(acceptance))["acceptance"]
+            except SystemExit as exc:
+                raise ValueError(str(exc)) from None
+            self.tree, _ = choose_tree(p, load_costs(costs), list(sizes) if sizes else None, max_depth)
+            self.source = f"dp({acceptance}, {costs})"
+
+    def settings(self) -> dict:
+        return {"tree_size": self.tree.size, "tree_depth": self.tree.depth, "parents": list(self.tree.parents),
+                "tree_source": self.source, "expected_tokens": self.tree.meta.get("expected_tokens")}
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
+        return SequoiaRunner(SequoiaDecoder(draft, target, self.tree, sampling, profile=profile), profile)
 
 
 class CascadeMethod:
@@ -309,6 +352,19 @@ class EngineRunner:
                 for p, o in zip(prompts, outs, strict=True)], wall
 
 
+class SequoiaRunner(EngineRunner):
+    """specdecpp.SequoiaDecoder, timed as our engine; the row gets the tree's size and the tokens
+    per target call."""
+
+    def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
+        output_ids, s, extra = super().generate(prompt_ids, max_new_tokens, seed, eos_token_id)
+        widths = {str(w): s.draft_widths.count(w) for w in sorted(set(s.draft_widths))}
+        extra["row"] = {"tree_size": s.tree_size, "tree_depth": s.tree_depth, "n_draft_tokens": s.n_draft_tokens,
+                        "draft_widths": widths,
+                        "tokens_per_target_call": s.tokens_per_target_call, "accepted_ranks": s.accepted_ranks}
+        return output_ids, s, extra
+
+
 class PEARLRunner:
     """specdecpp.PEARLDecoder. Its two models run at once, so the forward hooks' sum is no share of
     the wall time (``forward_time_s`` is None); the row gets PEARL's own counts instead."""
@@ -338,4 +394,5 @@ def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, prof
 
 
 __all__ = ["APP_KEYS", "HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "PEARLMethod", "PEARLRunner",
+           "SequoiaMethod", "SequoiaRunner",
            "build_runner", "instantiate_method", "method_config", "resolve_method"]

@@ -16,7 +16,7 @@ from .summary import SWEPT  # noqa: E402
 STYLE = {"fixed_k": ("tab:blue", "o"), "svip": ("tab:green", "^"), "specdecpp": ("tab:red", "s"),
          "hf_assisted constant": ("tab:purple", "D"), "hf_assisted heuristic": ("tab:brown", "P"),
          "hf_assisted confidence": ("tab:pink", "v"), "target_only": ("black", "x"), "oracle": ("gold", "*"),
-         "pearl": ("tab:orange", "h")}
+         "pearl": ("tab:orange", "h"), "sequoia": ("tab:cyan", "p")}
 HF_LINES = {"hf_assisted constant": "--", "hf_assisted heuristic": "-.", "hf_assisted confidence": (0, (5, 1, 1, 1))}
 
 
@@ -49,6 +49,8 @@ def _point_label(e: dict) -> str:
         return f"k={e['settings']['k']}"
     if e["method"] == "pearl":
         return f"γ={e['settings']['gamma']}"
+    if e["method"] == "sequoia":
+        return f"n={e['settings']['tree_size']},d={e['settings']['tree_depth']}"
     if swept == "threshold":
         return f"h={e['settings']['threshold']:g}"
     return ""
@@ -97,15 +99,20 @@ def throughput_plot(group: dict, path: Path) -> Path:
             points = sorted((max(e["gamma_used"] or [0]), e["tokens_per_s"]) for e in items)
             ax_k.plot([g for g, _ in points], [t for _, t in points], marker=marker, color=color,
                       label=label + " (x: gamma)", linestyle="--")
+        elif method == "sequoia":  # against the drafted nodes of its tree
+            points = sorted((e["settings"]["tree_size"] - 1, e["tokens_per_s"]) for e in items)
+            ax_k.plot([g for g, _ in points], [t for _, t in points], marker=marker, color=color,
+                      label=label + " (x: tree nodes)", linestyle="-.")
         else:
             for ax in (ax_h, ax_k):
                 ax.axhline(items[0]["tokens_per_s"], color=color, label=label, linestyle=HF_LINES.get(label, ":"))
     ax_h.set_xlabel("threshold h")
-    ax_k.set_xlabel("candidate length K (PEARL: block length gamma)")
+    ax_k.set_xlabel("candidate length K (PEARL: block length gamma; Sequoia: tree nodes)")
     ax_h.set_ylabel("tokens / s (measured)")
     for ax in (ax_h, ax_k):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(f"{group['pair']} / {group['prompts']} / {group['sampling']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

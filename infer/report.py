@@ -46,6 +46,19 @@ def group_table(group: dict) -> str:
     return "\n".join(lines)
 
 
+def tree_lines(group: dict) -> str:
+    """Token trees: measured tokens per target call beside the DP's G(n, d) for the tree."""
+    lines = []
+    for e in group["entries"]:
+        if e.get("tokens_per_target_call") is None:
+            continue
+        g = e["settings"].get("expected_tokens")
+        lines.append(f"- {e['method']} {e['tag']}: {e['tokens_per_target_call']:.2f} tokens per target call"
+                     + (f" (the DP's G(n, d) = {g:.2f}: measured / predicted {e['tokens_per_target_call'] / g:.2f})"
+                        if g else ""))
+    return "\n".join(lines)
+
+
 def fit_line(group: dict) -> str:
     fit = group["fit"]
     if fit is None:
@@ -93,6 +106,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
             f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
         ]
+        if tree_lines(g):
+            sections.append(tree_lines(g) + "\n")
         if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):
             sections.append("No oracle rows: add them with `python -m infer method=oracle sampling=greedy` "
                             "and the same pair, prompts and out.\n")
@@ -109,7 +124,10 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "forwards = share of wall time not spent in the two models' forward passes (timed by hooks: "
         "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); both busy "
         "(PEARL, tag g<gamma>: its draft block length, gauto = Theorem 1) = share of wall time the draft and "
-        "the target computed at once (Eq. 2.3 does not apply to it: its models run concurrently); mean "
+        "the target computed at once (Eq. 2.3 does not apply to it: its models run concurrently); Sequoia "
+        "(tag n<size>_d<depth>: its token tree, root included): the t_target(n) column prices each round "
+        "at t_target(nodes + 1) plus the draft's measured t_draft(m) for each level of m nodes, and "
+        "constant-cost Eq. 2.3 does not apply (its discard rate counts every unaccepted node); mean "
         "accepted = accepted candidates per round; discard rate = N_discarded / N; verification "
         "rate = N_target / N (rates pooled over prompts). The oracle (greedy only) is counted, not "
         "timed: its speedup is Eq. 2.3's. (LOSSY) marks a speculative cascade: its output does not follow "

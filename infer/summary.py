@@ -25,9 +25,12 @@ from .results import pooled_wall
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
 SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode",
-         "cascade": "alpha"}
+         "sequoia": "tree_size", "cascade": "alpha"}
 # Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
 CONCURRENT_METHODS = ("pearl",)
+# Token trees: a draft forward feeds a level of several nodes, so Eq. 2.3's constant t_draft per
+# forward does not apply; their prediction is the width one (t_draft(m) per level, t_target(n) per round).
+TREE_METHODS = ("sequoia",)
 
 
 def sampling_label(s: dict) -> str:
@@ -67,7 +70,8 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     dr = sum(r["n_discarded"] for r in rows) / n if n else math.nan
     vr = sum(r["n_target"] for r in rows) / n if n else math.nan
     concurrent = first["method"] in CONCURRENT_METHODS
-    pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if fit and not concurrent else None
+    constant = fit and not concurrent and first["method"] not in TREE_METHODS
+    pred = predicted_tokens_per_s(fit.t_draft, fit.t_target, dr, vr) if constant else None
     measured = n / wall if timed and wall else None
     forward = [r.get("forward_time_s") for r in rows]
     outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
@@ -85,6 +89,8 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         # PEARL: the share of the wall time both models were busy at once, and the gamma(s) it ran with
         "both_busy_share": sum(r["overlap_time_s"] for r in rows) / wall if concurrent and wall else None,
         "gamma_used": sorted({r.get("gamma_used") for r in rows}) if concurrent else None,
+        # token trees: tokens per target call, against the DP's G(n, d) for the tree (when it was chosen by it)
+        "tokens_per_target_call": n / sum(r["n_target"] for r in rows) if first["method"] in TREE_METHODS else None,
         # lossy methods (cascades) are judged by their quality beside the exact ones (the reference)
         "lossy": any(r.get("lossy") for r in rows),
         **{key: _mean(r.get(key) for r in rows) for key in ("target_logprob_per_token", "greedy_match")},
@@ -108,12 +114,18 @@ R2_WARNING = 0.9  # below this the constant-cost model (Eq. 2.1) does not explai
 
 def width_latency(rows: list[dict], costs: Costs) -> float | None:
     """Seconds per token predicted with a width-dependent target cost (``specdecpp.costmodel``):
-    t_draft * N_draft plus, per round, t_target(K + 1) for a verification of K candidates."""
+    t_draft * N_draft plus, per round, t_target(K + 1) for a verification of K candidates. Rows
+    that record their draft forwards' widths (token trees) cost t_draft(m) per forward of m tokens
+    where costs.json has the draft's curve."""
     if not costs.target_by_width or any("candidate_lengths" not in r for r in rows):
         return None
     n = sum(r["n_generated"] for r in rows)
     widths = Counter(k for r in rows for k in r["candidate_lengths"])
-    return latency_by_width(costs, n, sum(r["n_draft"] for r in rows), costs.verification_cost(widths)) if n else None
+    verification = costs.verification_cost(widths)
+    if costs.draft_by_width and all("draft_widths" in r for r in rows):
+        draft = sum(c * costs.draft_cost(int(w)) for r in rows for w, c in r["draft_widths"].items())
+        return (draft + verification) / n if n else None
+    return latency_by_width(costs, n, sum(r["n_draft"] for r in rows), verification) if n else None
 
 
 def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,

@@ -8,12 +8,15 @@ from .loading import load_pair
 from .pearl import PEARLDecoder, PEARLStats
 from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 from .sampling import SamplingConfig, warp
+from .sequoia import SequoiaDecoder, SequoiaStats
+from .tree import TokenTree
 from .verify import verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AcceptanceHead", "Cascade", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
-    "SVIP", "SamplingConfig", "SpecDecPP", "SpeculativeDecoder", "StopPolicy", "TargetOnly", "load_head",
+    "SVIP", "SamplingConfig", "SequoiaDecoder", "SequoiaStats", "SpecDecPP", "SpeculativeDecoder", "StopPolicy",
+    "TargetOnly", "TokenTree", "load_head",
     "load_pair", "register_resolver", "verify", "warp",
 ]

@@ -16,6 +16,7 @@
      "target_by_width": {"1": 0.0157, "2": 0.0171, ...},  # optional: t_target(n), n tokens at once
      "target_by_batch": {"4": {"1": 0.021, "2": 0.024, ...}, ...},  # optional: t_target(B, n), B rows of n
      "draft_by_batch": {"4": 0.0031, ...},                # optional: t_draft(B), B rows of one token
+     "draft_by_width": {"1": 0.0021, "2": 0.0023, ...},   # optional: the draft's, n tokens at once
      "draft": "...", "target": "...", "device": "cpu", "dtype": "bfloat16", "threads": 1,
      "measured_by": "python -m infer.costs"}             # provenance, kept as ``Costs.meta``
 
@@ -126,6 +127,7 @@ class Costs:
     meta: Mapping = field(default_factory=dict, compare=False)
     target_by_batch: Mapping[int, Mapping[int, float]] | None = None
     draft_by_batch: Mapping[int, float] | None = None
+    draft_by_width: Mapping[int, float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -139,12 +141,12 @@ class Costs:
 
     def target_cost(self, width):
         """t_target(width), interpolated linearly between measured widths, held flat beyond."""
-        curve = sorted((int(n), float(t)) for n, t in (self.target_by_width or {}).items())
-        if not curve:
-            raise ValueError("no width-dependent target cost given (costs.json has no target_by_width)")
-        xs, ys = [x for x, _ in curve], [y for _, y in curve]
-        out = np.interp(width, xs, ys)
-        return float(out) if np.ndim(out) == 0 else out
+        return _interpolate(self.target_by_width, width, "target_by_width")
+
+    def draft_cost(self, width):
+        """t_draft(width): the draft's cost of one forward over ``width`` tokens after a cached prefix
+        (a token tree's level), interpolated like :meth:`target_cost`."""
+        return _interpolate(self.draft_by_width, width, "draft_by_width")
 
     def verification_cost(self, widths: Mapping[int, int]) -> float:
         """Seconds of the target's verifications: ``widths[K]`` rounds of K candidates, each
@@ -181,7 +183,19 @@ class Costs:
                                       for b, c in sorted(self.target_by_batch.items())}
         if self.draft_by_batch:
             out["draft_by_batch"] = {str(int(b)): float(t) for b, t in sorted(self.draft_by_batch.items())}
+        if self.draft_by_width:
+            out["draft_by_width"] = {str(int(n)): float(t) for n, t in sorted(self.draft_by_width.items())}
         return {**out, **{k: v for k, v in self.meta.items() if k not in out}}
+
+
+def _interpolate(by_width: Mapping[int, float] | None, width, key: str):
+    """A width curve at ``width``, linear between measured widths, flat beyond."""
+    curve = sorted((int(n), float(t)) for n, t in (by_width or {}).items())
+    if not curve:
+        raise ValueError(f"no width-dependent cost given (costs.json has no {key}; measure it with "
+                         "`python -m infer.costs --costs-out FILE`)")
+    out = np.interp(width, [x for x, _ in curve], [y for _, y in curve])
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def latency_by_width(costs: Costs, n_tokens, n_draft, verification_cost):
@@ -236,18 +250,20 @@ def load_costs(path: str | Path) -> Costs:
         width = {int(n): float(t) for n, t in (data.get("target_by_width") or {}).items()}
         by_batch = {int(b): {int(n): float(t) for n, t in c.items()} for b, c in (data.get("target_by_batch") or {}).items()}
         draft_batch = {int(b): float(t) for b, t in (data.get("draft_by_batch") or {}).items()}
+        draft_width = {int(n): float(t) for n, t in (data.get("draft_by_width") or {}).items()}
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and target_by_width must be numbers "
+        raise ValueError(f"costs file {str(path)!r}: t_draft, t_target and the width curves must be numbers "
                          f"({exc})") from exc
     if not (0 < t_draft < t_target):
         raise ValueError(f"costs file {str(path)!r}: need 0 < t_draft < t_target, got {t_draft} and {t_target}")
-    if any(n < 1 or t <= 0 for n, t in width.items()):
-        raise ValueError(f"costs file {str(path)!r}: target_by_width needs widths >= 1 and positive seconds, "
-                         f"got {width}")
+    for key, curve in (("target_by_width", width), ("draft_by_width", draft_width)):
+        if any(n < 1 or t <= 0 for n, t in curve.items()):
+            raise ValueError(f"costs file {str(path)!r}: {key} needs widths >= 1 and positive seconds, got {curve}")
     if any(b < 1 or n < 1 or t <= 0 for b, c in by_batch.items() for n, t in c.items()) or \
             any(b < 1 or t <= 0 for b, t in draft_batch.items()):
         raise ValueError(f"costs file {str(path)!r}: target_by_batch / draft_by_batch need batch sizes and "
                          f"widths >= 1 and positive seconds")
     meta = {k: v for k, v in data.items() if k not in ("schema", "t_draft", "t_target", "target_by_width",
-                                                       "target_by_batch", "draft_by_batch", "r2", "n_rows")}
-    return Costs(t_draft, t_target, width or None, meta, by_batch or None, draft_batch or None)
+                                                       "target_by_batch", "draft_by_batch", "draft_by_width",
+                                                       "r2", "n_rows")}
+    return Costs(t_draft, t_target, width or None, meta, by_batch or None, draft_batch or None, draft_width or None)

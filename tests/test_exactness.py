@@ -3,7 +3,7 @@ on CUDA: greedy output equals the target's own greedy decoding, sampled output f
 exact warped distribution (chi-square against enumeration, EOS included), and the same generator
 seed gives the same output.
 
-``DECODERS`` is the registry: a new decoder (a tree, a batch, a cascade against its own target) adds
+``DECODERS`` is the registry: a new decoder (a batch, a cascade against its own target) adds
 its factories here and inherits every test. Each factory gets ``(draft, target, sampling, heads)``
 where ``heads`` holds a paper head (lag 1) and a lag-free head (lag 0) whose stop decisions vary
 with the drafted tokens on the test prompt."""
@@ -26,6 +26,7 @@ from specdecpp import (
     NextTokenHead,
     PEARLDecoder,
     SamplingConfig,
+    SequoiaDecoder,
     SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
@@ -76,6 +77,9 @@ DECODERS = {
     "pearl-svip": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4)),
     "pearl-paper_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4)),
     "pearl-lag_free_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4)),
+    "sequoia-chain3": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, 0, 1], s),
+    "sequoia-star4": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, -1, -1], s),  # 4 > top-k 3: uniform fallback
+    "sequoia-two_level": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s),
 }
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
@@ -217,7 +221,8 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
 @pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
-                                  "batch-paper_head", "batch_queued-lag_free_head"])
+                                  "batch-paper_head", "batch_queued-lag_free_head",
+                                  "sequoia-chain3", "sequoia-two_level"])
 def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
     """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
     holds (the target: every committed token but the newest; the draft: at most that)."""

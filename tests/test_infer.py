@@ -103,6 +103,47 @@ def test_greedy_outputs_equal_target_only(greedy_results):
         assert {r["prompt_id"]: r["output_ids"] for r in rows} == reference, name
 
 
+def test_sequoia_rows_and_tree_choice(setup, greedy_results, tmp_path):
+    """method=sequoia through run(cfg): greedy rows equal target-only's and carry the tree's size
+    and tokens per target call; with tree=null the DP chooses the tree from an acceptance file and
+    a costs.json with both width curves."""
+    from specdecpp import TokenTree
+
+    _, results = greedy_results
+    reference = {r["prompt_id"]: r["output_ids"] for r in results["target_only"]}
+    summary = app.run(make_cfg(*setup.base, "method=sequoia", "method.tree=[-1,-1,0,0,1]", "sampling=greedy",
+                               f"out={tmp_path}/list"))
+    rows = read_rows(Path(summary["path"]))
+    assert {r["prompt_id"]: r["output_ids"] for r in rows} == reference
+    for r in rows:
+        assert r["tree_size"] == 6 and r["tree_depth"] == 3 and set(r["candidate_lengths"]) <= {0, 2, 5}
+        assert r["tokens_per_target_call"] == pytest.approx(r["n_generated"] / r["n_target"])
+        assert r["settings"]["parents"] == [-1, -1, 0, 0, 1] and 0 < r["forward_time_s"] < r["wall_time_s"]
+    assert Path(summary["path"]).name.startswith("n6_d3_")
+    acceptance, costs = tmp_path / "acc.json", tmp_path / "costs.json"
+    acceptance.write_text(json.dumps({"schema": "specdecpp.acceptance/1", "acceptance": [0.6, 0.2, 0.1]}))
+    widths = [1, 2, 4, 8]
+    save_costs(Costs(0.001, 0.01, {n: 0.01 * (1 + 0.01 * n) for n in widths},
+                     draft_by_width={n: 0.001 for n in widths}), costs)
+    summary = app.run(make_cfg(*setup.base, "method=sequoia", "method.tree=null", f"method.acceptance={acceptance}",
+                               f"method.costs={costs}", "method.max_depth=4", "sampling=greedy", "prompts.limit=1",
+                               f"out={tmp_path}/dp"))
+    (row,) = read_rows(Path(summary["path"]))
+    assert row["tree_size"] == 8 and row["output_ids"] == reference["sea"]
+    assert row["settings"]["expected_tokens"] == pytest.approx(TokenTree(row["settings"]["parents"]).expected_tokens(
+        [0.6, 0.2, 0.1]))
+    report = build_report(tmp_path, tmp_path / "report", costs)
+    (group,) = report["groups"]
+    (dp_entry,) = [e for e in group["entries"] if e["settings"]["tree_source"].startswith("dp")]
+    assert dp_entry["tokens_per_target_call"] == pytest.approx(row["tokens_per_target_call"])
+    assert dp_entry["predicted_tokens_per_s"] is None  # constant-cost Eq. 2.3 does not price trees
+    assert "tokens per target call (the DP's G(n, d) = " in report["text"] and len(report["images"]) == 2
+    with pytest.raises(ValueError, match="method.acceptance"):
+        app.run(make_cfg(*setup.base, "method=sequoia", "method.tree=null", f"out={tmp_path}/bad"))
+    with pytest.raises(ValueError, match="breadth-first"):
+        app.run(make_cfg(*setup.base, "method=sequoia", "method.tree=[-1,0,-1]", f"out={tmp_path}/bad"))
+
+
 def test_self_draft_accepts_everything(setup):
     """With the target as its own draft every candidate is accepted, in our engine and in HF's
     loop (checks the hook and streamer counting), greedy and sampled."""
@@ -243,7 +284,13 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
     """Each conf/method/*.yaml, composed as `python -m infer method=<name> method.<key>=...` would,
     builds the class its _target_ names with the configured settings (no model is loaded)."""
     from infer.hf_assisted import HFAssisted
-    from infer.methods import METHODS, PEARLMethod, instantiate_method, resolve_method
+    from infer.methods import (
+        METHODS,
+        PEARLMethod,
+        SequoiaMethod,
+        instantiate_method,
+        resolve_method,
+    )
     from infer.oracle import Oracle
     from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, TargetOnly
 
@@ -263,6 +310,8 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
         "pearl": (["method.gamma=3", "method.stop=svip", "method.threshold=0.6", "method.num_threads=2"], PEARLMethod,
                   {"gamma": 3, "stop": "svip", "threshold": 0.6, "c": 0.15, "num_threads": 2,
                    "switch_interval": 0.0001}),
+        "sequoia": (["method.tree=[-1,0,0]"], SequoiaMethod, {"tree_size": 4, "tree_depth": 3, "parents": [-1, 0, 0],
+                                                              "tree_source": "list", "expected_tokens": None}),
     }
     for name, (overrides, cls, settings) in cases.items():
         cfg = make_cfg(*setup.base, f"method={name}", *overrides)
