@@ -207,7 +207,8 @@ def pair_costs(result: dict) -> Costs:
     """The cost model's view of a measurement: what ``--costs-out`` writes."""
     meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
     return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
-                 {**meta, "measured_by": "python -m infer.costs"}, dict(result.get("draft_by_width_s") or {}) or None)
+                 {**meta, "measured_by": "python -m infer.costs"},
+                 draft_by_width=dict(result.get("draft_by_width_s") or {}) or None)
 
 
 def pair_config(name: str) -> dict:

@@ -69,7 +69,8 @@ def batch_costs(draft, target, context: list[int], sizes: list[int], widths: lis
     target_by_batch = {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes}
     draft_by_batch = {b: timed[("draft", b, 1)].median for b in sizes}
     return Costs(draft_by_batch[1], target_by_batch[1][1], {n: target_by_batch[1][n] for n in widths},
-                 {"measured_by": "scripts/bench_batch.py"}, target_by_batch, draft_by_batch)
+                 {"measured_by": "scripts/bench_batch.py"}, target_by_batch=target_by_batch,
+                 draft_by_batch=draft_by_batch)
 
 
 def best_heads() -> dict[str, tuple[str, float]]:

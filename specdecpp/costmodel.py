@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +125,7 @@ class Costs:
     t_target: float
     target_by_width: Mapping[int, float] | None = None
     meta: Mapping = field(default_factory=dict, compare=False)
+    _: KW_ONLY  # the other curves by name only: a positional slip would swap one curve for another
     target_by_batch: Mapping[int, Mapping[int, float]] | None = None
     draft_by_batch: Mapping[int, float] | None = None
     draft_by_width: Mapping[int, float] | None = None
@@ -266,4 +267,5 @@ def load_costs(path: str | Path) -> Costs:
     meta = {k: v for k, v in data.items() if k not in ("schema", "t_draft", "t_target", "target_by_width",
                                                        "target_by_batch", "draft_by_batch", "draft_by_width",
                                                        "r2", "n_rows")}
-    return Costs(t_draft, t_target, width or None, meta, by_batch or None, draft_batch or None, draft_width or None)
+    return Costs(t_draft, t_target, width or None, meta, target_by_batch=by_batch or None,
+                 draft_by_batch=draft_batch or None, draft_by_width=draft_width or None)
