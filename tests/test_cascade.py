@@ -352,3 +352,23 @@ def test_infer_refuses_a_head_trained_under_another_rule(tiny_pair, tmp_path):
         resolve_method(make_cfg("method=specdecpp", f"method.head={opt}").method, tiny_pair.draft, sampling)
     resolve_method(make_cfg(*cascade, f"method.head={exact}", "method.allow_label_mismatch=true").method,
                    tiny_pair.draft, sampling)
+
+
+def test_a_head_trained_on_cascade_labels_records_the_rule(tiny_pair, tmp_path):
+    """train copies the dataset's labels rule into the head's config, which infer's check reads."""
+    import json
+
+    from test_train import base_overrides, random_rows, save_dataset, train_cfg
+
+    from specdecpp import load_head
+    from train import run
+
+    data = save_dataset(tmp_path / "data", {"train": random_rows(16, tiny_pair.vocab, 1),
+                                            "dev": random_rows(4, tiny_pair.vocab, 2)},
+                        tiny_pair.draft, tiny_pair.draft_hidden, tiny_pair.vocab)
+    meta = json.loads((data / "specdecpp_meta.json").read_text())
+    meta["labels"] = {"cascade": {"rule": "opt", "alpha": 0.05}}
+    (data / "specdecpp_meta.json").write_text(json.dumps(meta))
+    out = run(train_cfg(base_overrides(tiny_pair, data, tmp_path, "trainer=smoke")))
+    head = load_head(out["out"])
+    assert head.meta["training"]["dataset_meta"]["labels"] == {"cascade": {"rule": "opt", "alpha": 0.05}}

@@ -100,7 +100,8 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str,
             "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
             "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
             "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
-            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed")}}
+            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed", "labels")
+                             if k != "labels" or meta.get(k) is not None}}
 
 
 HOLDOUT_SPLIT = "val"
