@@ -30,7 +30,7 @@ import torch
 from .compat import cache_kwargs
 from .hooks import FinalHidden, keep_last, new_cache
 from .policies import StopPolicy
-from .rounds import Clock, check_generate_args
+from .rounds import Clock, HiddenHook, check_generate_args
 from .sampling import SamplingConfig, sample, warp
 
 # Removable hole columns (the cache width beyond the longest row) that trigger a compaction.
@@ -88,7 +88,7 @@ def trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
     return mask[:, first:]
 
 
-class BatchRunner:
+class BatchRunner(HiddenHook):
     """One model and its KV cache over a batch of rows; ``lengths[b]`` tokens of row b are cached
     (the columns where ``mask[b]`` is 1, in order). Rows join (:meth:`add_rows`), leave
     (:meth:`select`), are fed ragged chunks (:meth:`feed`) and rolled back one length per row
@@ -102,15 +102,6 @@ class BatchRunner:
         self.lengths: list[int] = []
         self.final = FinalHidden(model) if want_hidden else None
         self.n_compactions = 0
-
-    def __enter__(self) -> BatchRunner:
-        if self.final is not None:
-            self.final.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.final is not None:
-            self.final.__exit__(*exc)
 
     @property
     def rows(self) -> int:

@@ -38,7 +38,23 @@ from .verify import verify
 CPU_TOKEN_MULTIPLE = 4
 
 
-class ModelRunner:
+class HiddenHook:
+    """A runner's final-hidden-state hook (``self.final``, a :class:`FinalHidden` or None) as a
+    context manager, so the hook is removed when the runner is done (chain and batch runners)."""
+
+    final: FinalHidden | None = None
+
+    def __enter__(self):
+        if self.final is not None:
+            self.final.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.final is not None:
+            self.final.__exit__(*exc)
+
+
+class ModelRunner(HiddenHook):
     """One model and its KV cache. ``length`` tokens are cached; rollback = crop. With
     ``want_hidden`` the final hidden state is captured by a hook (:class:`FinalHidden`), never
     every layer's; use it as a context manager so the hook is removed."""
@@ -47,15 +63,6 @@ class ModelRunner:
         self.model, self.vocab, self.want_hidden = model, vocab, want_hidden
         self.cache = new_cache(model)
         self.final = FinalHidden(model) if want_hidden else None
-
-    def __enter__(self) -> ModelRunner:
-        if self.final is not None:
-            self.final.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.final is not None:
-            self.final.__exit__(*exc)
 
     @property
     def length(self) -> int:
