@@ -209,11 +209,14 @@ class BatchDrafter:
     newest token in one draft forward, samples each row's candidate with the row's own generator,
     and asks the policy ``stop_rows`` for all rows at once (on the device). A row stops at its
     policy's stop, at its ``count`` or at EOS; it then waits (feeds a hole) until the round ends.
+    With ``fill`` a row whose policy stopped keeps drafting while another row's policy still
+    drafts (its hole would be computed anyway): the round ends when every row's policy stopped,
+    and rows stop on their own only at their ``count`` or EOS.
     The stop decisions are read on the host once per draft step."""
 
     def __init__(self, model, vocab: int, policy: StopPolicy, sampling: SamplingConfig, eos: set[int],
-                 clock: Clock) -> None:
-        self.policy, self.sampling, self.clock = policy, sampling, clock
+                 clock: Clock, fill: bool = False) -> None:
+        self.policy, self.sampling, self.clock, self.fill = policy, sampling, clock, fill
         self.needs_hidden = policy.needs_hidden
         self.runner = BatchRunner(model, vocab, want_hidden=self.needs_hidden)
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=self.runner.device)
@@ -235,7 +238,8 @@ class BatchDrafter:
         if not any(drafting):
             return BatchBlock(ks, q_steps, t0, self.clock.now())
         self.policy.new_round()
-        active = torch.tensor(drafting, device=device)
+        active = torch.tensor(drafting, device=device)  # the policy still drafts this row
+        bounded = active.clone()  # the row is below its count and drew no EOS yet
         limit = torch.tensor(counts, device=device)
         k = 0
         while any(drafting):
@@ -258,9 +262,9 @@ class BatchDrafter:
                 if drafting[b]:
                     s.tokens[s.n + k - 1] = y[b]
                     ks[b] = k
-            stop = self.policy.stop_rows(k, logits, hidden, y, active) | (limit <= k) | torch.isin(y, self.eos)
-            active = active & ~stop
-            drafting = active.tolist()  # the one host read of this step
+            bounded = bounded & (limit > k) & ~torch.isin(y, self.eos)
+            active = active & bounded & ~self.policy.stop_rows(k, logits, hidden, y, active)
+            drafting = (bounded & active.any() if self.fill else active).tolist()  # the one host read of this step
         return BatchBlock(ks, q_steps, t0, self.clock.now())
 
 

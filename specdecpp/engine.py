@@ -155,7 +155,7 @@ class SpeculativeDecoder:
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                        generators: list[torch.Generator | None] | None = None,
                        eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
-                       return_caches: bool = False) -> list[GenerateOutput]:
+                       return_caches: bool = False, fill: bool = False) -> list[GenerateOutput]:
         """Decode a batch of prompts (1-D LongTensors of any lengths), each row stopping its draft
         at its own candidate length (the policy's ``stop_rows``; a row that stopped waits for the
         others), the target verifying every row's candidates in one forward and each row accepting,
@@ -163,15 +163,21 @@ class SpeculativeDecoder:
         row b's samples only, so a row's output does not depend on its batch-mates. At most
         ``batch_size`` rows run at once (None: all); a finished row (EOS, length) leaves the batch
         and the next waiting prompt takes its slot. Returns one :class:`GenerateOutput` per prompt,
-        in order; its ``stats.wall_time_s`` is the time from the row's joining to its finish."""
+        in order; its ``stats.wall_time_s`` is the time from the row's joining to its finish.
+
+        ``fill=True``: a row whose policy stopped keeps drafting while another row's policy still
+        drafts, since in this layout its hole would be computed anyway (docs/batch.md); the round
+        ends when every row's policy has stopped. Exact either way."""
         check_batch_args(prompts, max_new_tokens, generators, batch_size)
+        if not isinstance(fill, bool):
+            raise ValueError(f"fill must be True or False, got {fill!r}")
         if self.rule.lossy:
             raise NotImplementedError("generate_batch does not run a cascade yet: decode cascades one prompt "
                                       "at a time (generate)")
         gens = [device_generator(g, self.device) for g in (generators or [None] * len(prompts))]
         clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
         seqs = [Sequence(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
-        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks)
+        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks, fill)
         target, drafting = BatchRunner(self.target, self.vocab, want_hidden=False), self.policy.max_candidates > 0
         stats, joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
         outputs: list[GenerateOutput | None] = [None] * len(prompts)

@@ -43,14 +43,28 @@ POLICIES = {
     "svip": lambda h: SVIP(threshold=0.33, max_candidates=4),
     "paper_head": lambda h: SpecDecPP(h["paper"], 0.5, max_candidates=4),
     "lag_free_head": lambda h: SpecDecPP(h["next"], 0.5, max_candidates=4),
+    # fill=True: a row whose policy stopped drafts on while another row's policy still drafts
+    "svip+fill": lambda h: SVIP(threshold=0.33, max_candidates=4),
+    "paper_head+fill": lambda h: SpecDecPP(h["paper"], 0.5, max_candidates=4),
 }
+
+
+class Filling:
+    """A decoder whose ``generate_batch`` runs with ``fill=True``."""
+
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.decoder = decoder
+
+    def generate_batch(self, *args, **kwargs):
+        return self.decoder.generate_batch(*args, fill=True, **kwargs)
 PROMPTS = [[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5], [30, 2], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 EOS = 2  # within 24 tokens the target's greedy continuation reaches it in rows 0, 2, 3, not in 1, 4
 
 
-def decoder(pair, policy: str, sampling: SamplingConfig) -> SpeculativeDecoder:
+def decoder(pair, policy: str, sampling: SamplingConfig) -> SpeculativeDecoder | Filling:
     draft, target, heads = pair
-    return SpeculativeDecoder(draft, target, POLICIES[policy](heads), sampling)
+    dec = SpeculativeDecoder(draft, target, POLICIES[policy](heads), sampling)
+    return Filling(dec) if policy.endswith("+fill") else dec
 
 
 def tensors(prompts, device) -> list[torch.Tensor]:
@@ -110,7 +124,7 @@ def test_sampled_rows_have_target_distribution(cpu_pair6, policy, sampling, eos,
     assert len(seqs) == 1200
     assert chi_square_pvalue(seqs, expected) > 1e-4, policy
     assert accepted > 300  # the acceptance path is exercised, not only resampling
-    if policy != "fixed_k3":
+    if policy != "fixed_k3" and not policy.endswith("+fill"):  # fill: the longest row's K for all
         assert len(first_k) >= 2, first_k  # the adaptive stop really varies between rows
 
 
@@ -148,19 +162,22 @@ def test_same_generators_same_batch_output(cpu_pair32, policy, device):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_row_does_not_depend_on_its_batch_mates(cpu_pair32, policy, device):
     """Greedy: a prompt decoded alone, among other prompts, in another position, or joining a
-    running batch gives the same tokens and the same rounds."""
+    running batch gives the same tokens and the same rounds (with fill the same tokens: its rounds
+    follow its batch-mates' policies by design)."""
     dec = decoder(on(device, cpu_pair32), policy, SamplingConfig(temperature=0))
     prompt = PROMPTS[2]
 
     def row(prompts, index, batch_size=None):
         out = dec.generate_batch(tensors(prompts, device), 30, batch_size=batch_size)[index]
+        if policy.endswith("+fill"):
+            return out.tokens.tolist()
         return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
 
     alone = row([prompt], 0)
     assert row([prompt, *PROMPTS[:2]], 0) == alone
     assert row([PROMPTS[4], PROMPTS[3], prompt], 2) == alone
     assert row([*PROMPTS[:2], prompt], 2, batch_size=2) == alone  # takes a finished row's slot
-    assert alone[0] == [greedy_reference(cpu_pair32[1], prompt, 30)]
+    assert (alone if policy.endswith("+fill") else alone[0]) == [greedy_reference(cpu_pair32[1], prompt, 30)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -224,6 +241,29 @@ def test_stop_rows_is_should_stop_for_every_row(cpu_pair32, policy):
         assert got.tolist() == want, k
 
 
+def test_fill_drafts_every_row_to_the_rounds_longest_policy(cpu_pair32):
+    """Same per-row generators, so both runs draft the same first candidates: without fill the
+    rows' first-round K differ; with fill every row drafts the longest of them. In every round of
+    the filled run the rows' K equal the round's longest K, except rows bounded by their room."""
+    sampling = SamplingConfig(temperature=1.0)
+    prompts = tensors(PROMPTS, "cpu")
+
+    def run(name):
+        gens = [torch.Generator().manual_seed(50 + b) for b in range(len(prompts))]
+        return decoder(cpu_pair32, name, sampling).generate_batch(prompts, 24, gens)
+
+    per_row, filled = run("paper_head"), run("paper_head+fill")  # SVIP stops at 1 on every row here
+    first = [o.stats.candidate_lengths[0] for o in per_row]
+    assert len(set(first)) > 1, first  # the policy's own lengths differ between rows
+    assert [o.stats.candidate_lengths[0] for o in filled] == [max(first)] * len(prompts)
+    for r, (rows, longest) in enumerate(filled[0].batch_rounds):
+        alive = [o for o in filled if len(o.stats.candidate_lengths) > r]
+        ks = [o.stats.candidate_lengths[r] for o in alive]
+        room = [24 - sum(o.stats.accept_lengths[:r]) - r - 1 for o in alive]  # room - 1 before round r
+        assert len(ks) == rows and max(ks) == longest, r
+        assert all(k == longest or k == m for k, m in zip(ks, room, strict=True)), (r, ks, room)
+
+
 def test_a_policy_without_stop_rows_is_refused_clearly(cpu_pair32):
     class OneRow(StopPolicy):
         max_candidates = 3
@@ -246,6 +286,7 @@ def test_a_policy_without_stop_rows_is_refused_clearly(cpu_pair32):
     ({"generators": [torch.Generator()]}, "one torch.Generator per prompt"),
     ({"batch_size": 0}, "batch_size must be an integer >= 1"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"fill": "yes"}, "fill must be True or False"),
 ])
 def test_bad_batch_arguments_are_clear_errors(cpu_pair32, kwargs, match):
     draft, target, _ = cpu_pair32

@@ -45,8 +45,8 @@ class InBatch:
     :data:`MATES` (their own generators), first and all rows at once, or last with
     ``batch_size=2`` so that it takes the slot a finished mate leaves (continuous batching)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, queued: bool = False) -> None:
-        self.decoder, self.queued = decoder, queued
+    def __init__(self, decoder: SpeculativeDecoder, queued: bool = False, fill: bool = False) -> None:
+        self.decoder, self.queued, self.fill = decoder, queued, fill
 
     def generate(self, prompt_ids, max_new_tokens, generator=None, eos_token_id=None, return_caches=False):
         device = prompt_ids.device
@@ -57,7 +57,8 @@ class InBatch:
             mate_gens = [torch.Generator().manual_seed(100 + j) for j in range(len(mates))]
             gens = [*mate_gens, generator] if self.queued else [generator, *mate_gens]
         outs = self.decoder.generate_batch(prompts, max_new_tokens, gens, eos_token_id,
-                                           batch_size=2 if self.queued else None, return_caches=return_caches)
+                                           batch_size=2 if self.queued else None, return_caches=return_caches,
+                                           fill=self.fill)
         return outs[-1] if self.queued else outs[0]
 
 
@@ -71,6 +72,8 @@ DECODERS = {
     "batch-svip": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s)),
     "batch-paper_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s)),
     "batch-lag_free_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s)),
+    "batch_fill-paper_head": lambda d, t, s, h: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s), fill=True),
     "batch_queued-lag_free_head": lambda d, t, s, h: InBatch(
         SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s), queued=True),
     "pearl-gamma2": lambda d, t, s, h: PEARLDecoder(d, t, 2, s),
