@@ -43,14 +43,16 @@ class Job:
     progress: bool
     profile: bool = False
     batch_size: int = 1
+    batch_fill: bool = False
 
 
 def sampling_tag(s: SamplingConfig) -> str:
     return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
 
 
-def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int, batch_size: int = 1) -> Path:
-    tag = spec.tag + (f"_b{batch_size}" if batch_size > 1 else "")
+def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int, batch_size: int = 1,
+                batch_fill: bool = False) -> Path:
+    tag = spec.tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
     return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
 
 
@@ -96,6 +98,9 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     if batch_size > 1 and not isinstance(spec.method, StopPolicy):
         raise ValueError(f"batch_size={batch_size}: method={spec.name} decodes one prompt at a time; batches run "
                          "the engine's stop policies (target_only, fixed_k, svip, specdecpp)")
+    batch_fill = cfg.get("batch_fill", False)
+    if not isinstance(batch_fill, bool):
+        raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
     p = cfg.prompts
     prompts = load_prompts(p.source, split=p.get("split"), limit=p.get("limit"), path=p.get("path"))
     run_keys = {
@@ -103,8 +108,9 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         "pair": {"name": cfg.pair.name, "draft": str(cfg.pair.draft), "target": str(cfg.pair.target)},
         "prompts": {"name": p.name, "source": p.source, "split": p.get("split")},
         "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        **({"batch_fill": True} if batch_fill else {}),  # absent when false: older result files resume
     }
-    path = result_path(cfg.out, spec, sampling, seed, batch_size)
+    path = result_path(cfg.out, spec, sampling, seed, batch_size, batch_fill)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}
@@ -113,7 +119,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
-               batch_size=batch_size)
+               batch_size=batch_size, batch_fill=batch_fill)
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -197,8 +203,9 @@ CALL_SLOTS = 4
 def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target) -> list[dict]:
     """:func:`execute` for ``batch_size`` > 1: each job decodes ``CALL_SLOTS * batch_size`` prompts
     per ``generate_batch`` call, every job a call's prompts before the next call's (paired in time).
-    Each row records its batch: ``batch_size``, ``batch_id`` (the call) and ``batch_wall_time_s``
-    (the call's wall time, which its rows share: throughput = tokens / the calls' time)."""
+    Each row records its batch: ``batch_size``, ``batch_id`` (the call), ``batch_wall_time_s``
+    (the call's wall time, which its rows share: throughput = tokens / the calls' time) and
+    ``batch_rounds`` (the call's rounds as ``[rows, longest K]``, for the batched Eq. 2.1)."""
     for job, runner in zip(jobs, runners, strict=True):
         if not hasattr(runner, "generate_batch"):
             raise ValueError(f"batch_size={job.batch_size}: method={job.spec.name} has no batched runner")
@@ -215,7 +222,7 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                     continue
                 seeds = [prompt_seed(job.run_keys["seed"], pid) for pid in mine]
                 outs, wall = runner.generate_batch([encoded[pid] for pid in mine], job.max_new_tokens, seeds, eos,
-                                                   job.batch_size)
+                                                   job.batch_size, fill=job.batch_fill)
                 batch_id = f"{mine[0]}+{len(mine)}"
                 for pid, (output_ids, stats, extra) in zip(mine, outs, strict=True):
                     row = make_row(job, order[pid], encoded[pid].shape[1], output_ids, stats, extra, runner.timed,

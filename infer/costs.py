@@ -22,8 +22,10 @@ coverage: for a draft with a reduced output vocabulary, the target's probability
 precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on CPUs with native
     bf16 dot products, else float32); --compare-dtype float32 times the same pair at float32 in the
     same loop.
+--batch-sizes B ...: also t_draft(B) and t_target(B, n) (B rows of n tokens each, n <= 21) through
+    the batched engine's forward (specdecpp.batch.BatchRunner), for the batched Eq. 2.3.
 --costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, draft_by_width,
-    provenance),
+    draft_by_batch, target_by_batch, provenance),
     read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
 --out FILE: everything measured (acceptance per prompt source, the fixed-K table) as JSON.
 Eq. 2.3: with per-token acceptance alpha and cost ratio r, fixed K yields (1 - alpha^(K+1)) /
@@ -109,6 +111,33 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     return out
 
 
+def batch_times(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int
+                ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """t_draft(B) (one token per row) and t_target(B, n) (n tokens per row): medians of the batched
+    engine's forwards (``specdecpp.batch.BatchRunner.feed``) after ``context`` cached in every row,
+    the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in each
+    step (``specdecpp.timing.time_forwards``), so machine load affects all alike."""
+    from specdecpp.batch import BatchRunner
+
+    tail_len = max(widths) + 1
+    if len(context) <= tail_len:
+        raise ValueError(f"batch_times: a context of {len(context)} tokens is too short for widths up to {max(widths)}")
+    calls, resets = {}, {}
+    for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
+        for b in sizes:
+            runner = BatchRunner(model, output_vocab_size(model), want_hidden=False)
+            with torch.no_grad():
+                runner.add_rows([torch.tensor(context[:-tail_len], device=model.device)] * b)
+            tail, length = torch.tensor(context[-tail_len:], device=model.device), runner.lengths[0]
+            for n in ws:
+                calls[(name, b, n)] = (lambda r=runner, t=tail[:n], b=b: r.feed([t] * b, n_logits=t.shape[0]))
+                resets[(name, b, n)] = (lambda r=runner, length=length, b=b: (r.rollback([length] * b), r.compact()))
+    with torch.no_grad():
+        timed = time_forwards(calls, repeats=repeats, warmup=2, resets=resets)
+    return ({b: timed[("draft", b, 1)].median for b in sizes},
+            {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes})
+
+
 def measured_widths(max_width: int) -> list[int]:
     """The widths the cost curves are timed at: 1..8, then 12, 16, 24, 32, 48, 64, 96, ... up to
     ``max_width``."""
@@ -123,7 +152,7 @@ def measured_widths(max_width: int) -> list[int]:
 
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
             timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
-            device: str = "cpu", max_width: int = 8) -> dict:
+            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = ()) -> dict:
     draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
     per_source = {}
     for source in sources:
@@ -155,6 +184,11 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
                       "target_by_width_s": timed[f"target@{name}"]} for name in sorted(others)}
+    batched = {}
+    if batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
+        bw = [n for n in widths if n <= 21]
+        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw, timing_steps)
+        batched = {"draft_by_batch_s": by_draft, "target_by_batch_s": by_target}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
         s["positions"] for s in per_source.values())
@@ -166,7 +200,7 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
             "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"], "draft_output_vocab": output_vocab_info(draft),
-            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k]}
+            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k], **batched}
 
 
 def output_vocab_info(draft) -> dict:
@@ -194,6 +228,9 @@ def table(result: dict) -> str:
               "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
+    for b, curve in sorted((result.get("target_by_batch_s") or {}).items()):
+        lines.append(f"batch {b}: draft step {result['draft_by_batch_s'][b] * 1e3:.1f} ms; target, n tokens per row (ms): "
+                     + ", ".join(f"n={n}: {t * 1e3:.1f}" for n, t in sorted(curve.items())))
     if result.get("dtype"):
         lines.insert(len(rows) + 2, f"precision: {result['dtype']}")
     for name, c in result.get("compare_dtypes", {}).items():
@@ -208,7 +245,8 @@ def pair_costs(result: dict) -> Costs:
     meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
     return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
                  {**meta, "measured_by": "python -m infer.costs"},
-                 draft_by_width=dict(result.get("draft_by_width_s") or {}) or None)
+                 draft_by_width=dict(result.get("draft_by_width_s") or {}) or None,
+                 target_by_batch=result.get("target_by_batch_s"), draft_by_batch=result.get("draft_by_batch_s"))
 
 
 def pair_config(name: str) -> dict:
@@ -238,6 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-width", type=int, default=8, help="time both models' forwards over up to this many "
                         "tokens at once (default 8; token trees: e.g. 64)")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[], metavar="B",
+                        help="also time batched forwards at these batch sizes (t_draft(B), t_target(B, n) for "
+                        "n <= 21; costs.json's draft_by_batch / target_by_batch: the batched Eq. 2.3 of "
+                        "infer.report and scripts/bench_batch.py), e.g. 4 16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", help="precision of both models (default: the pair config's; the demo's is fast: "
                         "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
@@ -264,10 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.max_width < 1:
         parser.error(f"--max-width must be >= 1, got {args.max_width}")
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     torch.set_num_threads(args.threads)
     result = measure(str(draft), str(target), args.sources, args.limit, args.max_new_tokens, args.timing_steps,
                      args.seed, args.dtype or pair.get("dtype") or "fast", tuple(args.compare_dtype), device,
-                     args.max_width)
+                     args.max_width, tuple(args.batch_sizes))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -337,18 +337,20 @@ class EngineRunner:
         forward = d.seconds + t.seconds if self.clock.exact else None
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
 
-    def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size):
+    def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):
         """``generate`` for a list of prompt_ids [1, L], ``batch_size`` rows at once (continuous
-        batching); returns one ``(output_ids, RunStats, extra)`` per prompt and the call's wall time.
-        The forward hooks time the shared forwards once for the call (``forward_time_s`` of a row
-        is None: its forwards are its batch-mates' too)."""
+        batching; ``fill``: see ``SpeculativeDecoder.generate_batch``); returns one
+        ``(output_ids, RunStats, extra)`` per prompt and the call's wall time. ``forward_time_s`` of
+        a row is None (its forwards are its batch-mates' too); every row records the call's rounds
+        (``batch_rounds``)."""
         clock = Clock(self.decoder.device)  # synchronised: the call's wall time is the measurement
         start = clock.now()
         outs = self.decoder.generate_batch([p[0] for p in prompts], max_new_tokens,
                                            [torch.Generator().manual_seed(s) for s in seeds],
-                                           eos_token_id=eos_token_id, batch_size=batch_size)
+                                           eos_token_id=eos_token_id, batch_size=batch_size, fill=fill)
         wall = clock.now() - start
-        return [(o.tokens[0, p.shape[1]:].tolist(), o.stats, {"forward_time_s": None})
+        return [(o.tokens[0, p.shape[1]:].tolist(), o.stats,
+                 {"forward_time_s": None, "row": {"batch_rounds": [list(r) for r in o.batch_rounds]}})
                 for p, o in zip(prompts, outs, strict=True)], wall
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from specdecpp.costmodel import (
     CostFit,
     Costs,
+    batch_latency,
     fit_cost_model,
     latency_by_width,
     predicted_tokens_per_s,
@@ -76,7 +77,8 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     forward = [r.get("forward_time_s") for r in rows]
     outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
     return {
-        "method": first["method"], "tag": first["tag"], "settings": first["settings"],
+        "method": first["method"], "tag": first["tag"] + ("+fill" if first.get("batch_fill") else ""),
+        "settings": first["settings"],
         "n_prompts": len(rows), "n_generated": n, "timed": timed,
         "tokens_per_s": measured, "predicted_tokens_per_s": pred,
         "measured_over_predicted": measured / pred if measured and pred else None,
@@ -128,41 +130,74 @@ def width_latency(rows: list[dict], costs: Costs) -> float | None:
     return latency_by_width(costs, n, sum(r["n_draft"] for r in rows), verification) if n else None
 
 
+def calls(rows: list[dict]) -> dict[str, dict]:
+    """Batched rows by their ``generate_batch`` call: tokens, the call's wall time and rounds."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        call = out.setdefault(r["batch_id"], {"tokens": 0, "wall_time_s": r["batch_wall_time_s"],
+                                              "rounds": r.get("batch_rounds")})
+        call["tokens"] += r["n_generated"]
+    return out
+
+
+def batch_latency_of(rows: list[dict], costs: Costs) -> float | None:
+    """Seconds per token Eq. 2.1 predicts for batched rows with the measured t_draft(B) and
+    t_target(B, n) (``costs.json``'s draft_by_batch / target_by_batch; ``costmodel.batch_latency``
+    per call: per round K_max * t_draft(B) + t_target(B, K_max + 1)); None without those curves or
+    without the calls' recorded rounds."""
+    if not costs.target_by_batch:
+        return None
+    by_call = calls(rows)
+    if any(c["rounds"] is None for c in by_call.values()):
+        return None
+    n = sum(c["tokens"] for c in by_call.values())
+    return sum(batch_latency(costs, [tuple(r) for r in c["rounds"]]) for c in by_call.values()) / n if n else None
+
+
 def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float] | None:
     """95% bootstrap interval (``specdecpp.stats``) of tokens/s(rows) / tokens/s(base_rows) over
     prompts resampled with replacement, the same prompts for both (pooled: sum of tokens / sum of
-    wall time); None with fewer than two prompts timed in both."""
-    by_id = {r["prompt_id"]: r for r in rows if r.get("timed")}
-    base = {r["prompt_id"]: r for r in base_rows if r.get("timed")}
-    ids = sorted(set(by_id) & set(base))
-    if len(ids) < 2:
+    wall time); None with fewer than two prompts timed in both. Batched rows share their call's
+    time, so there the unit is the call (``batch_id``: the same prompts in both)."""
+    if any(r.get("batch_id") is not None for r in rows):
+        mine, theirs = calls([r for r in rows if r.get("timed")]), calls([r for r in base_rows if r.get("timed")])
+        units = [(mine[c]["tokens"], mine[c]["wall_time_s"], theirs[c]["tokens"], theirs[c]["wall_time_s"])
+                 for c in sorted(set(mine) & set(theirs))]
+    else:
+        by_id = {r["prompt_id"]: r for r in rows if r.get("timed")}
+        base = {r["prompt_id"]: r for r in base_rows if r.get("timed")}
+        units = [(by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"])
+                 for i in sorted(set(by_id) & set(base))]
+    if len(units) < 2:
         return None
-    cols = np.array([[by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"]]
-                     for i in ids], dtype=float).T
+    cols = np.array(units, dtype=float).T
     return paired_ratio_interval(*cols, n_resamples=n_boot, seed=seed, level=level)
 
 
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
     by_run = defaultdict(list)
-    for row in rows:
-        by_run[(row["method"], row["tag"], repr(sorted(row["settings"].items())))].append(row)
+    for row in rows:  # a run: method, settings, and (batches) whether rows filled the round
+        by_run[(row["method"], row["tag"] + ("+fill" if row.get("batch_fill") else ""),
+                repr(sorted(row["settings"].items())))].append(row)
     entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
     base = next((e for e in entries if e["method"] == "target_only"), None)
     base_rows = by_run.get(("target_only", base["tag"], repr(sorted(base["settings"].items())))) if base else None
-    base_width = width_latency(base_rows, costs) if costs and base_rows else None
+    batched = rows[0].get("batch_size", 1) > 1
+    # Eq. 2.3 with the measured width (batch 1: t_target(n); batches: t_draft(B), t_target(B, n))
+    latency_of = batch_latency_of if batched else width_latency
+    base_width = latency_of(base_rows, costs) if costs and base_rows else None
     for e in entries:
         e_rows = by_run[(e["method"], e["tag"], repr(sorted(e["settings"].items())))]
         e["speedup"] = e["speedup_predicted"] = e["speedup_ci95"] = e["speedup_width_predicted"] = None
         if base and e["tokens_per_s"] and base["tokens_per_s"]:
             e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
-            batched = any(r.get("batch_id") is not None for r in e_rows)  # rows share their calls' time
-            e["speedup_ci95"] = None if batched else paired_speedup_ci(e_rows, base_rows)
+            e["speedup_ci95"] = paired_speedup_ci(e_rows, base_rows)
         if base and e["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
             e["speedup_predicted"] = e["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
-        if base_width and e["method"] not in CONCURRENT_METHODS and rows[0].get("batch_size", 1) == 1:
-            latency = width_latency(e_rows, costs)
+        if base_width and e["method"] not in CONCURRENT_METHODS:
+            latency = latency_of(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from infer.costs import batch_times
 from infer.results import prompt_seed
 from specdecpp import (
     FixedK,
@@ -37,38 +37,20 @@ from specdecpp import (
     load_head,
     load_pair,
 )
-from specdecpp.batch import BatchRunner
 from specdecpp.costmodel import Costs, batch_latency
 from specdecpp.loading import dtype_name, eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.stats import paired_ratio_interval
-from specdecpp.timing import time_forwards
+from specdecpp.timing import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
 
 
 def batch_costs(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int) -> Costs:
-    """t_draft(B) (one token per row) and t_target(B, n), medians of BatchRunner forwards after a
-    cached ``context`` in every row, the cache rolled back and compacted after each (untimed)."""
-    calls, resets = {}, {}
-    runners = []
-    for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
-        for b in sizes:
-            runner = BatchRunner(model, output_vocab_size(model), want_hidden=False)
-            runner.add_rows([torch.tensor(context[:-21], device=model.device)] * b)
-            tail = torch.tensor(context[-21:], device=model.device)
-            runners.append(runner)
-            length = runner.lengths[0]
-            for n in ws:
-                calls[(name, b, n)] = (lambda r=runner, t=tail[:n], b=b: r.feed([t] * b, n_logits=t.shape[0]))
-                resets[(name, b, n)] = (lambda r=runner, length=length, b=b: (r.rollback([length] * b), r.compact()))
-    with torch.no_grad():
-        timed = time_forwards(calls, repeats=repeats, warmup=2, resets=resets)
-    target_by_batch = {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes}
-    draft_by_batch = {b: timed[("draft", b, 1)].median for b in sizes}
-    return Costs(draft_by_batch[1], target_by_batch[1][1], {n: target_by_batch[1][n] for n in widths},
+    """t_draft(B) and t_target(B, n) as ``python -m infer.costs --batch-sizes`` measures them."""
+    draft_by_batch, target_by_batch = batch_times(draft, target, context, sizes, widths, repeats)
+    return Costs(draft_by_batch[1], target_by_batch[1][1], dict(target_by_batch[1]),
                  {"measured_by": "scripts/bench_batch.py"}, target_by_batch=target_by_batch,
                  draft_by_batch=draft_by_batch)
 
@@ -88,6 +70,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per set (bundled test, HumanEval test)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--fixed-k", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--fill", action="store_true",
+                    help="also run each head with generate_batch(fill=True) (rows that stopped draft on while "
+                         "another row drafts)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts")
     ap.add_argument("--timing-steps", type=int, default=15)
@@ -112,6 +97,10 @@ def main() -> None:
         methods[f"specdecpp_{kind}({name}@{threshold:g})"] = SpecDecPP(load_head(ROOT / "demo/heads" / name),
                                                                       threshold=threshold)
     decoders = {m: SpeculativeDecoder(draft, target, p, SAMPLING) for m, p in methods.items()}
+    fill = {m: False for m in decoders}
+    if args.fill:
+        for m in [m for m in decoders if m.startswith("specdecpp_")]:
+            decoders[m + "+fill"], fill[m + "+fill"] = decoders[m], True
 
     widths = sorted({1, 2, 3, 4, 6, 9, 14, 21})
     sizes = sorted({1, 2, 4, 8, 16} | set(args.batch_sizes))
@@ -124,6 +113,15 @@ def main() -> None:
 
     decoders["target_only"].generate_batch([torch.tensor(encoded[0][1])], 8)  # warm-up, untimed
     units: dict[tuple[int, str], list[dict]] = {}
+    # Resumable: each finished unit (rep, B, first prompt) of every method is checkpointed here; a
+    # rerun with the same arguments skips the units already measured.
+    partial = Path(args.out).with_suffix(".partial.json")
+    done: dict[str, dict] = {}
+    if partial.exists():
+        saved = json.loads(partial.read_text())
+        if saved["args"] == {k: v for k, v in vars(args).items() if k != "out"}:
+            done = saved["units"]
+            print(f"resuming: {len(done)} unit(s) already measured in {partial}")
     load_before = os.getloadavg()
     t_run = time.perf_counter()
     unit = 0
@@ -134,15 +132,21 @@ def main() -> None:
                 order = list(decoders)
                 order = order[unit % len(order):] + order[: unit % len(order)]  # rotate who goes first
                 unit += 1
+                key = f"{rep}|{b}|{start}"
+                if key in done:
+                    for m, u in done[key].items():
+                        units.setdefault((b, m), []).append(u)
+                    continue
+                measured = {}
                 for m in order:
                     gens = [torch.Generator().manual_seed(prompt_seed(rep, pid)) for pid, _ in group]
                     t = time.perf_counter()
                     outs = decoders[m].generate_batch([torch.tensor(ids) for _, ids in group], args.max_new_tokens,
-                                                      gens, eos_token_id=eos)
+                                                      gens, eos_token_id=eos, fill=fill[m])
                     wall = time.perf_counter() - t
                     tokens = sum(o.stats.n_generated for o in outs)
                     stats = [o.stats for o in outs]
-                    units.setdefault((b, m), []).append({
+                    measured[m] = {
                         "tokens": tokens, "wall_s": wall, "predicted_s": batch_latency(costs, outs[0].batch_rounds),
                         "rounds": len(outs[0].batch_rounds),
                         "draft_calls": sum(s.n_draft_calls for s in stats),
@@ -151,7 +155,14 @@ def main() -> None:
                         "candidates": sum(sum(s.candidate_lengths) for s in stats),
                         "batch_width_mean": float(np.mean([k for _, k in outs[0].batch_rounds])),
                         "row_k_mean": float(np.mean([k for s in stats for k in s.candidate_lengths])),
-                    })
+                        "load": os.getloadavg()[0],
+                    }
+                for m in decoders:
+                    units.setdefault((b, m), []).append(measured[m])
+                done[key] = measured
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                               "units": done}) + "\n")
             print(f"rep {rep} B={b} done ({time.perf_counter() - t_run:.0f} s)", flush=True)
 
     table = []
@@ -172,7 +183,7 @@ def main() -> None:
                 "accepted_per_candidate": sum(u["accepted"] for u in us) / max(sum(u["candidates"] for u in us), 1),
                 "discarded_per_token": sum(u["discarded"] for u in us) / tok.sum(),
             })
-    print(f"\n{platform.processor() or platform.machine()}, torch threads {args.threads}, dtype "
+    print(f"\n{machine_description()}, dtype "
           f"{dtype_name(target.dtype)}, {len(encoded)} prompts x {args.repeats} passes, {args.max_new_tokens} tokens, "
           f"T=1 top-k 50; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print("| B | method | tokens/s | speedup vs target-only (95% CI) | Eq. 2.1 predicted tok/s (speedup) "
@@ -186,7 +197,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
-                               "args": vars(args), "threads": args.threads, "dtype": dtype_name(target.dtype),
+                               "args": vars(args), "threads": args.threads, "machine": machine_description(), "dtype": dtype_name(target.dtype),
                                "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
     print(f"written {out}")
 

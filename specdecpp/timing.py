@@ -75,3 +75,24 @@ def time_forward(call: Callable[[], object], *, repeats: int = 20, warmup: int =
     """:func:`time_forwards` of one call: ``time_forward(fn, reset=undo).median`` is its seconds."""
     return time_forwards({0: call}, repeats=repeats, warmup=warmup, until=until,
                          resets=None if reset is None else {0: reset})[0]
+
+
+def machine_description(device: torch.device | str = "cpu") -> str:
+    """The machine a figure was measured on, for its report: the CUDA device's name, or the CPU's
+    model name (``/proc/cpuinfo``), its core count and whether it multiplies bf16 in hardware
+    (AVX512-BF16 / AMX, which set bf16 speed apart between CPUs), with torch's version and threads."""
+    import os
+    import platform
+
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    bf16 = [name for name, key in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16")) if caps.get(key)]
+    return (f"{model}, {os.cpu_count()} cores, bf16 in hardware: {' + '.join(bf16) or 'no'}, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")

@@ -85,6 +85,25 @@ def test_cli_writes_costs_json_in_the_one_schema(tiny_pair, tmp_path, capsys):
     assert 0 < result["acceptance"] < 1 and result["per_source"]["bundled"]["prompts"] == 1
 
 
+def test_cli_batch_sizes_write_the_batched_curves(tiny_pair, tmp_path, capsys):
+    """--batch-sizes: t_draft(B) and t_target(B, n) for B = 1 and each size, n = 1..8, in costs.json,
+    read back by the cost model (the batched Eq. 2.3 of infer.report and scripts/bench_batch.py)."""
+    costs_path = tmp_path / "costs.json"
+    measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+                  "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--batch-sizes", "3",
+                  "--costs-out", str(costs_path)])
+    assert "batch 3: draft step" in capsys.readouterr().out
+    costs = load_costs(costs_path)
+    assert sorted(costs.target_by_batch) == [1, 3] and sorted(costs.draft_by_batch) == [1, 3]
+    assert sorted(costs.target_by_batch[3]) == list(range(1, 9))
+    assert all(t > 0 for curve in costs.target_by_batch.values() for t in curve.values())
+    assert costs.batch_target_cost(3, 2) == costs.target_by_batch[3][2]
+    with pytest.raises(SystemExit):
+        measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--batch-sizes", "0",
+                      "--costs-out", str(costs_path)])
+    assert "--batch-sizes must be >= 1" in capsys.readouterr().err
+
+
 def test_cli_bad_input_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         measure.main(["--draft", "a", "--target", "b"])

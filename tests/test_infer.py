@@ -664,3 +664,57 @@ def test_batch_size_rows_record_it_and_greedy_outputs_equal_batch_one(setup):
         app.prepare(make_cfg(*setup.base, "method=fixed_k", "batch_size=0"))
     with pytest.raises(ValueError, match="decodes one prompt at a time"):
         app.prepare(make_cfg(*setup.base, "method=hf_assisted", "batch_size=2"))
+
+
+def test_batch_fill_rows_and_the_batched_eq23(setup):
+    """batch_fill=true: the file tag says _b2_fill, rows record it and their call's rounds, greedy
+    outputs are still the target's (batch 1's); with t_draft(B) / t_target(B, n) in costs the report
+    predicts each method's speedup from its calls' rounds (recomputed here by hand)."""
+    common = [*setup.base, "sampling=greedy", "~comparison.fixed_k", "~comparison.specdecpp",
+              "~comparison.hf_assisted", "~comparison.oracle", "comparison.svip.threshold=[0.9]"]
+    one = sweep.run(make_cfg(*common, f"out={setup.root}/fill1/${{method.name}}"))
+    two = sweep.run(make_cfg(*common, "batch_size=2", "batch_fill=true", f"out={setup.root}/fill2/${{method.name}}"))
+    rows = {}
+    for a, b in zip(one, two, strict=True):
+        assert Path(b["path"]).name.startswith(Path(a["path"]).name.split("__")[0] + "_b2_fill__")
+        ra, rb = read_rows(Path(a["path"])), read_rows(Path(b["path"]))
+        assert [r["output_ids"] for r in ra] == [r["output_ids"] for r in rb]
+        assert all(r["batch_fill"] is True and r["batch_rounds"] and all(len(x) == 2 for x in r["batch_rounds"])
+                   for r in rb)
+        assert all("batch_fill" not in r for r in ra)  # absent when false: older files still resume
+        rows[rb[0]["method"]] = rb
+    t_draft = {1: 0.01, 2: 0.012}
+    t_target = {b: {n: 0.1 + 0.02 * b * n for n in range(1, 8)} for b in (1, 2)}
+    costs = Costs(0.01, 0.12, t_target[1], {}, target_by_batch=t_target, draft_by_batch=t_draft)
+
+    def by_hand(rs):  # seconds per token: each call once, K_max t_draft(B) + t_target(B, K_max + 1) per round
+        call = {r["batch_id"]: r["batch_rounds"] for r in rs}
+        secs = sum(k * t_draft[b] + t_target[b][k + 1] for rounds in call.values() for b, k in rounds)
+        return secs / sum(r["n_generated"] for r in rs)
+
+    [group] = summarize_results(read_result_dir(setup.root / "fill2"), costs)
+    entries = {e["method"]: e for e in group["entries"]}
+    assert entries["svip"]["tag"].endswith("+fill")
+    want = by_hand(rows["target_only"]) / by_hand(rows["svip"])
+    assert entries["svip"]["speedup_width_predicted"] == pytest.approx(want, rel=1e-9)
+    assert entries["target_only"]["speedup_width_predicted"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="batch_fill must be true or false"):
+        app.prepare(make_cfg(*setup.base, "method=fixed_k", "batch_size=2", "batch_fill=3"))
+
+
+def test_batched_speedup_interval_is_over_calls():
+    """Batched rows share their call's wall time: the paired interval resamples calls (the same
+    calls for both methods), each call's tokens summed over its rows."""
+    from infer.summary import paired_speedup_ci
+    from specdecpp.stats import paired_ratio_interval
+
+    def rows(tokens_walls):
+        return [{"timed": True, "prompt_id": f"{c}-{j}", "batch_id": f"call{c}", "batch_wall_time_s": wall,
+                 "n_generated": t} for c, (ts, wall) in enumerate(tokens_walls) for j, t in enumerate(ts)]
+
+    mine = [([5, 7], 1.0), ([6, 6], 1.5), ([9, 2], 0.8), ([4, 4], 1.1)]
+    base = [([6, 6], 1.4), ([6, 6], 1.6), ([6, 5], 1.2), ([4, 4], 1.3)]
+    got = paired_speedup_ci(rows(mine), rows(base))
+    cols = np.array([[sum(a), wa, sum(b), wb] for (a, wa), (b, wb) in zip(mine, base, strict=True)], dtype=float).T
+    assert got == pytest.approx(paired_ratio_interval(*cols, n_resamples=1000, seed=0, level=0.95))
+    assert paired_speedup_ci(rows(mine[:1]), rows(base[:1])) is None  # one call: no interval
