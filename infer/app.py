@@ -23,7 +23,7 @@ from specdecpp.quality import target_quality
 from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
 
-from .methods import MethodSpec, build_runner, resolve_method
+from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
 
 log = logging.getLogger(__name__)
@@ -95,9 +95,9 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     batch_size = cfg.get("batch_size", 1)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if batch_size > 1 and not isinstance(spec.method, StopPolicy):
+    if batch_size > 1 and not isinstance(spec.method, (StopPolicy, CascadeMethod)):
         raise ValueError(f"batch_size={batch_size}: method={spec.name} decodes one prompt at a time; batches run "
-                         "the engine's stop policies (target_only, fixed_k, svip, specdecpp)")
+                         "the engine's stop policies (target_only, fixed_k, svip, specdecpp) and cascades")
     batch_fill = cfg.get("batch_fill", False)
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
@@ -205,7 +205,7 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
     per ``generate_batch`` call, every job a call's prompts before the next call's (paired in time).
     Each row records its batch: ``batch_size``, ``batch_id`` (the call), ``batch_wall_time_s``
     (the call's wall time, which its rows share: throughput = tokens / the calls' time) and
-    ``batch_rounds`` (the call's rounds as ``[rows, longest K]``, for the batched Eq. 2.1)."""
+    ``batch_rounds`` (the call's rounds as ``[rows, longest K, draft forwards]``, for the batched Eq. 2.1)."""
     for job, runner in zip(jobs, runners, strict=True):
         if not hasattr(runner, "generate_batch"):
             raise ValueError(f"batch_size={job.batch_size}: method={job.spec.name} has no batched runner")
@@ -225,8 +225,9 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                                                    job.batch_size, fill=job.batch_fill)
                 batch_id = f"{mine[0]}+{len(mine)}"
                 for pid, (output_ids, stats, extra) in zip(mine, outs, strict=True):
+                    quality = target_quality(target, encoded[pid], output_ids, job.sampling, output_vocab_size(target))
                     row = make_row(job, order[pid], encoded[pid].shape[1], output_ids, stats, extra, runner.timed,
-                                   target.device, target.dtype)
+                                   target.device, target.dtype, quality)
                     writer.append({**row, "batch_id": batch_id, "batch_wall_time_s": wall})
                 bar.update(len(mine))
     return [summarize(job) for job in jobs]

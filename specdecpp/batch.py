@@ -14,8 +14,8 @@ number W of columns to every row: row b's ``m_b`` real tokens first, then ``W - 
 no host read), so a rejected candidate becomes a hole instead of being cut. Holes are removed by
 :meth:`BatchRunner.compact` (one stable argsort of the mask and one gather per layer, which moves
 each row's tokens to the right end) once more than ``COMPACT_AT`` columns are removable; finished
-rows leave with a batch select and new rows join left-padded (:func:`join_rows`), as
-:func:`specdecpp.labels.sample_responses` does for target sampling. What it costs: every forward
+rows leave with a batch select and new rows join left-padded (:func:`join_rows`). data_gen's
+target sampling (:func:`specdecpp.labels.sample_responses`) runs on this runner too. What it costs: every forward
 attends over T >= max_b length_b columns (the longest row's length plus the holes since the last
 compaction) and computes W columns for every row, also for rows that wait (a stopped row feeds a
 hole while the others draft on).
@@ -193,15 +193,26 @@ class BatchRunner(HiddenHook):
 @dataclass
 class BatchBlock:
     """A drafted block per row: row b wrote ``ks[b]`` candidates after its committed tokens and,
-    unless greedy, ``q[j][b]`` is the row the j-th was sampled from. ``t0``/``t1`` bracket it."""
+    unless greedy, ``q[j][b]`` is the row the j-th was sampled from; with ``keep_logits`` (a
+    cascade) ``logits[j][b]`` are the draft's raw logits there. ``t0``/``t1`` bracket it.
+    ``peeked``: the draft's raw logits [B, V] after every row's last candidate, once
+    :meth:`BatchDrafter.peek` ran for this block (one forward for all rows)."""
 
     ks: list[int]
     q: list[torch.Tensor]
     t0: float
     t1: float
+    logits: list[torch.Tensor] | None = None
+    peeked: torch.Tensor | None = None
 
     def q_rows(self, b: int) -> list[torch.Tensor]:
         return [q[b] for q in self.q[: self.ks[b]]]
+
+    def draft_logits(self, b: int) -> torch.Tensor | None:
+        """Row b's raw draft logits of its candidates [ks[b], V] (None without ``keep_logits``)."""
+        if self.logits is None or not self.ks[b]:
+            return None
+        return torch.stack([x[b] for x in self.logits[: self.ks[b]]])
 
 
 class BatchDrafter:
@@ -215,8 +226,9 @@ class BatchDrafter:
     The stop decisions are read on the host once per draft step."""
 
     def __init__(self, model, vocab: int, policy: StopPolicy, sampling: SamplingConfig, eos: set[int],
-                 clock: Clock, fill: bool = False) -> None:
+                 clock: Clock, fill: bool = False, keep_logits: bool = False) -> None:
         self.policy, self.sampling, self.clock, self.fill = policy, sampling, clock, fill
+        self.keep_logits = keep_logits
         self.needs_hidden = policy.needs_hidden
         self.runner = BatchRunner(model, vocab, want_hidden=self.needs_hidden)
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=self.runner.device)
@@ -233,10 +245,10 @@ class BatchDrafter:
         t0 = self.clock.now()
         runner, cfg, device = self.runner, self.sampling, self.runner.device
         rows = len(seqs)
-        ks, q_steps = [0] * rows, []
+        ks, q_steps, kept = [0] * rows, [], [] if self.keep_logits else None
         drafting = [c > 0 for c in counts]  # the host's copy of ``active``
         if not any(drafting):
-            return BatchBlock(ks, q_steps, t0, self.clock.now())
+            return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
         self.policy.new_round()
         active = torch.tensor(drafting, device=device)  # the policy still drafts this row
         bounded = active.clone()  # the row is below its count and drew no EOS yet
@@ -251,6 +263,8 @@ class BatchDrafter:
             rows_index = torch.arange(rows, device=device)
             logits = logits[rows_index, last]
             hidden = hidden[rows_index, last] if self.needs_hidden else None
+            if kept is not None:
+                kept.append(logits)
             if cfg.greedy:  # the argmax; verification needs no q
                 y = logits.argmax(-1)
             else:
@@ -265,7 +279,19 @@ class BatchDrafter:
             bounded = bounded & (limit > k) & ~torch.isin(y, self.eos)
             active = active & bounded & ~self.policy.stop_rows(k, logits, hidden, y, active)
             drafting = (bounded & active.any() if self.fill else active).tolist()  # the one host read of this step
-        return BatchBlock(ks, q_steps, t0, self.clock.now())
+        return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
+
+    def peek(self, block: BatchBlock, seqs: list, b: int) -> torch.Tensor:
+        """Row b's raw draft logits after its last candidate (a cascade's bonus token needs the
+        draft's q there). The first call of a block feeds every row its pending tokens in one
+        forward (the tokens the next round would feed anyway) and keeps all rows' logits."""
+        if block.peeked is None:
+            runner = self.runner
+            chunks = [s.tokens[runner.lengths[r] : s.n + block.ks[r]] for r, s in enumerate(seqs)]
+            logits = runner.feed(chunks)[0]
+            last = torch.tensor([c.shape[0] - 1 for c in chunks], device=runner.device)
+            block.peeked = logits[torch.arange(len(seqs), device=runner.device), last]
+        return block.peeked[b]
 
 
 def check_batch_args(prompts, max_new_tokens, generators, batch_size) -> None:

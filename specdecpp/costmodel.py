@@ -205,11 +205,17 @@ def latency_by_width(costs: Costs, n_tokens, n_draft, verification_cost):
     return (costs.t_draft * n_draft + verification_cost) / n_tokens
 
 
-def batch_latency(costs: Costs, rounds: Sequence[tuple[int, int]]) -> float:
-    """Eq. 2.1 for a batch call: seconds of its ``rounds``, each ``(B_r, K_max_r)`` (rows in the
-    round, the longest row's candidates): K_max_r draft forwards of B_r rows and one target forward
-    of B_r rows of K_max_r + 1 tokens. Divide the call's generated tokens by it for tokens/s."""
-    return float(sum(k * costs.batch_draft_cost(b) + costs.batch_target_cost(b, k + 1) for b, k in rounds))
+def batch_latency(costs: Costs, rounds: Sequence[Sequence[int]]) -> float:
+    """Eq. 2.1 for a batch call: seconds of its ``rounds``, each ``(B_r, K_max_r[, D_r])`` (rows in
+    the round, the longest row's candidates, the draft forwards: K_max_r unless given, K_max_r + 1
+    where a cascade's bonus token needed the draft's q): D_r draft forwards of B_r rows and one target
+    forward of B_r rows of K_max_r + 1 tokens. Divide the call's generated tokens by it for tokens/s."""
+    total = 0.0
+    for r in rounds:
+        b, k = int(r[0]), int(r[1])
+        d = int(r[2]) if len(r) > 2 else k
+        total += d * costs.batch_draft_cost(b) + costs.batch_target_cost(b, k + 1)
+    return float(total)
 
 
 # -- costs.json ------------------------------------------------------------------------------------

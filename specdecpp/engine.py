@@ -80,7 +80,7 @@ class GenerateOutput:
     stats: RunStats
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
     batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
-    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K), shared by its rows
+    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K, draft forwards), shared by its rows
 
 
 def finish(stats: RunStats, seq: Sequence, wall_time_s: float, draft: ModelRunner,
@@ -171,19 +171,19 @@ class SpeculativeDecoder:
         check_batch_args(prompts, max_new_tokens, generators, batch_size)
         if not isinstance(fill, bool):
             raise ValueError(f"fill must be True or False, got {fill!r}")
-        if self.rule.lossy:
-            raise NotImplementedError("generate_batch does not run a cascade yet: decode cascades one prompt "
-                                      "at a time (generate)")
         gens = [device_generator(g, self.device) for g in (generators or [None] * len(prompts))]
         clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
         seqs = [Sequence(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
-        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks, fill)
-        target, drafting = BatchRunner(self.target, self.vocab, want_hidden=False), self.policy.max_candidates > 0
+        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks, fill,
+                               keep_logits=self.rule.lossy)
+        # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
+        target = BatchRunner(self.target, self.vocab, want_hidden=False)
+        drafting = self.policy.max_candidates > 0 or self.rule.lossy
         stats, joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
         outputs: list[GenerateOutput | None] = [None] * len(prompts)
         slots = batch_size or len(prompts)
         queue, rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt; rows: slot -> prompt
-        rounds: list[tuple[int, int]] = []  # (rows, longest K) per round: costmodel.batch_latency
+        rounds: list[tuple[int, int, int]] = []  # (rows, longest K, draft forwards) per round: costmodel.batch_latency
         with drafter:
             while queue or rows:
                 if queue and len(rows) < slots:  # waiting prompts take the free slots
@@ -200,13 +200,22 @@ class SpeculativeDecoder:
                                       [gens[i] for i in rows])
                 logits = target.feed([s.tokens[target.lengths[b] : s.n + k]  # p_1..p_{K_b+1} per row
                                       for b, (s, k) in enumerate(zip(live, block.ks, strict=True))])[0]
-                verdicts = [self.rule(s.tokens[s.n : s.n + k], block.q_rows(b), logits[b, : k + 1], gens[i])
+                peeks = [0] * len(rows)  # draft forwards a cascade's bonus token cost this row (0 or 1)
+
+                def peek(b, block=block, live=live):
+                    peeks[b] = 1
+                    return drafter.peek(block, live, b)
+
+                verdicts = [self.rule(s.tokens[s.n : s.n + k], block.q_rows(b), logits[b, : k + 1], gens[i],
+                                      **({"draft_logits": block.draft_logits(b), "peek": lambda b=b: peek(b)}
+                                         if self.rule.lossy else {}))
                             for b, (i, s, k) in enumerate(zip(rows, live, block.ks, strict=True))]
                 t_verified = marks.now()
-                rounds.append((len(rows), max(block.ks)))
-                for i, s, k, (n_acc, token) in zip(rows, live, block.ks, verdicts, strict=True):
+                k_max = max(block.ks)
+                rounds.append((len(rows), k_max, k_max + (block.peeked is not None)))
+                for i, s, k, (n_acc, token), extra in zip(rows, live, block.ks, verdicts, peeks, strict=True):
                     kept = s.commit(n_acc, token)
-                    stats[i].add_round(k, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
+                    stats[i].add_round(k + extra, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
                 target.rollback([s.n - 1 for s in live])
                 if drafting:
                     drafter.runner.rollback([s.n - 1 for s in live])

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import join_rows, trim_left
+from .batch import BatchRunner
 from .cascade import Cascade
-from .compat import cache_kwargs
-from .hooks import FinalHidden, keep_last, new_cache
+from .hooks import FinalHidden, keep_last
 from .loading import token_set
 from .reduced_vocab import output_vocab_size
 from .sampling import SamplingConfig, entropy, sample, warp
@@ -113,8 +112,9 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     (None: all prompts in one batch), continuously batched: prompts wait in a queue in the given
     order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
     leaves the batch and its KV cache, and the next prompts take the free places (their prompt
-    is prefilled, then joined to the batch cache, left-padded). ``on_tokens(n)`` is called after
-    each step with the number of tokens just sampled (for progress bars).
+    is prefilled, then joined to the batch cache, left-padded): the batched decoder's own KV
+    bookkeeping, :class:`specdecpp.batch.BatchRunner`. ``on_tokens(n)`` is called after each step
+    with the number of tokens just sampled (for progress bars).
     """
     return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
                    batch_size, keep_probs=False)[0]
@@ -150,22 +150,17 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
     kept: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = [[] for _ in prompts] if keep_probs else None
     queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
     rows: list[int] = []  # batch position -> prompt index
-    cache, mask, positions, logits = None, None, None, None
+    pending: list[int] = []  # each row's newest token, not yet in the cache (fed by the next step)
+    runner = BatchRunner(target, vocab, want_hidden=False)  # the batched decoder's KV bookkeeping
     while queue or rows:
-        if queue and len(rows) < slots:  # prefill the next prompts into the free places
+        if queue and len(rows) < slots:  # the next prompts take the free places: prefix prefilled, joined
             new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
-            ids, new_mask, new_positions = left_pad([prompts[i] for i in new], device)
-            fresh = new_cache(target)
-            new_logits = target(input_ids=ids, attention_mask=new_mask, position_ids=new_positions,
-                                use_cache=True, **cache_kwargs(target, fresh),
-                                logits_to_keep=keep_last(ids.shape[1], 1, device)).logits[:, -1, :vocab]
-            if rows:
-                mask = join_rows(cache, mask, fresh, new_mask)
-                positions = torch.cat([positions, new_positions[:, -1:]])
-                logits = torch.cat([logits, new_logits])
-            else:
-                cache, mask, positions, logits = fresh, new_mask, new_positions[:, -1:], new_logits
+            if any(len(prompts[i]) == 0 for i in new):
+                raise ValueError("sample_responses: every prompt needs at least one token")
+            runner.add_rows([torch.as_tensor(list(prompts[i][:-1]), dtype=torch.long, device=device) for i in new])
             rows += new
+            pending += [int(prompts[i][-1]) for i in new]
+        logits = runner.feed([torch.tensor([t], device=device) for t in pending])[0][:, -1]
         probs = None
         if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
             tokens = logits.argmax(-1).tolist()
@@ -179,28 +174,17 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
             else:
                 for b, i in enumerate(rows):
                     kept[i].append((support[0][b], support[1][b].float()))
-        keep, next_ids = [], []
+        keep = []
         for b, (i, token) in enumerate(zip(rows, tokens, strict=True)):
             responses[i].append(token)
             if token not in eos and len(responses[i]) < max_new_tokens:
                 keep.append(b)
-                next_ids.append(token)
         if on_tokens is not None:
             on_tokens(len(rows))
-        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+        if len(keep) < len(rows):  # finished rows leave the batch and the cache
+            runner.select(keep)
             rows = [rows[b] for b in keep]
-            if not rows:
-                cache = None
-                continue
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask = trim_left(cache, mask[index])
-            positions = positions[index]
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-        positions = positions + 1
-        step = torch.tensor(next_ids, device=device).unsqueeze(-1)
-        logits = target(input_ids=step, attention_mask=mask, position_ids=positions,
-                        use_cache=True, **cache_kwargs(target, cache)).logits[:, -1, :vocab]
+        pending = [tokens[b] for b in keep]
     return responses, None if kept is None else [_stack_support(steps) for steps in kept]
 
 

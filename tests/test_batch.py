@@ -256,11 +256,11 @@ def test_fill_drafts_every_row_to_the_rounds_longest_policy(cpu_pair32):
     first = [o.stats.candidate_lengths[0] for o in per_row]
     assert len(set(first)) > 1, first  # the policy's own lengths differ between rows
     assert [o.stats.candidate_lengths[0] for o in filled] == [max(first)] * len(prompts)
-    for r, (rows, longest) in enumerate(filled[0].batch_rounds):
+    for r, (rows, longest, forwards) in enumerate(filled[0].batch_rounds):
         alive = [o for o in filled if len(o.stats.candidate_lengths) > r]
         ks = [o.stats.candidate_lengths[r] for o in alive]
         room = [24 - sum(o.stats.accept_lengths[:r]) - r - 1 for o in alive]  # room - 1 before round r
-        assert len(ks) == rows and max(ks) == longest, r
+        assert len(ks) == rows and max(ks) == longest and forwards == longest, r
         assert all(k == longest or k == m for k, m in zip(ks, room, strict=True)), (r, ks, room)
 
 

@@ -1,7 +1,9 @@
 """Speculative cascades are lossy on purpose, and exact against their own target pi: every emitted
 token (the bonus included) follows pi = T(q, p) at its position, computed here directly from both
 models; the rules' formulas recomputed by hand; the exact and the draft-only ends; greedy limits;
-same seed, same output. Each decoder test also runs on CUDA under the ``gpu`` marker."""
+same seed, same output. The batched decoder (``generate_batch``, mode ``batch``) runs the same
+tests with the test prompt in several rows of a batch of mixed prompts. Each decoder test also
+runs on CUDA under the ``gpu`` marker."""
 
 from __future__ import annotations
 
@@ -89,14 +91,32 @@ def pair6():
     return _pair6()
 
 
-def _sample(decoder, device, n_samples=1200, max_new_tokens=3, seed=5):
-    g = torch.Generator().manual_seed(seed)
+MIXED = [PROMPT, [3], PROMPT, [4, 1, 0, 2, 1], PROMPT, PROMPT]  # a batch: the test prompt in 4 rows
+
+
+def _sample(decoder, device, n_samples=1200, max_new_tokens=3, seed=5, mode="chain"):
+    """``n_samples`` samples of the first two tokens after PROMPT: one ``generate`` call each
+    (chain), or (batch) four rows of each ``generate_batch`` call of :data:`MIXED`, every row with
+    its own generator."""
     seqs, accepted = [], 0
+    if mode == "batch":
+        rows = [b for b, p in enumerate(MIXED) if p == PROMPT]
+        for call in range(n_samples // len(rows)):
+            gens = [torch.Generator().manual_seed(seed * 100_000 + 10 * call + b) for b in range(len(MIXED))]
+            outs = decoder.generate_batch([torch.tensor(p, device=device) for p in MIXED], max_new_tokens, gens)
+            for b in rows:
+                seqs.append(tuple(outs[b].tokens[0, len(PROMPT): len(PROMPT) + 2].tolist()))
+                accepted += sum(outs[b].stats.accept_lengths)
+        return seqs, accepted
+    g = torch.Generator().manual_seed(seed)
     for _ in range(n_samples):
         out = decoder.generate(torch.tensor([PROMPT], device=device), max_new_tokens, generator=g)
         seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 2].tolist()))
         accepted += sum(out.stats.accept_lengths)
     return seqs, accepted
+
+
+MODES = ["chain", "batch"]
 
 
 CASES = [  # alphas where the rule both defers and keeps q on this pair's first two positions
@@ -110,8 +130,9 @@ CASES = [  # alphas where the rule both defers and keeps q on this pair's first 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rule,alpha,policy,sampling", CASES, ids=[c[0] for c in CASES])
-def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampling, device):
+def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampling, mode, device):
     draft, target = pair6
     cascade = Cascade(rule, alpha)
     expected = pi_distribution(draft, target, cascade, PROMPT, 2, sampling)
@@ -119,22 +140,24 @@ def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampli
     tv = 0.5 * sum(abs(expected.get(s, 0.0) - exact.get(s, 0.0)) for s in set(expected) | set(exact))
     assert tv > 0.02, tv  # pi is not p here: lossy
     d, t, _ = on(device, (draft, target, {}))
-    seqs, accepted = _sample(SpeculativeDecoder(d, t, policy, sampling, cascade=cascade), device)
+    seqs, accepted = _sample(SpeculativeDecoder(d, t, policy, sampling, cascade=cascade), device, mode=mode)
     assert chi_square_pvalue(seqs, expected) > 1e-4
     if not isinstance(policy, TargetOnly):
         assert accepted > 300
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_exact_end_is_exact_decoding_and_the_other_end_is_the_draft(pair6, device):
+@pytest.mark.parametrize("mode", MODES)
+def test_the_exact_end_is_exact_decoding_and_the_other_end_is_the_draft(pair6, mode, device):
     """chow with alpha = 0 defers wherever q is not one-hot: the target's own distribution; opt with
     a huge alpha never defers: the draft's own distribution (the bonus token included)."""
     draft, target = pair6
     sampling = SamplingConfig(temperature=1.0)
     d, t, _ = on(device, (draft, target, {}))
-    seqs, _ = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("chow", 0.0)), device)
+    seqs, _ = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("chow", 0.0)), device, mode=mode)
     assert chi_square_pvalue(seqs, exact_distribution(target, PROMPT, 2, sampling)) > 1e-4
-    seqs, accepted = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("opt", 1e9)), device)
+    seqs, accepted = _sample(SpeculativeDecoder(d, t, FixedK(2), sampling, cascade=Cascade("opt", 1e9)), device,
+                             mode=mode)
     assert chi_square_pvalue(seqs, exact_distribution(draft, PROMPT, 2, sampling)) > 1e-4
     assert chi_square_pvalue(seqs, exact_distribution(target, PROMPT, 2, sampling)) < 1e-6  # and not the target's
     assert accepted == 1200 * 2  # q = pi: every candidate accepted
@@ -185,17 +208,21 @@ def pair32():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rule,alpha", [("chow", 0.6), ("diff", 0.02), ("opt", 0.3), ("token_v1", 0.05),
                                         ("token_v3", 0.4)])
-def test_greedy_follows_the_greedy_limit_of_pi(pair32, rule, alpha, device):
+def test_greedy_follows_the_greedy_limit_of_pi(pair32, rule, alpha, mode, device):
     draft, target = pair32
     cascade = Cascade(rule, alpha)
     d, t, _ = on(device, (draft, target, {}))
     decoder = SpeculativeDecoder(d, t, FixedK(3), SamplingConfig(temperature=0), cascade=cascade)
     differs_from_target = False
-    for prompt in ([1, 2, 3], [7], [4, 4, 9, 10]):
+    prompts = ([1, 2, 3], [7], [4, 4, 9, 10])
+    batched = (decoder.generate_batch([torch.tensor(p, device=device) for p in prompts], 16, batch_size=2)
+               if mode == "batch" else None)  # two slots: the third prompt joins when a row finishes
+    for j, prompt in enumerate(prompts):
         ref = greedy_pi_decoding(draft, target, cascade, prompt, 16)
-        out = decoder.generate(torch.tensor([prompt], device=device), 16)
+        out = batched[j] if batched else decoder.generate(torch.tensor([prompt], device=device), 16)
         assert out.tokens[0].tolist() == ref, prompt
         plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
         differs_from_target |= plain != ref
@@ -204,12 +231,17 @@ def test_greedy_follows_the_greedy_limit_of_pi(pair32, rule, alpha, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_same_seed_same_output(pair32, device):
+@pytest.mark.parametrize("mode", MODES)
+def test_same_seed_same_output(pair32, mode, device):
     d, t, _ = on(device, (*pair32, {}))
     decoder = SpeculativeDecoder(d, t, FixedK(3), SamplingConfig(temperature=1.0, top_k=10),
                                  cascade=Cascade("opt", 0.2))
 
     def run(seed):
+        if mode == "batch":
+            gens = [torch.Generator().manual_seed(seed + 7 * b) for b in range(3)]
+            outs = decoder.generate_batch([torch.tensor(p, device=device) for p in ([1, 2], [5], [3, 3, 3])], 24, gens)
+            return [o.tokens.tolist() for o in outs]
         return decoder.generate(torch.tensor([[1, 2]], device=device), 24,
                                 generator=torch.Generator().manual_seed(seed)).tokens.tolist()
 
@@ -263,6 +295,12 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
     report = build_report(tmp_path / "out", tmp_path / "report")
     assert "| cascade (LOSSY) | diff_a0.5_k3 |" in report["text"]
     assert any(p.name.startswith("quality_") and p.exists() for p in report["images"])
+    # batched (generate_batch): the same greedy outputs, lossy rows with their quality
+    batched = read_rows(app.run(make_cfg(*base, "method=cascade", "method.rule=diff", "method.alpha=0.5", "method.k=3",
+                                         "batch_size=2", f"out={tmp_path}/batched"))["path"])
+    assert [(r["prompt_id"], r["output_ids"]) for r in batched] == [(r["prompt_id"], r["output_ids"])
+                                                                    for r in rows["cascade"]]
+    assert all(r["lossy"] and r["batch_size"] == 2 and r["greedy_match"] is not None for r in batched)
 
 
 def test_infer_bad_cascade_settings_are_the_constructors_errors():

@@ -679,7 +679,7 @@ def test_batch_fill_rows_and_the_batched_eq23(setup):
         assert Path(b["path"]).name.startswith(Path(a["path"]).name.split("__")[0] + "_b2_fill__")
         ra, rb = read_rows(Path(a["path"])), read_rows(Path(b["path"]))
         assert [r["output_ids"] for r in ra] == [r["output_ids"] for r in rb]
-        assert all(r["batch_fill"] is True and r["batch_rounds"] and all(len(x) == 2 for x in r["batch_rounds"])
+        assert all(r["batch_fill"] is True and r["batch_rounds"] and all(len(x) == 3 for x in r["batch_rounds"])
                    for r in rb)
         assert all("batch_fill" not in r for r in ra)  # absent when false: older files still resume
         rows[rb[0]["method"]] = rb
@@ -689,7 +689,7 @@ def test_batch_fill_rows_and_the_batched_eq23(setup):
 
     def by_hand(rs):  # seconds per token: each call once, K_max t_draft(B) + t_target(B, K_max + 1) per round
         call = {r["batch_id"]: r["batch_rounds"] for r in rs}
-        secs = sum(k * t_draft[b] + t_target[b][k + 1] for rounds in call.values() for b, k in rounds)
+        secs = sum(d * t_draft[b] + t_target[b][k + 1] for rounds in call.values() for b, k, d in rounds)
         return secs / sum(r["n_generated"] for r in rs)
 
     [group] = summarize_results(read_result_dir(setup.root / "fill2"), costs)
