@@ -153,7 +153,7 @@ def main() -> None:
                         "discarded": sum(s.n_discarded for s in stats),
                         "accepted": sum(sum(s.accept_lengths) for s in stats),
                         "candidates": sum(sum(s.candidate_lengths) for s in stats),
-                        "batch_width_mean": float(np.mean([k for _, k in outs[0].batch_rounds])),
+                        "batch_width_mean": float(np.mean([r[1] for r in outs[0].batch_rounds])),
                         "row_k_mean": float(np.mean([k for s in stats for k in s.candidate_lengths])),
                         "load": os.getloadavg()[0],
                     }
