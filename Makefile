@@ -132,12 +132,12 @@ bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixe
 	$(PYTHON) scripts/bench_pearl.py --prompts $(strip $(PEARL_PROMPTS)) --max-new-tokens $(strip $(PEARL_TOKENS)) \
 		--overlap --svip-gamma 4 --out reports/pearl/bench.json
 
-BATCH_PROMPTS ?= 8     # per prompt set (bundled test, HumanEval test): 16 prompts, batches of 1, 4 and 16
-BATCH_TOKENS ?= 64
+BATCH_PROMPTS ?= 16    # per prompt set (bundled test, HumanEval test): 32 prompts, batches of 1, 4 and 16
+BATCH_TOKENS ?= 48
 
-bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, SpecDec++ per row (both head kinds); interleaved
+bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, SpecDec++ per row and with fill (both head kinds); interleaved, resumable
 	$(PYTHON) scripts/bench_batch.py --prompts $(strip $(BATCH_PROMPTS)) --max-new-tokens $(strip $(BATCH_TOKENS)) \
-		--batch-sizes 1 4 16 --fixed-k 1 3 --repeats 2 --out reports/batch/bench.json
+		--batch-sizes 1 4 16 --fixed-k 1 2 --fill --repeats 1 --timing-steps 10 --out reports/batch/bench.json
 
 bench: install bench-report bench-batch  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"

@@ -55,6 +55,35 @@ def batch_costs(draft, target, context: list[int], sizes: list[int], widths: lis
                  draft_by_batch=draft_by_batch)
 
 
+def plot(table: list[dict], path: Path, title: str) -> Path:
+    """Speedup over target-only at the same batch size, per method, against B (log axis), with the
+    95% intervals as error bars, beside the Eq. 2.1 prediction (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, m in enumerate(dict.fromkeys(r["method"] for r in table if r["method"] != "target_only")):
+        rs = sorted((r for r in table if r["method"] == m), key=lambda r: r["batch_size"])
+        bs = [r["batch_size"] * (1 + 0.03 * (i - 2)) for r in rs]  # small offsets keep the bars apart
+        lo = [r["speedup"] - (r["speedup_ci95"][0] if r["speedup_ci95"][0] is not None else r["speedup"]) for r in rs]
+        hi = [(r["speedup_ci95"][1] if r["speedup_ci95"][1] is not None else r["speedup"]) - r["speedup"] for r in rs]
+        line = ax.errorbar(bs, [r["speedup"] for r in rs], yerr=[lo, hi], marker="o", capsize=3, label=m)
+        ax.plot(bs, [r["predicted_speedup"] for r in rs], linestyle="--", color=line[0].get_color(), alpha=0.6)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (rows decoded at once)")
+    ax.set_ylabel("tokens/s over target-only at the same B")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def best_heads() -> dict[str, tuple[str, float]]:
     """The best reference head of each kind and its threshold (demo/heads/selection.json)."""
     ranking = json.loads((ROOT / "demo/heads/selection.json").read_text())["ranking"]
@@ -172,7 +201,8 @@ def main() -> None:
             us = units[(b, m)]
             tok, wall, pred = (np.array([u[k] for u in us], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
             btok, bwall, bpred = (np.array([u[k] for u in base], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
-            ci = paired_ratio_interval(tok, wall, btok, bwall, n_resamples=2000) if m != "target_only" else (None, None)
+            ci = (paired_ratio_interval(tok, wall, btok, bwall, n_resamples=2000)  # over units: needs two
+                  if m != "target_only" and len(us) >= 2 else (None, None))
             table.append({
                 "batch_size": b, "method": m, "units": len(us), "tokens": int(tok.sum()),
                 "tokens_per_s": tok.sum() / wall.sum(), "speedup": (tok.sum() / wall.sum()) / (btok.sum() / bwall.sum()),
@@ -199,7 +229,9 @@ def main() -> None:
     out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
                                "args": vars(args), "threads": args.threads, "machine": machine_description(), "dtype": dtype_name(target.dtype),
                                "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
-    print(f"written {out}")
+    png = plot(table, out.with_suffix(".png"), f"demo pair, {dtype_name(target.dtype)}, T=1 top-k 50; dashed: Eq. 2.1 "
+               f"with t_draft(B), t_target(B, n)\n{machine_description()}")
+    print(f"written {out}, {png}")
 
 
 if __name__ == "__main__":
