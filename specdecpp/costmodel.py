@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .jsonfile import read_json
+
 SCHEMA = "specdecpp.costs/1"
 
 
@@ -232,12 +234,7 @@ def load_costs(path: str | Path) -> Costs:
     and an ``infer.report`` summary.json). Every problem names the file and what is wrong."""
     path = Path(path)
     hint = "measure it with `python -m infer.costs --costs-out FILE`"
-    if not path.is_file():
-        raise FileNotFoundError(f"costs file {str(path)!r} not found ({hint})")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"costs file {str(path)!r}: not valid JSON ({exc})") from exc
+    data = read_json(path, "costs file", hint)
     if isinstance(data, list) and data and all(isinstance(g, dict) and "fit" in g for g in data):
         data = {"groups": data}  # infer.report's summary.json is a list of groups
     if isinstance(data, dict) and "t_draft" not in data and "groups" in data:

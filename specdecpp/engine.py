@@ -18,9 +18,9 @@ from .rounds import (
     ExactRule,
     ModelRunner,
     Sequence,
-    check_generate_args,
     check_pair_devices,
     device_generator,
+    start_generate,
 )
 from .sampling import SamplingConfig
 
@@ -124,9 +124,7 @@ class SpeculativeDecoder:
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
-        check_generate_args(prompt_ids, max_new_tokens)
-        gen = device_generator(generator, self.device)
-        clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
+        gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
         seq = Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
         target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
@@ -202,7 +200,7 @@ class SpeculativeDecoder:
                                       for b, (s, k) in enumerate(zip(live, block.ks, strict=True))])[0]
                 peeks = [0] * len(rows)  # draft forwards a cascade's bonus token cost this row (0 or 1)
 
-                def peek(b, block=block, live=live):
+                def peek(b, block=block, live=live, peeks=peeks):
                     peeks[b] = 1
                     return drafter.peek(block, live, b)
 

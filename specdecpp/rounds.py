@@ -336,6 +336,14 @@ def device_generator(generator: torch.Generator | None, device: torch.device):
     return torch.Generator(device).manual_seed(seed)
 
 
+def start_generate(prompt_ids, max_new_tokens, generator: torch.Generator | None, device: torch.device,
+                   profile: bool) -> tuple[torch.Generator | None, Clock, Clock]:
+    """The opening of a one-generator ``generate``: the argument checks, the generator on the
+    models' device, the call's clock (synchronised) and the round marks (``sync=profile``)."""
+    check_generate_args(prompt_ids, max_new_tokens)
+    return device_generator(generator, device), Clock(device), Clock(device, sync=profile)
+
+
 def check_pair_devices(draft, target) -> torch.device:
     if draft.device != target.device:
         raise ValueError(f"draft is on {draft.device} but target on {target.device}; load them on one device")

@@ -36,9 +36,8 @@ from .reduced_vocab import output_vocab_size
 from .rounds import (
     Clock,
     ModelRunner,
-    check_generate_args,
     check_pair_devices,
-    device_generator,
+    start_generate,
 )
 from .rounds import Sequence as Committed
 from .sampling import SamplingConfig, sample, warp
@@ -297,9 +296,7 @@ class SequoiaDecoder:
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
-        check_generate_args(prompt_ids, max_new_tokens)
-        gen = device_generator(generator, self.device)
-        clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
+        gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
         seq = Committed(prompt_ids, max_new_tokens, eos_token_id, self.device)
         draft = ModelRunner(self.draft, self.vocab, want_hidden=False)
         target = ModelRunner(self.target, self.vocab, want_hidden=False)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .jsonfile import read_json
+
 SCHEMA = "specdecpp.tree/1"
 
 
@@ -190,12 +192,7 @@ class TokenTree:
     def load(cls, path: str | Path) -> TokenTree:
         """Read a tree file (the object :meth:`save` writes, or a plain list of parents)."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tree file {str(path)!r} not found (write one with `python -m infer.sequoia tree`)")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tree file {str(path)!r}: not valid JSON ({exc})") from None
+        data = read_json(path, "tree file", "write one with `python -m infer.sequoia tree`")
         return cls.from_dict(data, f"tree file {str(path)!r}")
 
     @classmethod
