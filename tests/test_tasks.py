@@ -183,6 +183,22 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
                     completion = "\n" + text if f"def {tasks.humaneval_problem(row['prompt_id'])['entry_point']}(" in text else text
                     assert row["task_score"] == independent_pass(row["prompt_id"], completion)
                     assert row["task_result"]
+    # rescoring written rows: a row whose output is a correct solution passes, a tampered score is restored
+    from infer.rescore import main as rescore_main
+
+    path = next((tmp_path / "humaneval" / "target_only").glob("*.jsonl"))
+    rows = read_rows(path)
+    problem = tasks.humaneval_problem(rows[0]["prompt_id"])
+    solution = "Sure:\n```python\n" + problem["prompt"] + problem["canonical_solution"] + "```\n"
+    rows[0]["output_ids"] = tok.encode(solution, add_special_tokens=False)
+    assert tok.decode(rows[0]["output_ids"], skip_special_tokens=True) == solution
+    expected = rows[1]["task_score"]
+    rows[1]["task_score"] = 1.0 - expected
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rescore_main([str(path.parent)])
+    rescored = read_rows(path)
+    assert [r["task_score"] for r in rescored] == [1.0, expected]
+    assert rescored[0]["task_result"] == "passed" and rescored[1]["output_ids"] == rows[1]["output_ids"]
     # the report: the mean per method, with its interval, under the prompt set's task
     rows = [{**r, "task_score": s} for r, s in zip(read_rows(next((tmp_path / "humaneval" / "cascade").glob("*.jsonl"))),
                                                    (1.0, 0.0), strict=True)]
@@ -196,3 +212,12 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
     assert entry["task_score_ci95"] == (0.0, 1.0)
     assert "| 0.500 [0.00, 1.00] |" in report["text"]
     assert "GSM8K exact match [95% CI]" in build_report(tmp_path / "math", tmp_path / "report_math")["text"]
+
+
+def test_bare_code_before_a_lone_closing_fence_is_found():
+    text = "def truncate_number(number):\n    return number % 1.0\n```\n\nThis function returns the decimals."
+    assert tasks.extract_code(text, "truncate_number") == "def truncate_number(number):\n    return number % 1.0\n"
+    assert tasks.humaneval_pass("HumanEval/2", text)["task_score"] == 1.0
+    prose = "truncate_number(3.5)\n```\n\nThis function returns the decimals."
+    assert tasks.extract_code(prose, "truncate_number") == "This function returns the decimals."
+    assert tasks.humaneval_pass("HumanEval/2", prose)["task_score"] == 0.0
