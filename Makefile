@@ -6,7 +6,7 @@
 # make bench-cascade: speculative cascades (LOSSY) on held-out prompts (bundled test, HumanEval): every rule over
 #   alphas beside target-only and fixed K, quality (target log-lik, greedy match, HumanEval pass@1) and tokens/s with
 #   intervals, and a head trained on the cascade's labels against fixed K and the exact-label reference head under the
-#   same cascade (docs/infer.md; resumable; about 30 minutes in bf16 on this 2-core CPU).
+#   same cascade (docs/infer.md; resumable; 58 minutes in bf16 on this 2-core CPU while shared with other jobs).
 # make reference-heads: rebuild demo/heads/ (data_gen on 230 prompts x 192 tokens, both kinds' 20-head sweeps, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.

@@ -141,6 +141,8 @@ def quality_plot(group: dict, path: Path) -> Path:
                 if not (key == "target_logprob_per_token" and group["greedy"])
                 and any(e.get(key) is not None for e in group["entries"])]
     fig, axes = plt.subplots(len(measures), 2, figsize=(12, 3.6 * len(measures)), squeeze=False)
+    lossy_labels = [label for label, items in series(group["entries"]).items() if items[0].get("lossy")]
+    lossy_color = {label: plt.cm.tab20(i % 20) for i, label in enumerate(lossy_labels)}  # one colour per series
     for row, (key, ylabel) in enumerate(measures):
         for ax, xkey, xlabel in ((axes[row][0], "tokens_per_s", "tokens/s (measured)"),
                                  (axes[row][1], "verification_rate", "target calls per token")):
@@ -151,7 +153,7 @@ def quality_plot(group: dict, path: Path) -> Path:
                 lossy = items[0].get("lossy")
                 color, marker = _style(label, items[0]["method"])
                 ax.plot([e[xkey] for e in items], [e[key] for e in items], marker=marker,
-                        color=color if not lossy else None, linestyle="-" if lossy else "none", label=label,
+                        color=lossy_color[label] if lossy else color, linestyle="-" if lossy else "none", label=label,
                         alpha=1.0 if lossy else 0.6)
                 if lossy:
                     for e in items:
