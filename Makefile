@@ -3,6 +3,10 @@
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
 #   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
+# make bench-cascade: speculative cascades (LOSSY) on held-out prompts (bundled test, HumanEval): every rule over
+#   alphas beside target-only and fixed K, quality (target log-lik, greedy match, HumanEval pass@1) and tokens/s with
+#   intervals, and a head trained on the cascade's labels against fixed K and the exact-label reference head under the
+#   same cascade (docs/infer.md; resumable; 58 minutes in bf16 on this 2-core CPU while shared with other jobs).
 # make reference-heads: rebuild demo/heads/ (data_gen on 230 prompts x 192 tokens, both kinds' 20-head sweeps, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
@@ -34,7 +38,8 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'~comparison.oracle'
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
-	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch reference-heads
+	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch reference-heads \
+	bench-cascade cascade-head
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -78,6 +83,7 @@ demo-clean:  # forget the demo's products (data_gen refuses changed sizes over a
 
 # -- the stop potential on held-out prompts, the benchmark, the reference heads -------------------
 comma := ,
+space := $(subst ,, )
 HELDOUT_PROMPTS ?= 40   # per prompt set (bundled test, HumanEval), labelled by data_gen
 HELDOUT_TOKENS ?= 96
 
@@ -141,6 +147,55 @@ bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, Spe
 
 bench: install bench-report bench-batch  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"
+
+# -- speculative cascades (LOSSY; docs/infer.md, "Speculative cascades") --------------------------------------
+CASCADE_PROMPTS ?= 8          # per prompt set (bundled test, HumanEval test), decoded by every method
+CASCADE_TOKENS ?= 64
+CASCADE_THREADS ?= 1
+CASCADE_K ?= 3                # the fixed K of every rule's alpha grid
+CASCADE_HEAD_RULE ?= opt      # the cascade a head is trained for, and under which stop policies are compared
+CASCADE_HEAD_ALPHA ?= 0.2
+CASCADE_LABEL_TRAIN ?= 40     # bundled train / dev prompts labelled under that cascade
+CASCADE_LABEL_DEV ?= 8
+CASCADE_LABEL_TOKENS ?= 96
+CASCADE_REF_HEAD ?= demo/heads/next_wrej1_d1   # the best exact-label reference head (lag-free, demo/heads/selection.json)
+CASCADE_EXPERIMENT ?= wrej1_d1                 # ... trained again, same kind and settings, on the cascade's labels
+CASCADE_HEAD_THRESHOLDS ?= 0.4,0.6
+cascade_rule := $(strip $(CASCADE_HEAD_RULE))
+cascade_alpha := $(strip $(CASCADE_HEAD_ALPHA))
+CASCADE_DATA := data/cascade/$(cascade_rule)_a$(cascade_alpha)
+CASCADE_HEAD := heads/cascade/$(cascade_rule)_a$(cascade_alpha)_next_$(strip $(CASCADE_EXPERIMENT))
+cascade_k := $(strip $(CASCADE_K))
+cascade_other_k := $(subst $(space),$(comma),$(filter-out $(cascade_k),1 2 3 4))
+cascade_heads := $(strip $(CASCADE_HEAD_THRESHOLDS))
+# every rule over alphas at K = CASCADE_K; the cascade's other K; the cascade-label head; the exact-label reference head
+CASCADE_GRID := {rule:chow,alpha:[0.2,0.4,0.6,0.8],k:$(cascade_k)},{rule:diff,alpha:[0.02,0.05,0.1,0.2],k:$(cascade_k)}
+CASCADE_GRID := $(CASCADE_GRID),{rule:opt,alpha:[0.02,0.05,0.2,0.5],k:$(cascade_k)},{rule:token_v3,alpha:[0.2,0.5,0.8,0.95],k:$(cascade_k)}
+CASCADE_GRID := $(CASCADE_GRID),{rule:$(cascade_rule),alpha:$(cascade_alpha),k:[$(cascade_other_k)]}
+CASCADE_GRID := $(CASCADE_GRID),{rule:$(cascade_rule),alpha:$(cascade_alpha),stop:specdecpp,head:$(CASCADE_HEAD),threshold:[$(cascade_heads)]}
+CASCADE_GRID := $(CASCADE_GRID),{rule:$(cascade_rule),alpha:$(cascade_alpha),stop:specdecpp,head:$(strip $(CASCADE_REF_HEAD)),threshold:[$(cascade_heads)],allow_label_mismatch:true}
+CASCADE_COMPARISON := 'comparison.fixed_k.k=[1,$(cascade_k)]' '~comparison.svip' '~comparison.specdecpp' \
+	'~comparison.hf_assisted' '~comparison.oracle' '+comparison.cascade=[$(CASCADE_GRID)]'
+
+cascade-head: demo-pair  # data_gen under the cascade's labels, then the reference head's experiment on them (resumable)
+	$(PYTHON) -m data_gen pair=demo prompts=bundled 'splits=[train,dev]' \
+		'limit={train: $(strip $(CASCADE_LABEL_TRAIN)), dev: $(strip $(CASCADE_LABEL_DEV))}' \
+		max_new_tokens=$(strip $(CASCADE_LABEL_TOKENS)) 'labels.cascade={rule: $(cascade_rule), alpha: $(cascade_alpha)}' \
+		num_threads=$(strip $(CASCADE_THREADS)) out=$(CASCADE_DATA)
+	test -f $(CASCADE_HEAD)/config.json || OMP_NUM_THREADS=$(strip $(CASCADE_THREADS)) $(PYTHON) -m train head=next \
+		+experiment=$(strip $(CASCADE_EXPERIMENT)) pair=demo data.path=$(CASCADE_DATA) out=$(CASCADE_HEAD) \
+		trainer=cpu logger=none optimizer.lr=3e-3 data.batch_size=8 trainer.max_epochs=12
+
+bench-cascade: demo-pair cascade-head
+	for set in bundled humaneval; do \
+		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(CASCADE_PROMPTS)) \
+			max_new_tokens=$(strip $(CASCADE_TOKENS)) num_threads=$(strip $(CASCADE_THREADS)) interleave=true \
+			'out=results/cascade/$${prompts.name}/$${method.name}' $(CASCADE_COMPARISON) || exit 1; \
+	done
+	$(PYTHON) -m infer.report results/cascade --out reports/cascade
+	$(PYTHON) scripts/cascade_tables.py reports/cascade/summary.json --k $(cascade_k) --rule $(cascade_rule) \
+		--alpha $(cascade_alpha) --out reports/cascade/tables.md
+	@echo "tables in reports/cascade/tables.md, full report and quality_*.png plots in reports/cascade/"
 
 reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on this 2-core CPU)
 	$(PYTHON) scripts/build_reference_heads.py

@@ -22,6 +22,7 @@ from specdecpp.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.quality import target_quality
 from specdecpp.reduced_vocab import output_vocab_size
 from specdecpp.sampling import SamplingConfig
+from specdecpp.tasks import score_output
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
@@ -134,11 +135,18 @@ def load_models(pair: dict):
     return _LOADED[key]
 
 
+def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> dict:
+    """The output's task score (specdecpp.tasks, untimed): HumanEval pass@1 by execution, GSM8K
+    exact match; ``task`` None for prompts without a task."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text)
+
+
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
     """One result row. ``lossy``: the method's output does not follow the target's distribution
-    (a cascade); ``quality`` (specdecpp.quality.target_quality, untimed) is recorded for every
-    method, so the exact ones are the reference point of the lossy ones."""
+    (a cascade); ``quality`` (specdecpp.quality.target_quality and the task score, untimed) is
+    recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
@@ -177,7 +185,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
             if runner.timed and job.todo:
                 runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
     if any(job.batch_size > 1 for job in jobs):
-        return execute_batched(jobs, runners, writers, order, encoded, eos, target)
+        return execute_batched(jobs, runners, writers, order, encoded, eos, target, tokenizer)
     todo = [{q.id for q in job.todo} for job in jobs]
     total = sum(len(t) for t in todo)
     desc = f"{jobs[0].spec.name} {jobs[0].spec.tag}" if len(jobs) == 1 else f"{len(jobs)} methods, interleaved"
@@ -189,6 +197,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
                 output_ids, stats, extra = runner.generate(ids, job.max_new_tokens,
                                                            prompt_seed(job.run_keys["seed"], pid), eos)
                 quality = target_quality(target, ids, output_ids, job.sampling, output_vocab_size(target))
+                quality.update(task_score(job, order[pid], output_ids, tokenizer))
                 writer.append(make_row(job, order[pid], ids.shape[1], output_ids, stats, extra, runner.timed,
                                        target.device, target.dtype, quality))
                 bar.update(1)
@@ -200,7 +209,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
 CALL_SLOTS = 4
 
 
-def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target) -> list[dict]:
+def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target,
+                    tokenizer) -> list[dict]:
     """:func:`execute` for ``batch_size`` > 1: each job decodes ``CALL_SLOTS * batch_size`` prompts
     per ``generate_batch`` call, every job a call's prompts before the next call's (paired in time).
     Each row records its batch: ``batch_size``, ``batch_id`` (the call), ``batch_wall_time_s``
@@ -227,7 +237,8 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                 for pid, (output_ids, stats, extra) in zip(mine, outs, strict=True):
                     quality = target_quality(target, encoded[pid], output_ids, job.sampling, output_vocab_size(target))
                     row = make_row(job, order[pid], encoded[pid].shape[1], output_ids, stats, extra, runner.timed,
-                                   target.device, target.dtype, quality)
+                                   target.device, target.dtype,
+                                   {**quality, **task_score(job, order[pid], output_ids, tokenizer)})
                     writer.append({**row, "batch_id": batch_id, "batch_wall_time_s": wall})
                 bar.update(len(mine))
     return [summarize(job) for job in jobs]

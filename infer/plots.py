@@ -36,7 +36,11 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
         elif e["method"] == "pearl" and rest.get("stop"):
             label += f" +{rest['stop']} h={rest.get('threshold'):g}"
         elif e["method"] == "cascade":
-            label = f"cascade {rest['rule']} +{rest['stop']} (lossy)"
+            policy = rest["policy"]
+            stop = (f"k={policy['k']}" if rest["stop"] == "fixed_k" else
+                    f"{Path(str(rest['head'])).name} h={policy['threshold']:g}" if rest["stop"] == "specdecpp" else
+                    f"svip h={policy['threshold']:g}")
+            label = f"cascade {rest['rule']} {stop} (lossy)"
         elif e["method"] == "svip" and (rest.get("c"), rest.get("max_candidates")) != (0.15, 40):
             label += f" c={rest.get('c'):g} max={rest.get('max_candidates')}"
         out[label].append(e)
@@ -120,32 +124,47 @@ def throughput_plot(group: dict, path: Path) -> Path:
     return path
 
 
+QUALITY_MEASURES = (("target_logprob_per_token", "target log-lik / token"),
+                    ("greedy_match", "greedy match"), ("task_score", None))
+TASK_AXIS = {"humaneval": "HumanEval pass@1", "gsm8k": "GSM8K exact match"}
+
+
 def quality_plot(group: dict, path: Path) -> Path:
-    """Lossy methods (cascades, one line per rule over alpha) against the exact ones: the target's
-    mean log-likelihood per token (greedy: the share of tokens equal to the target's greedy choice)
-    against tokens/s and against target calls per token. Exact methods are the reference points."""
-    key, ylabel = (("greedy_match", "tokens equal to the target's greedy choice") if group["greedy"] else
-                   ("target_logprob_per_token", "target log-likelihood per token"))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, xkey, xlabel in ((axes[0], "tokens_per_s", "tokens/s (measured)"),
-                             (axes[1], "verification_rate", "target calls per token")):
-        for label, items in series(group["entries"]).items():
-            items = [e for e in items if e.get(key) is not None and e.get(xkey) is not None]
-            if not items:
-                continue
-            lossy = items[0].get("lossy")
-            color, marker = _style(label, items[0]["method"])
-            ax.plot([e[xkey] for e in items], [e[key] for e in items], marker=marker, color=color if not lossy else None,
-                    linestyle="-" if lossy else "none", label=label, alpha=1.0 if lossy else 0.6)
-            if lossy:
-                for e in items:
-                    ax.annotate(f"α={e['settings']['alpha']:g}", (e[xkey], e[key]), fontsize=7,
-                                textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"Quality against speed: lossy cascades beside the exact methods ({group['sampling']})")
+    """Lossy methods (cascades, one line per rule over alpha) against the exact ones: one row per
+    quality measure (the target's mean log-likelihood per token, except under greedy decoding where
+    it is not the sampled distribution's; the share of tokens equal to the target's greedy choice;
+    the task score where the prompts have one) against tokens/s and against target calls per token.
+    Exact methods are the reference points."""
+    tasks = {e.get("task") for e in group["entries"]} - {None}
+    measures = [(key, label if key != "task_score" else TASK_AXIS.get(next(iter(tasks)), "task score"))
+                for key, label in QUALITY_MEASURES
+                if not (key == "target_logprob_per_token" and group["greedy"])
+                and any(e.get(key) is not None for e in group["entries"])]
+    fig, axes = plt.subplots(len(measures), 2, figsize=(12, 3.6 * len(measures)), squeeze=False)
+    lossy_labels = [label for label, items in series(group["entries"]).items() if items[0].get("lossy")]
+    lossy_color = {label: plt.cm.tab20(i % 20) for i, label in enumerate(lossy_labels)}  # one colour per series
+    for row, (key, ylabel) in enumerate(measures):
+        for ax, xkey, xlabel in ((axes[row][0], "tokens_per_s", "tokens/s (measured)"),
+                                 (axes[row][1], "verification_rate", "target calls per token")):
+            for label, items in series(group["entries"]).items():
+                items = [e for e in items if e.get(key) is not None and e.get(xkey) is not None]
+                if not items:
+                    continue
+                lossy = items[0].get("lossy")
+                color, marker = _style(label, items[0]["method"])
+                ax.plot([e[xkey] for e in items], [e[key] for e in items], marker=marker,
+                        color=lossy_color[label] if lossy else color, linestyle="-" if lossy else "none", label=label,
+                        alpha=1.0 if lossy else 0.6)
+                if lossy:
+                    for e in items:
+                        ax.annotate(f"α={e['settings']['alpha']:g}", (e[xkey], e[key]), fontsize=7,
+                                    textcoords="offset points", xytext=(3, 3))
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Quality against speed: lossy cascades beside the exact methods "
+                 f"({group['prompts']}, {group['sampling']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -23,12 +23,30 @@ COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq
            "discard rate", "verification rate", "target log-lik/token", "greedy match")
 
 
+TASK_LABELS = {"humaneval": "HumanEval pass@1", "gsm8k": "GSM8K exact match"}
+
+
+def group_task(group: dict) -> str | None:
+    """The task the group's rows are scored by (one prompt set: one task), or None."""
+    tasks = {e.get("task") for e in group["entries"]} - {None}
+    return tasks.pop() if len(tasks) == 1 else None
+
+
+def _task_cell(e: dict) -> str:
+    if e.get("task_score") is None:
+        return "-"
+    ci = e.get("task_score_ci95")
+    return f"{e['task_score']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
 def _f(x, digits: int = 2, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
 
 def group_table(group: dict) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    task = group_task(group)
+    columns = COLUMNS + ((f"{TASK_LABELS[task]} [95% CI]",) if task else ())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for e in group["entries"]:
         speedup = (_f(e["speedup"], suffix="x") if e["timed"]
                    else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
@@ -42,6 +60,7 @@ def group_table(group: dict) -> str:
             _f(None if e.get("both_busy_share") is None else 100 * e["both_busy_share"], 1, "%"),
             _f(e["mean_accept_length"]), _f(e["discard_rate"], 3), _f(e["verification_rate"], 3),
             _f(e.get("target_logprob_per_token"), 3), _f(e.get("greedy_match"), 3),
+            *((_task_cell(e),) if task else ()),
         ]) + " |")
     return "\n".join(lines)
 
@@ -137,7 +156,10 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "the target's distribution, so its speed is only comparable at its quality: target log-lik/token = "
         "mean log-probability of the output under the target's warped distribution (greedy: its raw "
         "softmax), greedy match = share of output tokens equal to the target's argmax at their position "
-        "(specdecpp/quality.py); the exact methods' values are the reference.\n")
+        "(specdecpp/quality.py); the exact methods' values are the reference. Task scores (specdecpp/tasks.py, "
+        "every method): HumanEval pass@1 = share of problems whose output passes the problem's tests when "
+        "executed (one sample each), GSM8K exact match = share of outputs whose last number is the reference "
+        "answer; with a 95% bootstrap interval over prompts.\n")
     report = "\n".join(sections)
     (out / "report.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")

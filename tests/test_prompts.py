@@ -232,7 +232,7 @@ def test_gsm8k_from_a_local_copy(offline, tmp_path):
         for i in range(3):
             fh.write(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n")
     prompts = load_prompts("gsm8k", "test", path=tmp_path)
-    assert prompts == [Prompt(f"gsm8k-test-{i}", f"What is {i} + {i}?") for i in range(3)]
+    assert prompts == [Prompt(f"gsm8k-test-{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(3)]
 
 
 # ---------------------------------------------------------------- configs and encoding
