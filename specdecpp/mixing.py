@@ -88,7 +88,8 @@ def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: d
     [n, H] (the draft's logits recomputed from them by its output layer)."""
     logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
     return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
-                               float(spec["temperature"]), tuple(spec["features"]))
+                               float(spec["temperature"]), tuple(spec["features"]),
+                               **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}))
 
 
 @torch.no_grad()

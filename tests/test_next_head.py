@@ -27,7 +27,7 @@ from specdecpp import (
     load_pair,
 )
 from specdecpp import potential as pt
-from specdecpp.head import NEXT_FEATURES, next_token_features
+from specdecpp.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
 from specdecpp.loading import load_model
 from specdecpp.mixing import lag_free_features, mixed_features, mixing_mask
 from train import run
@@ -154,15 +154,18 @@ def test_lag_free_head_stops_where_the_rule_says():
         assert out.stats.candidate_lengths[0] == expected_k == out.stats.accept_lengths[0]
 
 
-def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path):
+@pytest.mark.parametrize("features, top_m", [(NEXT_FEATURES, None), (ALL_NEXT_FEATURES, 5)],
+                         ids=["default", "every-feature"])
+def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path, features, top_m):
     """A spy head records the features the engine builds for every candidate; for each candidate
     that was committed, train's features of the generated sequence (raw rows and the feature
-    cache) hold the same vector at the same position."""
+    cache) hold the same vector at the same position. Every feature a head can ask for is covered
+    (``every-feature``: the optional ones too)."""
     draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
 
     class Spy(NextTokenHead):
         def __init__(self):
-            super().__init__(32, depth=1)
+            super().__init__(32, depth=1, features=features, **({"top_m": top_m} if top_m else {}))
             self.calls = []
 
         def score(self, hidden, logits, token):
@@ -191,7 +194,8 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
                                "p_acc": [[1.0] * len(response)]})
     cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
                               feature_size=spy.feature_size).row(0)
-    assert raw.shape == cached.shape == (len(response), 2 * 32 + 3)
+    width = 2 * 32 + 3 + (top_m or 0)
+    assert raw.shape == cached.shape == (len(response), width) and spy.feature_size == width
 
     checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
     for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
@@ -220,6 +224,45 @@ def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
     torch.testing.assert_close(lag_free_features(draft, hidden, tokens, spec), expected)
     q = torch.softmax(out.logits[0, :-1], -1).gather(-1, tokens[:, None])
     torch.testing.assert_close(expected[:, 64:65], q)  # hidden (32) + embedding (32), then prob
+
+
+def test_topm_feature_is_the_sorted_top_probabilities_of_q():
+    """``topm``: the m largest probabilities of softmax(logits / T), largest first, recomputed
+    here with numpy from the logits."""
+    g = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(6, 8, generator=g), 3 * torch.randn(6, 40, generator=g)
+    tokens = torch.randint(0, 40, (6,), generator=g)
+    got = next_token_features(hidden, logits, tokens, None, 0.7, ("topm", "prob"), top_m=4)
+    z = logits.double().numpy() / 0.7
+    q = np.exp(z - z.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    expected = -np.sort(-q, axis=-1)[:, :4]
+    np.testing.assert_allclose(got[:, :4].numpy(), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[:, 4].numpy(), q[np.arange(6), tokens.numpy()], rtol=1e-5, atol=1e-7)
+    assert (got[:, 0] >= got[:, 4] - 1e-7).all()  # the chosen token is never above the top one
+
+
+def test_optional_features_round_trip_and_old_configs_load_with_todays_features(tmp_path):
+    head = NextTokenHead(16, 1, features=("prob", "entropy", "topm"), top_m=3, temperature=0.8)
+    assert head.feature_size == 1 + 1 + 3 and head.feature_spec()["top_m"] == 3
+    head.save_pretrained(tmp_path / "h")
+    loaded = load_head(tmp_path / "h")
+    assert loaded.features == ("prob", "entropy", "topm") and loaded.top_m == 3 and loaded.feature_size == 5
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(loaded(x), head(x))
+    # a head saved before optional features existed: no top_m in its config, today's five features
+    default = NextTokenHead(16, 1)
+    assert "top_m" not in default.feature_spec()
+    default.save_pretrained(tmp_path / "old")
+    cfg = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert "top_m" not in cfg and cfg["features"] == list(NEXT_FEATURES)
+    del cfg["features"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
+    assert load_head(tmp_path / "old").features == NEXT_FEATURES
+    with pytest.raises(ValueError, match="top_m"):
+        NextTokenHead(16, 1, features=("topm",), top_m=0)
+    with pytest.raises(ValueError, match="topm"):
+        NextTokenHead(16, 1, features=("hidden", "nonsense"))
 
 
 # -- persistence and kinds ----------------------------------------------------------------------------

@@ -114,8 +114,9 @@ def make_head(head_cfg: DictConfig, hidden_size: int, draft_ref: str, meta: dict
     if kind == "resnet":
         return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref)
     temperature = float((meta.get("sampling") or {}).get("temperature", 1.0))
+    extra = {"top_m": int(head_cfg.top_m)} if head_cfg.get("top_m") is not None else {}
     return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref,
-                      features=tuple(head_cfg.features), temperature=temperature)
+                      features=tuple(head_cfg.features), temperature=temperature, **extra)
 
 
 def validation_split(splits, data: DictConfig):
