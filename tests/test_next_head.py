@@ -323,6 +323,56 @@ def test_train_head_next_learns_labels_that_depend_on_q(tiny_pair, tmp_path):
     assert json.loads((Path(cfg.out) / "config.json").read_text())["training"]["head_kind"] == "next"
 
 
+def test_target_context_features_are_the_states_that_drew_each_candidate(tiny_pair, tmp_path):
+    """``data.feature_context=target``: position i's feature comes from the draft's own forward
+    over x, X_<i (recomputed here one prefix at a time) and the candidate Y_i, every position
+    carries a loss, raw and cached features agree, and the paper's head is refused."""
+    draft = load_model(tiny_pair.draft, "cpu")
+    rows = random_rows(3, tiny_pair.vocab, 5)
+    batch = [{"row": j, **{c: torch.tensor(rows[c][j]) for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
+             for j in range(3)]
+    spec = {**NextTokenHead(32, features=ALL_NEXT_FEATURES, top_m=4).feature_spec(), "context": "target"}
+    feats, labels = mixed_features(draft, batch, 0.15, 0, 0, spec)
+    emb = draft.get_input_embeddings()
+    for r, f, lab in zip(batch, feats, labels, strict=True):
+        n = len(r["target_ids"])
+        assert f.shape[0] == n and torch.equal(lab, r["p_acc"].float())
+        for i in range(n):
+            ids = torch.cat([r["prompt_ids"], r["target_ids"][:i]])[None]
+            with torch.no_grad():
+                out = draft(ids, output_hidden_states=True)
+            expected = next_token_features(out.hidden_states[-1][0, -1], out.logits[0, -1], r["draft_ids"][i], emb,
+                                           1.0, ALL_NEXT_FEATURES, top_m=4)
+            torch.testing.assert_close(f[i], expected, atol=1e-4, rtol=1e-4)
+    split = Dataset.from_dict({c: rows[c] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")})
+    cache = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 0, spec=spec,
+                          feature_size=f.shape[1])
+    for j in range(3):
+        cached, cached_labels = cache.row(j)
+        torch.testing.assert_close(cached, feats[j], atol=1e-5, rtol=1e-5)
+        assert torch.equal(cached_labels, labels[j])
+    with pytest.raises(ValueError, match="feature_context=target needs the lag-free head"):
+        mixed_features(draft, batch, 0.15, 0, 0, {"kind": "resnet", "context": "target"})
+    with pytest.raises(ValueError, match="feature_context must be one of"):
+        mixed_features(draft, batch, 0.15, 0, 0, {**spec, "context": "nonsense"})
+
+
+def test_train_in_the_target_context_records_it_and_refuses_the_paper_head(tiny_pair, tmp_path):
+    draft = load_model(tiny_pair.draft, "cpu")
+    splits = {"train": random_rows(24, tiny_pair.vocab, 31), "dev": random_rows(8, tiny_pair.vocab, 32)}
+    data = save_dataset(tmp_path / "data", splits, tiny_pair.draft, 32, tiny_pair.vocab)
+    common = [*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"), "trainer.max_epochs=1",
+              "data.feature_context=target"]
+    with pytest.raises(ValueError, match="needs the lag-free head"):
+        run(train_cfg([*common, "+experiment=wrej1_d1"]))
+    result = run(train_cfg([*common, "head=next", "+experiment=wrej1_d1"]))
+    config = json.loads((Path(result["out"]) / "config.json").read_text())
+    assert config["training"]["feature_context"] == "target"
+    n_tokens = sum(len(t) for t in splits["dev"]["target_ids"])
+    assert result["metrics"]["dev"]["positions"] == n_tokens  # every position, not only the mixing's Y-positions
+    del draft
+
+
 # -- the potential analysis -----------------------------------------------------------------------------
 def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
     rng = np.random.default_rng(0)
