@@ -374,6 +374,30 @@ def test_train_in_the_target_context_records_it_and_refuses_the_paper_head(tiny_
 
 
 # -- the potential analysis -----------------------------------------------------------------------------
+def test_potential_scores_lag_free_heads_in_the_target_context(tiny_pair, tmp_path):
+    """``infer.potential --head-context target``: a lag-free head's P_hat at position i is the head
+    applied to the features of the draft's forward over x, X_<i (recomputed prefix by prefix)."""
+    from infer.potential import heads_predictions
+
+    draft = load_model(tiny_pair.draft, "cpu")
+    head = random_next_head(32, 1, seed=4)
+    head.save_pretrained(tmp_path / "h")
+    rows = random_rows(2, tiny_pair.vocab, 9)
+    raw = [{"row": j, **{c: rows[c][j] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}} for j in range(2)]
+    (preds,) = heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="target")
+    head.attach(draft)
+    for r, p in zip(raw, preds, strict=True):
+        for i in range(len(r["target_ids"])):
+            with torch.no_grad():
+                out = draft(torch.tensor([r["prompt_ids"] + r["target_ids"][:i]]), output_hidden_states=True)
+                expected = torch.sigmoid(head.score(out.hidden_states[-1][0, -1], out.logits[0, -1],
+                                                    torch.tensor(r["draft_ids"][i])))
+            assert abs(p[i] - float(expected)) < 1e-4
+    with pytest.raises(ValueError, match="head-context"):
+        heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="elsewhere")
+
+
+
 def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
     rng = np.random.default_rng(0)
     rows = []
