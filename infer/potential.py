@@ -64,6 +64,22 @@ def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> 
 HEAD_CONTEXTS = ("mixed", "target")
 
 
+def head_labels(heads) -> list[str]:
+    """Each head directory's name in the tables: its last path component, or as many trailing
+    components as it takes to tell heads of the same name apart (heads/a/next_wrej1_d1 and
+    heads/b/next_wrej1_d1 -> a/next_wrej1_d1, b/next_wrej1_d1)."""
+    parts = [Path(h).resolve().parts for h in heads]
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"--head lists one head directory twice: {[str(h) for h in heads]}")
+    labels = []
+    for p in parts:
+        n = 1
+        while sum(q[-n:] == p[-n:] for q in parts) > 1:
+            n += 1
+        labels.append("/".join(p[-n:]))
+    return labels
+
+
 def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
                       mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8,
                       context: str = "mixed") -> list[list[np.ndarray]]:
@@ -236,12 +252,12 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     rows, meta, raw = dataset_rows(data_dir, split, limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
-    head_names = [Path(h).name for h in heads]
+    head_names = head_labels(heads)
     for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
     from specdecpp.head import load_head
-    lags = {Path(h).name: load_head(h).lag for h in heads}  # the paper's head 1, the lag-free head 0
+    lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
     pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))

@@ -454,3 +454,13 @@ def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
     build_report(tmp_path / "res", tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
     assert "free_h0.5" in text and "paper_h0.5" in text
+
+
+def test_potential_tells_heads_of_the_same_name_apart(tmp_path):
+    from infer.potential import head_labels
+
+    a, b, c = tmp_path / "x" / "next_wrej1_d1", tmp_path / "y" / "next_wrej1_d1", tmp_path / "y" / "wrej1_d0"
+    assert head_labels([a, b, c]) == ["x/next_wrej1_d1", "y/next_wrej1_d1", "wrej1_d0"]
+    assert head_labels([c]) == ["wrej1_d0"]
+    with pytest.raises(ValueError, match="twice"):
+        head_labels([a, a])
