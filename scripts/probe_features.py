@@ -21,6 +21,8 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
   that forward's last state produced p for the token the round starts after; a round's k-th
   candidate is k positions away). d = 0 is the state that produced p_i itself: no engine has it
   before verifying, it is the control that shows the probe learns when the information is there;
+- ``tnum@d``: the entropy and the 8 largest probabilities of the target's distribution at the
+  ``target@d`` state (the engine has these logits from the last verification for d >= 1);
 - ``history``: the labels P_{i-1} and P_{i-2} themselves (with indicators at the response start):
   an upper bound on what the outcomes of earlier rounds could tell (the engine sees only their
   Bernoulli outcomes, and none for the candidates of the current round).
@@ -49,6 +51,7 @@ from specdecpp.head_metrics import binary_kl, calibration_bins, expected_calibra
 from specdecpp.loading import load_model  # noqa: E402
 from specdecpp.loss import weighted_bce  # noqa: E402
 from specdecpp.mixing import draft_features, lag_free_features  # noqa: E402
+from specdecpp.sampling import SamplingConfig  # noqa: E402
 
 DRAFT_SPEC = {"kind": "next", "features": ["hidden", "embedding", "prob", "logprob", "entropy", "topm"],
               "temperature": 1.0, "top_m": 8}
@@ -58,17 +61,24 @@ FEATURE_SETS = {  # name -> the blocks concatenated
     "today's lag-free head (hidden, embedding, q numbers)": ["hidden", "embedding", "q"],
     "today's + topm": ["hidden", "embedding", "q", "topm"],
     "today's + topm + history (P_{i-1}, P_{i-2})": ["hidden", "embedding", "q", "topm", "history"],
-    "today's + topm + target@2": ["hidden", "embedding", "q", "topm", "target@2"],
-    "today's + topm + target@1": ["hidden", "embedding", "q", "topm", "target@1"],
-    "today's + topm + target@1 + history": ["hidden", "embedding", "q", "topm", "target@1", "history"],
+    "today's + topm + tnum@1 (entropy, top-8 of p one position back)": ["hidden", "embedding", "q", "topm", "tnum@1"],
+    "today's + topm + target@2 + tnum@2": ["hidden", "embedding", "q", "topm", "target@2", "tnum@2"],
+    "today's + topm + target@1 + tnum@1": ["hidden", "embedding", "q", "topm", "target@1", "tnum@1"],
+    "today's + topm + target@1 + tnum@1 + history": ["hidden", "embedding", "q", "topm", "target@1", "tnum@1",
+                                                     "history"],
     "control: today's + target@0 (not visible to any engine)": ["hidden", "embedding", "q", "topm", "target@0"],
 }
 
 
-def blocks_of(rows, draft, target, hidden_size: int, batch: int = 8) -> dict[str, np.ndarray]:
-    """Every feature block for every position of ``rows`` (dicts of one split), in row order."""
+def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int = 8) -> dict[str, np.ndarray]:
+    """Every feature block for every position of ``rows`` (dicts of one split), in row order.
+    With ``sampling`` (the dataset's), ``recomputed`` holds min(1, p/q) of Y_i from the warped
+    target logits of the ``target@0`` state and the draft's of ``hidden``: it must equal the label
+    (the check that the states sit where the docstring says)."""
+    from specdecpp.sampling import warp
+
     out = {k: [] for k in ("hidden", "embedding", "q", "topm", "target@0", "target@1", "target@2", "history",
-                           "labels", "row_len")}
+                           "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
     h = hidden_size
     for a in range(0, len(rows), batch):
         chunk = rows[a : a + batch]
@@ -85,9 +95,21 @@ def blocks_of(rows, draft, target, hidden_size: int, batch: int = 8) -> dict[str
             out["embedding"].append(f[:, h : 2 * h])
             out["q"].append(f[:, 2 * h : 2 * h + 3])
             out["topm"].append(f[:, 2 * h + 3 :])
-            t = t.float()
             for d_ in range(3):
-                out[f"target@{d_}"].append(t[d_ * n : (d_ + 1) * n])
+                out[f"target@{d_}"].append(t[d_ * n : (d_ + 1) * n].float())
+            with torch.no_grad():  # the shape of p at the stale states (the verification's logits)
+                for d_ in (1, 2):
+                    logp = torch.log_softmax(target.get_output_embeddings()(t[d_ * n : (d_ + 1) * n].to(target.dtype))
+                                             .float() / DRAFT_SPEC["temperature"], -1)
+                    top = logp.topk(8, dim=-1).values.exp()
+                    ent = -(logp.exp() * logp).nansum(-1, keepdim=True)
+                    out[f"tnum@{d_}"].append(torch.cat([ent, top], -1))
+            t = t.float()
+            if sampling is not None:
+                with torch.no_grad():
+                    q_y = warp(draft.get_output_embeddings()(d.to(draft.dtype)), sampling).gather(-1, y[:, None])
+                    p_y = warp(target.get_output_embeddings()(t[:n].to(target.dtype)), sampling).gather(-1, y[:, None])
+                out["recomputed"].append((p_y / q_y.clamp_min(1e-30)).clamp_max(1.0).squeeze(-1).float())
             p = torch.as_tensor(r["p_acc"]).float()
             prev1 = torch.cat([torch.zeros(1), p[:-1]])
             prev2 = torch.cat([torch.zeros(2), p[:-2]])[:n]
@@ -95,7 +117,7 @@ def blocks_of(rows, draft, target, hidden_size: int, batch: int = 8) -> dict[str
             out["history"].append(torch.stack([prev1, prev2, (idx >= 1).float(), (idx >= 2).float()], -1))
             out["labels"].append(p)
             out["row_len"].append(torch.tensor([n]))
-    return {k: torch.cat(v).numpy() for k, v in out.items()}
+    return {k: torch.cat(v).numpy() for k, v in out.items() if v}
 
 
 class Probe(torch.nn.Module):
@@ -212,13 +234,21 @@ def main() -> None:
     draft = load_model(meta["draft"], device="cpu", dtype=meta.get("dtype", "float32"))
     target = load_model(meta["target"], device="cpu", dtype=meta.get("dtype", "float32"))
     size = int(draft.config.hidden_size)
+    sampling = SamplingConfig(**meta["sampling"])
     t0 = time.perf_counter()
-    data = {name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft, target, size)
+    data = {name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft, target, size,
+                            sampling if name == "dev" else None)
             for name in ("train", "dev")}
     for spec in args.eval:
         directory, _, split = spec.rpartition(":")
         ev, _ = load_labelled(directory)
         data[spec] = blocks_of([ev[split][i] for i in range(len(ev[split]))], draft, target, size)
+    diff = np.abs(data["dev"]["recomputed"] - data["dev"]["labels"])
+    print(f"index check on dev: |min(1, p/q) from target@0 and hidden - P| mean {diff.mean():.4f}, "
+          f"median {np.median(diff):.4f}, corr {np.corrcoef(data['dev']['recomputed'], data['dev']['labels'])[0, 1]:.4f}",
+          flush=True)
+    if np.corrcoef(data["dev"]["recomputed"], data["dev"]["labels"])[0, 1] < 0.9:
+        raise SystemExit("probe_features: the recomputed labels do not match the dataset's: the states are misplaced")
     print(f"features in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {len(v['labels'])}" for k, v in data.items()),
           flush=True)
     sets = {k: v for k, v in FEATURE_SETS.items() if not args.sets or any(k.startswith(s) for s in args.sets)}
