@@ -97,7 +97,13 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
 
     from specdecpp.head import load_head
     from specdecpp.loading import load_model
-    from specdecpp.mixing import draft_features, lag_free_features, mixed_example, mixing_mask, target_context_features
+    from specdecpp.mixing import (
+        draft_features,
+        lag_free_features,
+        mixed_example,
+        mixing_mask,
+        target_context_features,
+    )
 
     if context not in HEAD_CONTEXTS:
         raise ValueError(f"--head-context must be one of {list(HEAD_CONTEXTS)}, got {context!r}")

@@ -47,7 +47,12 @@ sys.path.insert(0, str(REPO))
 from specdecpp import potential as pt  # noqa: E402
 from specdecpp.costmodel import Costs, load_costs  # noqa: E402
 from specdecpp.dataset import load_labelled  # noqa: E402
-from specdecpp.head_metrics import binary_kl, calibration_bins, expected_calibration_error, rejection_auroc  # noqa: E402
+from specdecpp.head_metrics import (  # noqa: E402
+    binary_kl,
+    calibration_bins,
+    expected_calibration_error,
+    rejection_auroc,
+)
 from specdecpp.loading import load_model  # noqa: E402
 from specdecpp.loss import weighted_bce  # noqa: E402
 from specdecpp.mixing import draft_features, lag_free_features  # noqa: E402
