@@ -158,8 +158,8 @@ def test_lag_free_head_stops_where_the_rule_says():
                          ids=["default", "every-feature"])
 def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path, features, top_m):
     """A spy head records the features the engine builds for every candidate; for each candidate
-    that was committed, train's features of the generated sequence (raw rows and the feature
-    cache) hold the same vector at the same position. Every feature a head can ask for is covered
+    that was committed, train's features of the generated sequence (raw rows, the feature cache
+    and the target context) hold the same vector at the same position. Every feature a head can ask for is covered
     (``every-feature``: the optional ones too)."""
     draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
 
@@ -194,8 +194,9 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
                                "p_acc": [[1.0] * len(response)]})
     cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
                               feature_size=spy.feature_size).row(0)
+    (in_target_context,), _ = mixed_features(draft, [row], ratio=0.15, seed=0, spec={**spec, "context": "target"})
     width = 2 * 32 + 3 + (top_m or 0)
-    assert raw.shape == cached.shape == (len(response), width) and spy.feature_size == width
+    assert raw.shape == cached.shape == in_target_context.shape == (len(response), width) and spy.feature_size == width
 
     checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
     for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
@@ -206,6 +207,7 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
             assert response[j] == token
             torch.testing.assert_close(feats, raw[j], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(feats, cached[j], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(feats, in_target_context[j], atol=1e-4, rtol=1e-4)  # data.feature_context=target
             checked["k=1" if k == 1 else "k>=2"] += 1
         n += accepted + 1
     assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
