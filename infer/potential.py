@@ -61,21 +61,52 @@ def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> 
     return rows, meta, [r for r in raw if len(r["p_acc"])]
 
 
+HEAD_CONTEXTS = ("mixed", "target")
+
+
+def head_labels(heads) -> list[str]:
+    """Each head directory's name in the tables: its last path component, or as many trailing
+    components as it takes to tell heads of the same name apart (heads/a/next_wrej1_d1 and
+    heads/b/next_wrej1_d1 -> a/next_wrej1_d1, b/next_wrej1_d1)."""
+    parts = [Path(h).resolve().parts for h in heads]
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"--head lists one head directory twice: {[str(h) for h in heads]}")
+    labels = []
+    for p in parts:
+        n = 1
+        while sum(q[-n:] == p[-n:] for q in parts) > 1:
+            n += 1
+        labels.append("/".join(p[-n:]))
+    return labels
+
+
 def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, draft_ref: str | None = None,
-                      mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8) -> list[list[np.ndarray]]:
+                      mix_ratio: float = 0.15, mix_seed: int = 0, batch_size: int = 8,
+                      context: str = "mixed") -> list[list[np.ndarray]]:
     """Each head's P_hat at every position, from the draft's features of the same data; the draft
     is loaded and run once for all heads.
 
-    Features follow train's token mixing (Z_i = X_i with probability ``mix_ratio``); a position
-    whose mixing took X_i gets its feature from the next mixing draw (epoch 1, 2, ...), so every
-    position is scored from a context like the one train and validation use.
+    ``context="mixed"`` (default): features follow train's token mixing (Z_i = X_i with probability
+    ``mix_ratio``); a position whose mixing took X_i gets its feature from the next mixing draw
+    (epoch 1, 2, ...), so every position is scored from a context like the one train and validation
+    use. ``context="target"``: a lag-free head scores Y_i from the draft state after x, X_<i, the
+    context the label was made in and the one the replayed rounds assume (``data.feature_context=
+    target``); the paper's head, which needs the state at Y_i, keeps the mixed context.
     """
     import torch
 
     from specdecpp.head import load_head
     from specdecpp.loading import load_model
-    from specdecpp.mixing import draft_features, lag_free_features, mixed_example, mixing_mask
+    from specdecpp.mixing import (
+        draft_features,
+        lag_free_features,
+        mixed_example,
+        mixing_mask,
+        target_context_features,
+    )
 
+    if context not in HEAD_CONTEXTS:
+        raise ValueError(f"--head-context must be one of {list(HEAD_CONTEXTS)}, got {context!r}")
     heads = [load_head(h) for h in head_dirs]
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
@@ -83,8 +114,22 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     draft = load_model(draft_ref, device="cpu", dtype=meta.get("dtype", "float32"))  # the precision that labelled the data
     for head in heads:
         head.attach(draft)
-    filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]
     preds = [[np.full(len(r["p_acc"]), np.nan) for r in raw_rows] for _ in heads]
+    in_target = [context == "target" and head.lag == 0 for head in heads]
+    if any(in_target):
+        for a in range(0, len(raw_rows), batch_size):
+            chunk = [{**raw_rows[j], **{c: torch.as_tensor(raw_rows[j][c]) for c in
+                                        ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
+                     for j in range(a, min(a + batch_size, len(raw_rows)))]
+            for head, out, use in zip(heads, preds, in_target, strict=True):
+                if use:
+                    feats, _ = target_context_features(draft, chunk, head.feature_spec())
+                    with torch.no_grad():
+                        for j, f in enumerate(feats, start=a):
+                            out[j][:] = torch.sigmoid(head(f.float())).reshape(-1).double().numpy()
+        if all(in_target):
+            return preds
+    filled = [np.zeros(len(r["p_acc"]), dtype=bool) for r in raw_rows]
     for epoch in range(8):
         todo = [j for j, f in enumerate(filled) if not f.all()]
         if not todo:
@@ -106,7 +151,9 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
                     keep = (~mask).nonzero().squeeze(-1).numpy()
                     new = keep[~filled[j][keep]]
                     fill = ~filled[j][keep]
-                    for head, out in zip(heads, preds, strict=True):
+                    for head, out, done in zip(heads, preds, in_target, strict=True):
+                        if done:
+                            continue
                         x = at if head.lag else lag_free_features(draft, before, seq[pos], head.feature_spec())
                         out[j][new] = torch.sigmoid(head(x.float())).reshape(-1).double().numpy()[fill]
                     filled[j][new] = True
@@ -146,7 +193,9 @@ def report_markdown(records: list[dict], context: dict) -> str:
              f"Split `{context['split']}`: {context['prompts']} prompts, {context['positions']} labelled positions, "
              f"mean P = {context['mean_p_acc']:.3f}; {context['seeds']} seeds of Bernoulli(P_i) acceptances per prompt "
              f"(every policy sees the same draws). Cost ratio t_draft / t_target = {context['cost_ratio']:.4f} "
-             f"({context['cost_source']}). Intervals: 95% bootstrap over prompts.", "",
+             f"({context['cost_source']}). Intervals: 95% bootstrap over prompts."
+             + (f" Lag-free heads' features in the {context['head_context']} context." if context.get("head_context", "mixed") != "mixed" else ""),
+             "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
         settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "-"
@@ -200,7 +249,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, costs_file: str | None = None,
         heads: list[str] = (), draft: str | None = None, seeds: int = 5, max_k: int = 10,
         thresholds=DEFAULT_THRESHOLDS, svip_thresholds=DEFAULT_SVIP, out: str | None = None,
-        limit: int | None = None, n_boot: int = 1000, quiet: bool = False) -> dict:
+        limit: int | None = None, n_boot: int = 1000, quiet: bool = False, head_context: str = "mixed") -> dict:
     if (cost_ratio is None) == (costs_file is None):
         raise ValueError("give exactly one of --cost-ratio R or --costs FILE")
     costs = Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
@@ -209,12 +258,12 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     rows, meta, raw = dataset_rows(data_dir, split, limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
-    head_names = [Path(h).name for h in heads]
-    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft) if heads else [], strict=True):
+    head_names = head_labels(heads)
+    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
     from specdecpp.head import load_head
-    lags = {Path(h).name: load_head(h).lag for h in heads}  # the paper's head 1, the lag-free head 0
+    lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
     pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))
@@ -246,7 +295,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     context = {"data": str(data_dir), "split": split, "prompts": len(rows),
                "positions": int(sum(len(r["p_acc"]) for r in rows)),
                "mean_p_acc": float(np.concatenate([r["p_acc"] for r in rows]).mean()),
-               "seeds": seeds, "cost_ratio": costs.ratio,
+               "seeds": seeds, "cost_ratio": costs.ratio, "head_context": head_context,
                "cost_source": "given" if costs_file is None else f"measured, {costs_file}",
                "best_lines": best_lines, "simulation_s": time.perf_counter() - t0}
     out_dir = Path(out) if out else Path(data_dir) / "potential"
@@ -289,6 +338,9 @@ def main(argv=None) -> None:
     ap.add_argument("--costs", help="JSON with measured t_draft, t_target (and target_by_width)")
     ap.add_argument("--head", action="append", default=[], help="a trained head directory (repeatable)")
     ap.add_argument("--draft", help="the draft model for --head (default: the dataset's)")
+    ap.add_argument("--head-context", choices=HEAD_CONTEXTS, default="mixed",
+                    help="where a lag-free head's features come from: mixed (train's token mixing, default) or "
+                         "target (the labels' own context x, X_<i, as the replayed rounds assume)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--max-k", type=int, default=10)
     ap.add_argument("--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS))
@@ -310,7 +362,7 @@ def main(argv=None) -> None:
                        args.seeds, args.max_k, args.out, args.limit)
         else:
             run(args.data, args.split, args.cost_ratio, args.costs, args.head, args.draft, args.seeds, args.max_k,
-                args.thresholds, args.svip_thresholds, args.out, args.limit)
+                args.thresholds, args.svip_thresholds, args.out, args.limit, head_context=args.head_context)
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"infer.potential: {exc}")
 

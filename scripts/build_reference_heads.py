@@ -10,13 +10,15 @@ same data with the same settings.
 data:   data_gen on the demo pair: bundled train prompts (default 230, all of them) and dev prompts
         (30) with responses of up to 192 tokens (T=1, top-k 50) -> data/demo/reference (resumable
         shards): 32,597 train positions with the bf16 pair (the issue asks for >= 25,000).
-train:  the 20 experiments wrej{1,3,6,12}_d{0..4}, one Hydra multirun per kind sharing one
+train:  the 20 experiments wrej{1,3,6,12}_d{0..4} (the lag-free heads with --next-features if given),
+        one Hydra multirun per kind sharing one
         draft-feature cache -> heads/reference/<name> and heads/reference_next/next_<name>. The paper's schedule (Adam, lr 5e-5, 3 epochs of batches of 32
         prompts) is 21 optimiser steps on 200-230 prompts: it left every head at a dev AUROC of 0.54-0.55
         and a dev KL above the constant predictor's (measured). So the heads train with the
         small_data preset's settings (lr 3e-3, batches of 8 prompts, 12 epochs = 300 steps) and keep
         the best-on-validation weights.
 select: `python -m infer.potential` on the DEV split with every head and the measured costs
+        (lag-free heads scored in --feature-context's context)
         (python -m infer.costs --costs-out): the heads ranked by their best Eq. 2.3 speedup; the two
         best of each kind (and their three best thresholds) go to demo/heads/selection.json
         (``heads``: the paper's, ``lag_free_heads``), which `make bench` reads. No test prompt is
@@ -72,9 +74,12 @@ def stage_train(args) -> None:
         if not todo:
             continue
         out = args.heads if kind == "resnet" else args.heads_next
+        features = [f"head.features=[{','.join(args.next_features)}]"] if kind == "next" and args.next_features else []
+        if kind == "next" and args.feature_context != "mixed":
+            features.append(f"data.feature_context={args.feature_context}")
         run([sys.executable, "-m", "train", "-m", f"head={kind}", f"+experiment={','.join(todo)}", "pair=demo",
              f"data.path={args.data}", f"out={out}/${{experiment_name}}", "trainer=cpu", "logger=none",
-             "optimizer.lr=3e-3", "data.batch_size=8", f"trainer.max_epochs={args.epochs}"])
+             "optimizer.lr=3e-3", "data.batch_size=8", f"trainer.max_epochs={args.epochs}", *features])
 
 
 def stage_select(args) -> None:
@@ -89,7 +94,7 @@ def stage_select(args) -> None:
             raise SystemExit(f"select: {len(missing)} {kind} heads not trained (e.g. {missing[0]}); run --stage train")
     out = Path(args.data) / "potential_dev"
     cmd = [sys.executable, "-m", "infer.potential", args.data, "--split", "dev", "--costs", args.costs,
-           "--out", str(out)]
+           "--out", str(out), "--head-context", args.feature_context]
     for dirs in heads.values():
         for h in dirs:
             cmd += ["--head", str(h)]
@@ -179,6 +184,12 @@ def main() -> None:
     ap.add_argument("--heads-next", default="heads/reference_next")
     ap.add_argument("--kind", choices=["resnet", "next", "both"], default="both")
     ap.add_argument("--costs", default="reports/demo/costs.json")
+    ap.add_argument("--feature-context", choices=["mixed", "target"], default="mixed",
+                    help="where the lag-free heads' training features come from (data.feature_context) and how "
+                         "select scores them (infer.potential --head-context); the paper's heads always train mixed")
+    ap.add_argument("--next-features", nargs="+", metavar="NAME",
+                    help="the lag-free heads' features (default: conf/head/next.yaml's); e.g. hidden embedding "
+                         "prob logprob entropy topm (docs/train.md, 'Feature sets')")
     args = ap.parse_args()
     os.environ.setdefault("SPECDECPP_CACHE", str(REPO / ".cache"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

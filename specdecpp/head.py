@@ -166,18 +166,32 @@ class AcceptanceHead(nn.Module):
 
 
 # -- the lag-free head ---------------------------------------------------------------------------
-NEXT_FEATURES = ("hidden", "embedding", "prob", "logprob", "entropy")
+NEXT_FEATURES = ("hidden", "embedding", "prob", "logprob", "entropy")  # the default set (today's heads)
+# Optional features a head may also ask for (recorded in its config.json ``features``; a head saved
+# before they existed has none of them): ``topm`` the ``top_m`` largest probabilities of q_T, sorted
+# (the shape of the draft's distribution, beyond its entropy).
+OPTIONAL_FEATURES = ("topm",)
+ALL_NEXT_FEATURES = NEXT_FEATURES + OPTIONAL_FEATURES
 SCALAR_FEATURES = ("prob", "logprob", "entropy")
+DEFAULT_TOP_M = 8
+
+
+def feature_width(name: str, hidden_size: int, top_m: int = DEFAULT_TOP_M) -> int:
+    """How many numbers feature ``name`` adds to the lag-free head's input."""
+    if name in ("hidden", "embedding"):
+        return hidden_size
+    return top_m if name == "topm" else 1
 
 
 def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, embedding,
-                        temperature: float, features=NEXT_FEATURES) -> torch.Tensor:
+                        temperature: float, features=NEXT_FEATURES, top_m: int = DEFAULT_TOP_M) -> torch.Tensor:
     """The lag-free head's input for candidates y drafted from the draft states ``hidden`` [..., H]
     (the states that produced q) with raw logits ``logits`` [..., V]; ``tokens`` [...] are the
     sampled candidates, ``embedding`` the draft's input embedding module.
 
     In the order of ``features``: ``hidden`` e_{k-1}; ``embedding`` the input embedding of y_k;
-    ``prob`` / ``logprob`` q_T(y_k) and its log, ``entropy`` H(q_T), where q_T = softmax(logits / T)
+    ``prob`` / ``logprob`` q_T(y_k) and its log, ``entropy`` H(q_T), ``topm`` the ``top_m`` largest
+    probabilities of q_T in decreasing order, where q_T = softmax(logits / T)
     over the whole vocabulary (T = ``temperature``, 1 under greedy decoding, as SVIP's entropy; a
     reduced output vocabulary's -inf logits add nothing). One function for train and inference, so
     the engine hands the head exactly the features it was trained on."""
@@ -195,8 +209,10 @@ def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torc
         elif name == "entropy":
             p = logp.exp()
             parts.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True))
+        elif name == "topm":
+            parts.append(logp.topk(top_m, dim=-1).values.exp())
         else:
-            raise ValueError(f"unknown lag-free head feature {name!r}; choose from {list(NEXT_FEATURES)}")
+            raise ValueError(f"unknown lag-free head feature {name!r}; choose from {list(ALL_NEXT_FEATURES)}")
     return torch.cat(parts, dim=-1)
 
 
@@ -213,16 +229,19 @@ class NextTokenHead(AcceptanceHead):
     lag = 0
 
     def __init__(self, hidden_size: int, depth: int = 3, draft: str | None = None,
-                 features=NEXT_FEATURES, temperature: float = 1.0) -> None:
+                 features=NEXT_FEATURES, temperature: float = 1.0, top_m: int = DEFAULT_TOP_M) -> None:
         super().__init__(hidden_size, depth, draft)
         features = tuple(features)
-        unknown = [f for f in features if f not in NEXT_FEATURES]
+        unknown = [f for f in features if f not in ALL_NEXT_FEATURES]
         if not features or unknown or len(set(features)) != len(features):
-            raise ValueError(f"NextTokenHead: features must be distinct names from {list(NEXT_FEATURES)}, "
+            raise ValueError(f"NextTokenHead: features must be distinct names from {list(ALL_NEXT_FEATURES)}, "
                              f"got {list(features)}")
+        if isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
+            raise ValueError(f"NextTokenHead: top_m must be an integer >= 1, got {top_m!r}")
         self.features = features
         self.temperature = float(temperature)
-        size = sum(hidden_size if f in ("hidden", "embedding") else 1 for f in features)
+        self.top_m = top_m
+        size = sum(feature_width(f, hidden_size, top_m) for f in features)
         self.in_size = size
         self.proj = nn.Linear(size, hidden_size) if depth > 0 else None
         self.out = nn.Linear(hidden_size if depth > 0 else size, 1)
@@ -233,7 +252,12 @@ class NextTokenHead(AcceptanceHead):
         return self.in_size
 
     def feature_spec(self) -> dict:
-        return {"kind": self.kind, "features": list(self.features), "temperature": self.temperature}
+        """Also train's feature-cache key: ``top_m`` enters only for a head that uses ``topm``, so
+        the caches (and configs) of today's feature sets stay as they were."""
+        spec = {"kind": self.kind, "features": list(self.features), "temperature": self.temperature}
+        if "topm" in self.features:
+            spec["top_m"] = self.top_m
+        return spec
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if features.shape[-1] != self.in_size:
@@ -252,7 +276,8 @@ class NextTokenHead(AcceptanceHead):
         if embedding is None and "embedding" in self.features:
             raise RuntimeError("NextTokenHead needs the draft's token embedding: call head.attach(draft) first")
         return next_token_features(hidden, logits, tokens, embedding,
-                                   self.temperature if temperature is None else temperature, self.features)
+                                   self.temperature if temperature is None else temperature, self.features,
+                                   self.top_m)
 
     def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The logit for candidate y_k: ``hidden`` e_{k-1}, ``logits`` the raw logits of q_k."""
@@ -263,12 +288,15 @@ class NextTokenHead(AcceptanceHead):
         self.__dict__["_embedding"] = draft_model.get_input_embeddings()
 
     def _config(self) -> dict:
-        return {"features": list(self.features), "temperature": self.temperature}
+        return {k: v for k, v in self.feature_spec().items() if k != "kind"}
 
     @classmethod
     def _init_kwargs(cls, config: dict) -> dict:
-        return {"features": tuple(config.get("features", NEXT_FEATURES)),
-                "temperature": float(config.get("temperature", 1.0))}
+        kwargs = {"features": tuple(config.get("features", NEXT_FEATURES)),
+                  "temperature": float(config.get("temperature", 1.0))}
+        if "top_m" in config:
+            kwargs["top_m"] = int(config["top_m"])
+        return kwargs
 
 
 def portable_config(config: dict) -> dict:

@@ -28,6 +28,9 @@ from .head import next_token_features
 from .hooks import FinalHidden, keep_last
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
+# Where a training feature is computed (``data.feature_context``): ``mixed`` the BERT-style mixed
+# sequence Z (the paper's, the default); ``target`` the labels' own context x, X_<i (lag-free heads).
+FEATURE_CONTEXTS = ("mixed", "target")
 
 
 # -- token mixing ----------------------------------------------------------------------------
@@ -71,6 +74,9 @@ def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int 
     ``p_acc``. ``spec``: the head's :meth:`feature_spec` (None: the paper's head). Returns (list of
     features [n_j, F], list of labels [n_j]), one entry per row.
     """
+    context = check_context(spec)
+    if context == "target":
+        return target_context_features(draft, rows, spec)
     examples = [mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"],
                               mixing_mask(len(r["target_ids"]), ratio, seed, epoch, int(r["row"])))
                 for r in rows]
@@ -82,13 +88,51 @@ def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int 
             [e[2] for e in examples])
 
 
+def check_context(spec: dict | None) -> str:
+    """The feature context a training spec asks for (``spec['context']``, default ``mixed``)."""
+    context = (spec or {}).get("context", "mixed")
+    if context not in FEATURE_CONTEXTS:
+        raise ValueError(f"data.feature_context must be one of {list(FEATURE_CONTEXTS)}, got {context!r}")
+    if context == "target" and (spec or {}).get("kind", "resnet") == "resnet":
+        raise ValueError("data.feature_context=target needs the lag-free head (head=next): the paper's head reads "
+                         "the state at Y_i after X_<i, one draft forward per position; use feature_context=mixed")
+    return context
+
+
+def loss_positions(n_tokens: int, ratio: float, seed: int, epoch: int, row: int, context: str = "mixed") -> int:
+    """How many positions of a response of ``n_tokens`` carry a loss (the feature cache's row count)."""
+    if context == "target":
+        return n_tokens
+    return int((~mixing_mask(n_tokens, ratio, seed, epoch, row)).sum())
+
+
+def target_context_features(draft, rows: list[dict], spec: dict):
+    """The lag-free head's features in the labels' own context (``data.feature_context=target``):
+    candidate Y_i scored from the draft state after x, X_<i, i.e. the state that produced the q_i
+    Y_i was drawn from and P_i was computed with; every position carries a loss. In decoding a
+    round's first candidate follows committed (target-distributed) tokens only, as here; BERT-style
+    mixing instead puts the draft's rejected tokens into the context, where the label was not made."""
+    sequences, positions, labels = [], [], []
+    for r in rows:
+        prompt = torch.as_tensor(r["prompt_ids"], dtype=torch.long)
+        x = torch.as_tensor(r["target_ids"], dtype=torch.long)
+        sequences.append(torch.cat([prompt, x]))
+        positions.append(len(prompt) - 1 + torch.arange(len(x)))  # the state that produced q_i
+        labels.append(torch.as_tensor(r["p_acc"], dtype=torch.float32))
+    hidden = draft_features(draft, sequences, positions)
+    feats = [lag_free_features(draft, h, torch.as_tensor(r["draft_ids"], dtype=torch.long), spec)
+             for h, r in zip(hidden, rows, strict=True)]
+    return feats, labels
+
+
 @torch.no_grad()
 def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
     """The lag-free head's features of candidates ``tokens`` [n] drafted from the states ``hidden``
     [n, H] (the draft's logits recomputed from them by its output layer)."""
     logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
     return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
-                               float(spec["temperature"]), tuple(spec["features"]))
+                               float(spec["temperature"]), tuple(spec["features"]),
+                               **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}))
 
 
 @torch.no_grad()

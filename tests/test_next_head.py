@@ -27,7 +27,7 @@ from specdecpp import (
     load_pair,
 )
 from specdecpp import potential as pt
-from specdecpp.head import NEXT_FEATURES, next_token_features
+from specdecpp.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
 from specdecpp.loading import load_model
 from specdecpp.mixing import lag_free_features, mixed_features, mixing_mask
 from train import run
@@ -154,15 +154,18 @@ def test_lag_free_head_stops_where_the_rule_says():
         assert out.stats.candidate_lengths[0] == expected_k == out.stats.accept_lengths[0]
 
 
-def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path):
+@pytest.mark.parametrize("features, top_m", [(NEXT_FEATURES, None), (ALL_NEXT_FEATURES, 5)],
+                         ids=["default", "every-feature"])
+def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path, features, top_m):
     """A spy head records the features the engine builds for every candidate; for each candidate
-    that was committed, train's features of the generated sequence (raw rows and the feature
-    cache) hold the same vector at the same position."""
+    that was committed, train's features of the generated sequence (raw rows, the feature cache
+    and the target context) hold the same vector at the same position. Every feature a head can ask for is covered
+    (``every-feature``: the optional ones too)."""
     draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
 
     class Spy(NextTokenHead):
         def __init__(self):
-            super().__init__(32, depth=1)
+            super().__init__(32, depth=1, features=features, **({"top_m": top_m} if top_m else {}))
             self.calls = []
 
         def score(self, hidden, logits, token):
@@ -191,7 +194,9 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
                                "p_acc": [[1.0] * len(response)]})
     cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
                               feature_size=spy.feature_size).row(0)
-    assert raw.shape == cached.shape == (len(response), 2 * 32 + 3)
+    (in_target_context,), _ = mixed_features(draft, [row], ratio=0.15, seed=0, spec={**spec, "context": "target"})
+    width = 2 * 32 + 3 + (top_m or 0)
+    assert raw.shape == cached.shape == in_target_context.shape == (len(response), width) and spy.feature_size == width
 
     checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
     for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
@@ -202,6 +207,7 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
             assert response[j] == token
             torch.testing.assert_close(feats, raw[j], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(feats, cached[j], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(feats, in_target_context[j], atol=1e-4, rtol=1e-4)  # data.feature_context=target
             checked["k=1" if k == 1 else "k>=2"] += 1
         n += accepted + 1
     assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
@@ -220,6 +226,45 @@ def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
     torch.testing.assert_close(lag_free_features(draft, hidden, tokens, spec), expected)
     q = torch.softmax(out.logits[0, :-1], -1).gather(-1, tokens[:, None])
     torch.testing.assert_close(expected[:, 64:65], q)  # hidden (32) + embedding (32), then prob
+
+
+def test_topm_feature_is_the_sorted_top_probabilities_of_q():
+    """``topm``: the m largest probabilities of softmax(logits / T), largest first, recomputed
+    here with numpy from the logits."""
+    g = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(6, 8, generator=g), 3 * torch.randn(6, 40, generator=g)
+    tokens = torch.randint(0, 40, (6,), generator=g)
+    got = next_token_features(hidden, logits, tokens, None, 0.7, ("topm", "prob"), top_m=4)
+    z = logits.double().numpy() / 0.7
+    q = np.exp(z - z.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    expected = -np.sort(-q, axis=-1)[:, :4]
+    np.testing.assert_allclose(got[:, :4].numpy(), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[:, 4].numpy(), q[np.arange(6), tokens.numpy()], rtol=1e-5, atol=1e-7)
+    assert (got[:, 0] >= got[:, 4] - 1e-7).all()  # the chosen token is never above the top one
+
+
+def test_optional_features_round_trip_and_old_configs_load_with_todays_features(tmp_path):
+    head = NextTokenHead(16, 1, features=("prob", "entropy", "topm"), top_m=3, temperature=0.8)
+    assert head.feature_size == 1 + 1 + 3 and head.feature_spec()["top_m"] == 3
+    head.save_pretrained(tmp_path / "h")
+    loaded = load_head(tmp_path / "h")
+    assert loaded.features == ("prob", "entropy", "topm") and loaded.top_m == 3 and loaded.feature_size == 5
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(loaded(x), head(x))
+    # a head saved before optional features existed: no top_m in its config, today's five features
+    default = NextTokenHead(16, 1)
+    assert "top_m" not in default.feature_spec()
+    default.save_pretrained(tmp_path / "old")
+    cfg = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert "top_m" not in cfg and cfg["features"] == list(NEXT_FEATURES)
+    del cfg["features"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
+    assert load_head(tmp_path / "old").features == NEXT_FEATURES
+    with pytest.raises(ValueError, match="top_m"):
+        NextTokenHead(16, 1, features=("topm",), top_m=0)
+    with pytest.raises(ValueError, match="topm"):
+        NextTokenHead(16, 1, features=("hidden", "nonsense"))
 
 
 # -- persistence and kinds ----------------------------------------------------------------------------
@@ -280,7 +325,81 @@ def test_train_head_next_learns_labels_that_depend_on_q(tiny_pair, tmp_path):
     assert json.loads((Path(cfg.out) / "config.json").read_text())["training"]["head_kind"] == "next"
 
 
+def test_target_context_features_are_the_states_that_drew_each_candidate(tiny_pair, tmp_path):
+    """``data.feature_context=target``: position i's feature comes from the draft's own forward
+    over x, X_<i (recomputed here one prefix at a time) and the candidate Y_i, every position
+    carries a loss, raw and cached features agree, and the paper's head is refused."""
+    draft = load_model(tiny_pair.draft, "cpu")
+    rows = random_rows(3, tiny_pair.vocab, 5)
+    batch = [{"row": j, **{c: torch.tensor(rows[c][j]) for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
+             for j in range(3)]
+    spec = {**NextTokenHead(32, features=ALL_NEXT_FEATURES, top_m=4).feature_spec(), "context": "target"}
+    feats, labels = mixed_features(draft, batch, 0.15, 0, 0, spec)
+    emb = draft.get_input_embeddings()
+    for r, f, lab in zip(batch, feats, labels, strict=True):
+        n = len(r["target_ids"])
+        assert f.shape[0] == n and torch.equal(lab, r["p_acc"].float())
+        for i in range(n):
+            ids = torch.cat([r["prompt_ids"], r["target_ids"][:i]])[None]
+            with torch.no_grad():
+                out = draft(ids, output_hidden_states=True)
+            expected = next_token_features(out.hidden_states[-1][0, -1], out.logits[0, -1], r["draft_ids"][i], emb,
+                                           1.0, ALL_NEXT_FEATURES, top_m=4)
+            torch.testing.assert_close(f[i], expected, atol=1e-4, rtol=1e-4)
+    split = Dataset.from_dict({c: rows[c] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")})
+    cache = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 0, spec=spec,
+                          feature_size=f.shape[1])
+    for j in range(3):
+        cached, cached_labels = cache.row(j)
+        torch.testing.assert_close(cached, feats[j], atol=1e-5, rtol=1e-5)
+        assert torch.equal(cached_labels, labels[j])
+    with pytest.raises(ValueError, match="feature_context=target needs the lag-free head"):
+        mixed_features(draft, batch, 0.15, 0, 0, {"kind": "resnet", "context": "target"})
+    with pytest.raises(ValueError, match="feature_context must be one of"):
+        mixed_features(draft, batch, 0.15, 0, 0, {**spec, "context": "nonsense"})
+
+
+def test_train_in_the_target_context_records_it_and_refuses_the_paper_head(tiny_pair, tmp_path):
+    draft = load_model(tiny_pair.draft, "cpu")
+    splits = {"train": random_rows(24, tiny_pair.vocab, 31), "dev": random_rows(8, tiny_pair.vocab, 32)}
+    data = save_dataset(tmp_path / "data", splits, tiny_pair.draft, 32, tiny_pair.vocab)
+    common = [*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"), "trainer.max_epochs=1",
+              "data.feature_context=target"]
+    with pytest.raises(ValueError, match="needs the lag-free head"):
+        run(train_cfg([*common, "+experiment=wrej1_d1"]))
+    result = run(train_cfg([*common, "head=next", "+experiment=wrej1_d1"]))
+    config = json.loads((Path(result["out"]) / "config.json").read_text())
+    assert config["training"]["feature_context"] == "target"
+    n_tokens = sum(len(t) for t in splits["dev"]["target_ids"])
+    assert result["metrics"]["dev"]["positions"] == n_tokens  # every position, not only the mixing's Y-positions
+    del draft
+
+
 # -- the potential analysis -----------------------------------------------------------------------------
+def test_potential_scores_lag_free_heads_in_the_target_context(tiny_pair, tmp_path):
+    """``infer.potential --head-context target``: a lag-free head's P_hat at position i is the head
+    applied to the features of the draft's forward over x, X_<i (recomputed prefix by prefix)."""
+    from infer.potential import heads_predictions
+
+    draft = load_model(tiny_pair.draft, "cpu")
+    head = random_next_head(32, 1, seed=4)
+    head.save_pretrained(tmp_path / "h")
+    rows = random_rows(2, tiny_pair.vocab, 9)
+    raw = [{"row": j, **{c: rows[c][j] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}} for j in range(2)]
+    (preds,) = heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="target")
+    head.attach(draft)
+    for r, p in zip(raw, preds, strict=True):
+        for i in range(len(r["target_ids"])):
+            with torch.no_grad():
+                out = draft(torch.tensor([r["prompt_ids"] + r["target_ids"][:i]]), output_hidden_states=True)
+                expected = torch.sigmoid(head.score(out.hidden_states[-1][0, -1], out.logits[0, -1],
+                                                    torch.tensor(r["draft_ids"][i])))
+            assert abs(p[i] - float(expected)) < 1e-4
+    with pytest.raises(ValueError, match="head-context"):
+        heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="elsewhere")
+
+
+
 def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
     rng = np.random.default_rng(0)
     rows = []
@@ -337,3 +456,13 @@ def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
     build_report(tmp_path / "res", tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
     assert "free_h0.5" in text and "paper_h0.5" in text
+
+
+def test_potential_tells_heads_of_the_same_name_apart(tmp_path):
+    from infer.potential import head_labels
+
+    a, b, c = tmp_path / "x" / "next_wrej1_d1", tmp_path / "y" / "next_wrej1_d1", tmp_path / "y" / "wrej1_d0"
+    assert head_labels([a, b, c]) == ["x/next_wrej1_d1", "y/next_wrej1_d1", "wrej1_d0"]
+    assert head_labels([c]) == ["wrej1_d0"]
+    with pytest.raises(ValueError, match="twice"):
+        head_labels([a, a])

@@ -16,8 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from specdecpp.dataset import dataset_fingerprint
 from specdecpp.head import build_head
 from specdecpp.loading import dtype_name, load_config, load_model, resolve_device, resolve_dtype
+from specdecpp.mixing import check_context
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
+from .module import training_spec
 from .plots import plot_calibration
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra",
 # value is part of the identity through its source; a value set on the node itself is its own key.
 DERIVED = ("model", "datamodule")
 IDENTITY_KEY = "specdecpp_training_identity"
+# Settings added after checkpoints were written: at these values (today's behaviour) they stay out
+# of the identity, so a run begun before they existed still resumes.
+NEWER_DEFAULTS = {"data.feature_context": "mixed", "model.feature_context": "mixed", "head.top_m": 8}
 
 
 def _flatten(node, prefix: str = "") -> dict:
@@ -60,6 +65,7 @@ def training_identity(cfg: DictConfig, dataset_fingerprint: str, draft_ref: str)
                if OmegaConf.is_interpolation(cfg[group], key)}
     identity = {k: v for k, v in flat.items()
                 if not any(k == skip or k.startswith(skip + ".") for skip in NOT_IDENTITY | derived)}
+    identity = {k: v for k, v in identity.items() if NEWER_DEFAULTS.get(k, object()) != v}
     identity.update({"dataset_fingerprint": dataset_fingerprint, "pair.draft": str(draft_ref)})
     return dict(sorted(identity.items()))
 
@@ -100,6 +106,7 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str,
             "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
             "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
             "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
+            **({"feature_context": str(data.feature_context)} if data.get("feature_context", "mixed") != "mixed" else {}),
             "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed", "labels")
                              if k != "labels" or meta.get(k) is not None}}
 
@@ -114,8 +121,9 @@ def make_head(head_cfg: DictConfig, hidden_size: int, draft_ref: str, meta: dict
     if kind == "resnet":
         return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref)
     temperature = float((meta.get("sampling") or {}).get("temperature", 1.0))
+    extra = {"top_m": int(head_cfg.top_m)} if head_cfg.get("top_m") is not None else {}
     return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref,
-                      features=tuple(head_cfg.features), temperature=temperature)
+                      features=tuple(head_cfg.features), temperature=temperature, **extra)
 
 
 def validation_split(splits, data: DictConfig):
@@ -175,8 +183,11 @@ def run(cfg: DictConfig) -> dict:
         check_split(splits[name], name, str(data.path), vocab)
 
     head = make_head(cfg.head, hidden_size, draft_ref, meta)
+    feature_context = str(data.get("feature_context", "mixed"))
+    spec = training_spec(head, feature_context)
+    check_context(spec)  # a bad context, or the paper's head in the target context: an error before any work
     datamodule = instantiate(cfg.datamodule)(
-        splits, val_split=val_split, draft=load_draft, draft_ref=draft_ref, feature_spec=head.feature_spec(),
+        splits, val_split=val_split, draft=load_draft, draft_ref=draft_ref, feature_spec=spec,
         feature_size=head.feature_size,
         draft_precision=dtype_name(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))))
     module = instantiate(cfg.model)(head=head, draft=None if data.cache_features else load_draft())

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from specdecpp.identity import model_identity
 from specdecpp.loading import load_config
-from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features, mixing_mask
+from specdecpp.mixing import FIXED_MIXING_EPOCH, check_context, loss_positions, mixed_features
 
 from .checks import arrow_column
 
@@ -133,8 +133,8 @@ def _build(split, split_name: str, draft, directory: Path, info: dict, batch_siz
     mix_ratio, mix_seed = info["mix_ratio"], info["mix_seed"]
     state_file, progress_file = directory / "cache.json", directory / "progress.json"
     n_tokens = pc.list_value_length(arrow_column(split, "target_ids")).to_numpy(zero_copy_only=False)
-    kept = [int((~mixing_mask(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j)).sum())
-            for j, n in enumerate(n_tokens)]
+    context = check_context(info.get("features"))
+    kept = [loss_positions(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j, context) for j, n in enumerate(n_tokens)]
     offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
     shape = (int(offsets[-1]), int(info.get("feature_size", draft.config.hidden_size)))
     resume = state_file.is_file() and progress_file.is_file()

@@ -17,6 +17,13 @@ from specdecpp.schedules import warmup_cosine
 from .metrics import head_metrics
 
 
+def training_spec(head: AcceptanceHead, feature_context: str = "mixed") -> dict:
+    """The head's feature spec plus where train computes its features (``data.feature_context``;
+    the default ``mixed`` adds nothing, so caches and records of earlier heads stay as they were)."""
+    spec = head.feature_spec()
+    return spec if feature_context == "mixed" else {**spec, "context": feature_context}
+
+
 class FrozenDraft:
     """Holds the draft outside the module tree: never trained, never saved in checkpoints."""
 
@@ -33,7 +40,7 @@ class AcceptanceHeadModule(L.LightningModule):
 
     def __init__(self, head: AcceptanceHead, *, optimizer: Callable, w_rej: float, w_acc: float = 1.0,
                  warmup_ratio: float = 0.03, mix_ratio: float = 0.15, mix_seed: int = 0,
-                 remix_each_epoch: bool = False, draft=None) -> None:
+                 remix_each_epoch: bool = False, draft=None, feature_context: str = "mixed") -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["head", "optimizer", "draft"], logger=False)
         self.hparams.update(hidden_size=head.hidden_size, depth=head.depth, head_kind=head.kind)
@@ -65,7 +72,7 @@ class AcceptanceHeadModule(L.LightningModule):
             draft.to(self.device)
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         hidden, labels = mixed_features(draft, rows, self.hparams.mix_ratio, self.hparams.mix_seed, epoch,
-                                        spec=self.head.feature_spec())
+                                        spec=training_spec(self.head, self.hparams.feature_context))
         return torch.cat(hidden), torch.cat(labels).to(self.device)
 
     def model_step(self, batch: dict, epoch: int = FIXED_MIXING_EPOCH):

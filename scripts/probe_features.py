@@ -1,0 +1,307 @@
+"""How much could a stop predictor learn from each kind of information? A probe on a data_gen dataset.
+
+    python scripts/probe_features.py data/demo/reference --eval data/demo/heldout_bundled:test \
+        --eval data/demo/heldout_humaneval:test --cost-ratio 0.137 --out reports/probe
+
+A diagnostic beside `python -m train`, not a way to ship heads: it trains the same kind of network
+as the lag-free head (Linear(F, 256), one residual block, Linear(256, 1); the weighted soft-label
+BCE of specdecpp.loss with w_rej = 1, Adam, best-on-dev epoch) on feature sets that include
+information the engine does not hand a head today, and reports the dev and held-out AUROC, KL
+and calibration (specdecpp.head_metrics), and the Eq. 2.3 margin over the best fixed K of the
+lag-free Algorithm 2 with the probe's predictions (specdecpp.potential, 5 seeds).
+
+Every position i of a response is scored in the data_gen context (prompt + X_<i, no token mixing:
+the context the label P_i was computed in), for the candidate Y_i. Features:
+
+- draft side (what the lag-free head sees; specdecpp.head.next_token_features): ``hidden`` e_{i-1},
+  ``embedding`` of Y_i, ``prob``, ``logprob``, ``entropy`` of q_i, ``topm`` (its 8 largest
+  probabilities);
+- ``target@d``: the target's final hidden state d positions before the one that produced p_i
+  (d = 1 is the freshest state a round's first candidate could get from the last verification:
+  that forward's last state produced p for the token the round starts after; a round's k-th
+  candidate is k positions away). d = 0 is the state that produced p_i itself: no engine has it
+  before verifying, it is the control that shows the probe learns when the information is there;
+- ``tnum@d``: the entropy and the 8 largest probabilities of the target's distribution at the
+  ``target@d`` state (the engine has these logits from the last verification for d >= 1);
+- ``history``: the labels P_{i-1} and P_{i-2} themselves (with indicators at the response start):
+  an upper bound on what the outcomes of earlier rounds could tell (the engine sees only their
+  Bernoulli outcomes, and none for the candidates of the current round).
+
+Writes probe.json and probe.md to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from specdecpp import potential as pt  # noqa: E402
+from specdecpp.costmodel import Costs, load_costs  # noqa: E402
+from specdecpp.dataset import load_labelled  # noqa: E402
+from specdecpp.head_metrics import (  # noqa: E402
+    binary_kl,
+    calibration_bins,
+    expected_calibration_error,
+    rejection_auroc,
+)
+from specdecpp.loading import load_model  # noqa: E402
+from specdecpp.loss import weighted_bce  # noqa: E402
+from specdecpp.mixing import draft_features, lag_free_features  # noqa: E402
+from specdecpp.sampling import SamplingConfig  # noqa: E402
+
+DRAFT_SPEC = {"kind": "next", "features": ["hidden", "embedding", "prob", "logprob", "entropy", "topm"],
+              "temperature": 1.0, "top_m": 8}
+FEATURE_SETS = {  # name -> the blocks concatenated
+    "q numbers (prob, logprob, entropy)": ["q"],
+    "q numbers + topm": ["q", "topm"],
+    "today's lag-free head (hidden, embedding, q numbers)": ["hidden", "embedding", "q"],
+    "today's + topm": ["hidden", "embedding", "q", "topm"],
+    "today's + topm + history (P_{i-1}, P_{i-2})": ["hidden", "embedding", "q", "topm", "history"],
+    "today's + topm + tnum@1 (entropy, top-8 of p one position back)": ["hidden", "embedding", "q", "topm", "tnum@1"],
+    "today's + topm + target@2 + tnum@2": ["hidden", "embedding", "q", "topm", "target@2", "tnum@2"],
+    "today's + topm + target@1 + tnum@1": ["hidden", "embedding", "q", "topm", "target@1", "tnum@1"],
+    "today's + topm + target@1 + tnum@1 + history": ["hidden", "embedding", "q", "topm", "target@1", "tnum@1",
+                                                     "history"],
+    "control: today's + target@0 (not visible to any engine)": ["hidden", "embedding", "q", "topm", "target@0"],
+}
+
+
+def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int = 8) -> dict[str, np.ndarray]:
+    """Every feature block for every position of ``rows`` (dicts of one split), in row order.
+    With ``sampling`` (the dataset's), ``recomputed`` holds min(1, p/q) of Y_i from the warped
+    target logits of the ``target@0`` state and the draft's of ``hidden``: it must equal the label
+    (the check that the states sit where the docstring says)."""
+    from specdecpp.sampling import warp
+
+    out = {k: [] for k in ("hidden", "embedding", "q", "topm", "target@0", "target@1", "target@2", "history",
+                           "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
+    h = hidden_size
+    for a in range(0, len(rows), batch):
+        chunk = rows[a : a + batch]
+        seqs = [torch.cat([torch.as_tensor(r["prompt_ids"]), torch.as_tensor(r["target_ids"])]).long() for r in chunk]
+        # the state that produced q_i / p_i for response position i is index L - 1 + i
+        pos = [len(r["prompt_ids"]) - 1 + torch.arange(len(r["target_ids"])) for r in chunk]
+        dh = draft_features(draft, seqs, pos)
+        th = draft_features(target, seqs, [torch.cat([p, (p - 1).clamp_min(0), (p - 2).clamp_min(0)]) for p in pos])
+        for r, d, t in zip(chunk, dh, th, strict=True):
+            n = len(r["target_ids"])
+            y = torch.as_tensor(r["draft_ids"]).long()
+            f = lag_free_features(draft, d, y, DRAFT_SPEC).float()
+            out["hidden"].append(f[:, :h])
+            out["embedding"].append(f[:, h : 2 * h])
+            out["q"].append(f[:, 2 * h : 2 * h + 3])
+            out["topm"].append(f[:, 2 * h + 3 :])
+            for d_ in range(3):
+                out[f"target@{d_}"].append(t[d_ * n : (d_ + 1) * n].float())
+            with torch.no_grad():  # the shape of p at the stale states (the verification's logits)
+                for d_ in (1, 2):
+                    logp = torch.log_softmax(target.get_output_embeddings()(t[d_ * n : (d_ + 1) * n].to(target.dtype))
+                                             .float() / DRAFT_SPEC["temperature"], -1)
+                    top = logp.topk(8, dim=-1).values.exp()
+                    ent = -(logp.exp() * logp).nansum(-1, keepdim=True)
+                    out[f"tnum@{d_}"].append(torch.cat([ent, top], -1))
+            t = t.float()
+            if sampling is not None:
+                with torch.no_grad():
+                    q_y = warp(draft.get_output_embeddings()(d.to(draft.dtype)), sampling).gather(-1, y[:, None])
+                    p_y = warp(target.get_output_embeddings()(t[:n].to(target.dtype)), sampling).gather(-1, y[:, None])
+                out["recomputed"].append((p_y / q_y.clamp_min(1e-30)).clamp_max(1.0).squeeze(-1).float())
+            p = torch.as_tensor(r["p_acc"]).float()
+            prev1 = torch.cat([torch.zeros(1), p[:-1]])
+            prev2 = torch.cat([torch.zeros(2), p[:-2]])[:n]
+            idx = torch.arange(n)
+            out["history"].append(torch.stack([prev1, prev2, (idx >= 1).float(), (idx >= 2).float()], -1))
+            out["labels"].append(p)
+            out["row_len"].append(torch.tensor([n]))
+    return {k: torch.cat(v).numpy() for k, v in out.items() if v}
+
+
+class Probe(torch.nn.Module):
+    def __init__(self, size: int, width: int = 256) -> None:
+        super().__init__()
+        self.proj, self.block, self.out = torch.nn.Linear(size, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.proj(x)
+        x = x + torch.nn.functional.silu(self.block(x))
+        return self.out(x).squeeze(-1)
+
+
+def matrix(data: dict, names: list[str], mean=None, std=None):
+    x = torch.from_numpy(np.concatenate([data[n] for n in names], axis=1)).float()
+    if mean is None:
+        mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    return (x - mean) / std, mean, std
+
+
+def metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    kl = binary_kl(logits, labels).mean()
+    c = labels.mean().clamp(1e-6, 1 - 1e-6)
+    kl_const = binary_kl(torch.full_like(labels, float(torch.logit(c))), labels).mean()
+    return {"AUROC": float(rejection_auroc(logits, labels)), "KL": float(kl), "KL_const": float(kl_const),
+            "ECE": float(expected_calibration_error(*calibration_bins(torch.sigmoid(logits), labels))),
+            "positions": int(labels.numel())}
+
+
+def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, targets: str = "soft"):
+    """``targets``: ``soft`` trains on P_i (the paper's loss); ``bernoulli`` on 0/1 draws of
+    Bernoulli(P_i), a fresh draw per epoch (the same loss in expectation, more noise)."""
+    torch.manual_seed(seed)
+    x, mean, std = matrix(train, names)
+    xd, _, _ = matrix(dev, names, mean, std)
+    p, yd = torch.from_numpy(train["labels"]), torch.from_numpy(dev["labels"])
+    y = p
+    model = Probe(x.shape[1])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    best, best_state, g = float("inf"), None, torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        if targets == "bernoulli":
+            y = torch.bernoulli(p, generator=g)
+        model.train()
+        for idx in torch.randperm(len(x), generator=g).split(512):
+            loss = weighted_bce(model(x[idx]), y[idx], 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            dev_loss = float(weighted_bce(model(xd), yd, 1.0))
+        if dev_loss < best:
+            best, best_state = dev_loss, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    return model.eval(), mean, std
+
+
+def temperature_scale(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The T minimising the soft-label BCE of logits / T (on dev), by a grid then golden search."""
+    def nll(t):
+        return float(binary_kl(logits / t, labels).mean())
+    grid = np.exp(np.linspace(np.log(0.2), np.log(5), 41))
+    t = float(grid[int(np.argmin([nll(g) for g in grid]))])
+    lo, hi = t / 1.1, t * 1.1
+    for _ in range(30):
+        a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        lo, hi = (lo, b) if nll(a) < nll(b) else (a, hi)
+    return (lo + hi) / 2
+
+
+def margin(data: dict, logits: np.ndarray, costs: Costs, seeds: int = 5) -> dict:
+    """The lag-free Algorithm 2 with these predictions against the best fixed K (Eq. 2.3)."""
+    ends = np.cumsum(data["row_len"])
+    starts = ends - data["row_len"]
+    pred = 1 / (1 + np.exp(-logits))
+    rows = [{"p_acc": data["labels"][a:b].astype(np.float64), "pred:probe": pred[a:b].astype(np.float64),
+             "draft_entropy": np.zeros(b - a)} for a, b in zip(starts, ends, strict=True)]
+    hs = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+    pols = [pt.fixed_k(k) for k in range(1, 11)] + [pt.head_rule("probe", h, lag=0) for h in hs] + \
+        [pt.informed_lag_free(h) for h in hs]
+    results = pt.simulate(rows, pols, seeds=range(seeds))
+    records = pt.summarise(results, pols, costs, n_boot=200)
+    fixed = pt.best(records, "fixed_k")
+    out = {"best_fixed_k": fixed["label"], "fixed_k_speedup": fixed["speedup"]}
+    for name, key in (("head:probe", "probe"), ("informed_lag_free", "perfect_lag_free")):
+        b = pt.best(records, name)
+        out[key] = {"setting": b["label"], "speedup": b["speedup"], "margin": b["speedup"] / fixed["speedup"] - 1}
+    out["share_of_perfect"] = out["probe"]["margin"] / out["perfect_lag_free"]["margin"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="a data_gen dataset with train and dev splits")
+    ap.add_argument("--eval", action="append", default=[], help="DIR:SPLIT of a held-out dataset (repeatable)")
+    ap.add_argument("--cost-ratio", type=float)
+    ap.add_argument("--costs")
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sets", nargs="+", help="only these feature sets (their names' first words are enough)")
+    ap.add_argument("--out", default="reports/probe")
+    args = ap.parse_args()
+    if (args.cost_ratio is None) == (args.costs is None):
+        ap.error("give exactly one of --cost-ratio or --costs")
+    costs = Costs.from_ratio(args.cost_ratio) if args.costs is None else load_costs(args.costs)
+    torch.set_num_threads(int(os.environ.get("PROBE_THREADS", "1")))
+    splits, meta = load_labelled(args.data)
+    for name in ("train", "dev"):
+        if name not in splits:
+            raise SystemExit(f"probe_features: {args.data} has no {name!r} split (it has {sorted(splits)})")
+    t = float((meta.get("sampling") or {}).get("temperature", 1.0))
+    DRAFT_SPEC["temperature"] = t if t > 0 else 1.0
+    draft = load_model(meta["draft"], device="cpu", dtype=meta.get("dtype", "float32"))
+    target = load_model(meta["target"], device="cpu", dtype=meta.get("dtype", "float32"))
+    size = int(draft.config.hidden_size)
+    sampling = SamplingConfig(**meta["sampling"])
+    t0 = time.perf_counter()
+    data = {name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft, target, size,
+                            sampling if name == "dev" else None)
+            for name in ("train", "dev")}
+    for spec in args.eval:
+        directory, _, split = spec.rpartition(":")
+        ev, _ = load_labelled(directory)
+        data[spec] = blocks_of([ev[split][i] for i in range(len(ev[split]))], draft, target, size)
+    diff = np.abs(data["dev"]["recomputed"] - data["dev"]["labels"])
+    print(f"index check on dev: |min(1, p/q) from target@0 and hidden - P| mean {diff.mean():.4f}, "
+          f"median {np.median(diff):.4f}, corr {np.corrcoef(data['dev']['recomputed'], data['dev']['labels'])[0, 1]:.4f}",
+          flush=True)
+    if np.corrcoef(data["dev"]["recomputed"], data["dev"]["labels"])[0, 1] < 0.9:
+        raise SystemExit("probe_features: the recomputed labels do not match the dataset's: the states are misplaced")
+    print(f"features in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {len(v['labels'])}" for k, v in data.items()),
+          flush=True)
+    sets = {k: v for k, v in FEATURE_SETS.items() if not args.sets or any(k.startswith(s) for s in args.sets)}
+    results = []
+    runs = [(name, names, "soft", False) for name, names in sets.items()]
+    if not args.sets:  # the training variants, on the best engine-visible set
+        runs += [("today's + topm, Bernoulli 0/1 targets", FEATURE_SETS["today's + topm"], "bernoulli", False),
+                 ("today's + topm, temperature-scaled on dev", FEATURE_SETS["today's + topm"], "soft", True)]
+    for name, names, targets, scale in runs:
+        t1 = time.perf_counter()
+        model, mean, std = fit(data["train"], data["dev"], names, args.epochs, args.seed, targets)
+        record = {"set": name, "blocks": names, "targets": targets, "splits": {}}
+        temperature = 1.0
+        if scale:
+            with torch.no_grad():
+                dev_logits = model(matrix(data["dev"], names, mean, std)[0])
+            temperature = temperature_scale(dev_logits, torch.from_numpy(data["dev"]["labels"]))
+            record["temperature"] = temperature
+        for split, d in data.items():
+            if split == "train":
+                continue
+            with torch.no_grad():
+                logits = model(matrix(d, names, mean, std)[0]) / temperature
+            record["splits"][split] = {**metrics(logits, torch.from_numpy(d["labels"])),
+                                       **margin(d, logits.numpy(), costs)}
+        record["fit_s"] = time.perf_counter() - t1
+        results.append(record)
+        print(json.dumps({"set": name, **{s: {k: round(v, 4) if isinstance(v, float) else v
+                                               for k, v in m.items() if k in ("AUROC", "KL", "KL_const", "share_of_perfect")}
+                                           for s, m in record["splits"].items()}}), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.json").write_text(json.dumps({"data": args.data, "cost_ratio": costs.ratio, "epochs": args.epochs,
+                                                "results": results}, indent=1) + "\n")
+    lines = [f"# Feature probe: {args.data} (cost ratio {costs.ratio:.3f})", "",
+             "| feature set | " + " | ".join(f"{s} AUROC | {s} KL (const) | {s} margin (perfect) | {s} share"
+                                              for s in results[0]["splits"]) + " |",
+             "|---|" + "---|---|---|---|" * len(results[0]["splits"])]
+    for r in results:
+        cells = []
+        for m in r["splits"].values():
+            cells += [f"{m['AUROC']:.3f}", f"{m['KL']:.4f} ({m['KL_const']:.4f})",
+                      f"{100 * m['probe']['margin']:+.1f}% ({100 * m['perfect_lag_free']['margin']:+.1f}%)",
+                      f"{m['share_of_perfect']:.2f}"]
+        lines.append(f"| {r['set']} | " + " | ".join(cells) + " |")
+    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
