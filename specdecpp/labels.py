@@ -160,7 +160,7 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
             runner.add_rows([torch.as_tensor(list(prompts[i][:-1]), dtype=torch.long, device=device) for i in new])
             rows += new
             pending += [int(prompts[i][-1]) for i in new]
-        logits = runner.feed([torch.tensor([t], device=device) for t in pending])[0][:, -1]
+        logits = runner.feed(list(torch.tensor(pending, device=device).unsqueeze(1)))[0][:, -1]  # one token per row
         probs = None
         if sampling.greedy:  # the argmax (the one-hot warp would sample it with certainty)
             tokens = logits.argmax(-1).tolist()

@@ -1,11 +1,15 @@
-"""A chi-square goodness-of-fit helper shared by the distribution tests."""
+"""The distribution tests' shared helpers: a chi-square goodness-of-fit test and the exact
+distribution of generated sequences by enumeration."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import numpy as np
+import torch
 from scipy import stats
+
+from specdecpp import warp
 
 
 def chi_square_pvalue(samples: list, expected: dict, min_expected: float = 5.0) -> float:
@@ -32,3 +36,28 @@ def chi_square_pvalue(samples: list, expected: dict, min_expected: float = 5.0) 
     exp_arr = np.array(exp)
     exp_arr *= n / exp_arr.sum()  # normalise away float rounding
     return float(stats.chisquare(np.array(obs), exp_arr).pvalue)
+
+
+def sequence_distribution(next_probs, prompt, n_tokens, eos=None):
+    """P(generated sequence) by enumeration when every position samples from ``next_probs(ids)``
+    (a probability vector after the token ids ``ids``): n_tokens, or fewer ending at EOS."""
+    dist = {}
+
+    def walk(ids, prob, out):
+        if len(out) == n_tokens or (out and out[-1] == eos):
+            dist[tuple(out)] = prob
+            return
+        with torch.no_grad():
+            probs = next_probs(ids)
+        for tok in range(probs.shape[-1]):
+            if float(probs[tok]) > 0:
+                walk(ids + [tok], prob * float(probs[tok]), out + [tok])
+
+    walk(list(prompt), 1.0, [])
+    return dist
+
+
+def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
+    """P(generated sequence) with the target alone: n_tokens, or fewer ending at EOS."""
+    return sequence_distribution(lambda ids: warp(target(torch.tensor([ids])).logits[0, -1], sampling),
+                                 prompt, n_tokens, eos)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats import chi_square_pvalue
+from stats import chi_square_pvalue, exact_distribution
 from test_exactness import (  # the registry's pairs and heads (fixtures), reused as they are
     DEVICES,
     PROMPT,
     SAMPLINGS,
+    assert_cache_is_fresh_prefill,
     cpu_pair6,  # noqa: F401
     cpu_pair32,  # noqa: F401
-    exact_distribution,
     on,
 )
 
@@ -35,8 +35,6 @@ from specdecpp import (
     StopPolicy,
     TargetOnly,
 )
-from specdecpp.compat import cache_kwargs
-from specdecpp.hooks import new_cache
 
 POLICIES = {
     "fixed_k3": lambda h: FixedK(3),
@@ -206,13 +204,7 @@ def test_every_rows_caches_equal_fresh_prefill(cpu_pair32, policy, sampling, com
             cache = out.caches[role]
             length = cache.get_seq_length()
             assert length == len(tokens) - 1 if role == "target" else 0 < length <= len(tokens) - 1
-            fresh = new_cache(model)
-            with torch.no_grad():
-                model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
-            for mine, ref in zip(cache.layers, fresh.layers, strict=True):
-                assert mine.keys.shape == ref.keys.shape
-                torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+            assert_cache_is_fresh_prefill(model, cache, tokens, length)
 
 
 @pytest.mark.parametrize("policy", ["svip", "paper_head", "lag_free_head"])

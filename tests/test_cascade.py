@@ -7,12 +7,10 @@ runs on CUDA under the ``gpu`` marker."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from stats import chi_square_pvalue
-from test_exactness import DEVICES, _pair6, exact_distribution, on
+from stats import chi_square_pvalue, exact_distribution, sequence_distribution
+from test_exactness import DEVICES, _pair6, on
 
 from specdecpp import SVIP, Cascade, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, warp
 from specdecpp.cascade import RULES
@@ -70,20 +68,11 @@ def test_a_cascade_must_be_a_cascade():
 # -- the decoder follows pi ---------------------------------------------------------------------------
 def pi_distribution(draft, target, cascade: Cascade, prompt, n_tokens, sampling):
     """P(first n_tokens) when every position samples from pi = T(q, p) of that prefix."""
-    dist = {}
-    for seq in itertools.product(range(target.config.vocab_size), repeat=n_tokens):
-        prob, ids = 1.0, list(prompt)
-        for tok in seq:
-            with torch.no_grad():
-                q = warp(draft(torch.tensor([ids])).logits[0, -1], sampling)
-                p = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
-            prob *= float(cascade.target(q, p)[tok])
-            if prob == 0:
-                break
-            ids.append(tok)
-        if prob > 0:
-            dist[seq] = prob
-    return dist
+    def pi(ids):
+        q = warp(draft(torch.tensor([ids])).logits[0, -1], sampling)
+        return cascade.target(q, warp(target(torch.tensor([ids])).logits[0, -1], sampling))
+
+    return sequence_distribution(pi, prompt, n_tokens)
 
 
 @pytest.fixture(scope="module")

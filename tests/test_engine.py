@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_lm
-from stats import chi_square_pvalue
+from stats import chi_square_pvalue, exact_distribution
 
 from specdecpp import (
     SVIP,
@@ -16,7 +16,6 @@ from specdecpp import (
     SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
-    warp,
 )
 
 
@@ -90,24 +89,6 @@ def test_greedy_stops_at_eos_like_the_target(pair32, name):
         assert out.tokens[0, -1].item() == eos and out.stats.n_generated == free.index(eos) + 1
         s = out.stats
         assert s.n_draft_calls + s.n_target_calls == s.n_generated + s.n_discarded
-
-
-def exact_distribution(target, prompt, n_tokens, sampling):
-    """P(first n_tokens generated) by enumeration with the target alone."""
-    vocab = target.config.vocab_size
-    dist = {}
-    for seq in itertools.product(range(vocab), repeat=n_tokens):
-        prob, ids = 1.0, list(prompt)
-        for tok in seq:
-            with torch.no_grad():
-                probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
-            prob *= float(probs[tok])
-            if prob == 0:
-                break
-            ids.append(tok)
-        if prob > 0:
-            dist[seq] = prob
-    return dist
 
 
 @pytest.fixture(scope="module")

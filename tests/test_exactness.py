@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_lm
-from stats import chi_square_pvalue
+from stats import chi_square_pvalue, exact_distribution
 from test_engine import noisy_copy
 
 from specdecpp import (
@@ -30,7 +30,6 @@ from specdecpp import (
     SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
-    warp,
 )
 from specdecpp.compat import cache_kwargs
 from specdecpp.hooks import new_cache
@@ -139,22 +138,15 @@ def on(device: str, pair):
             {k: copy.deepcopy(h).to(device) for k, h in heads.items()})
 
 
-def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
-    """P(generated sequence) by enumeration with the target alone: n_tokens, or fewer ending at EOS."""
-    dist = {}
-
-    def walk(ids, prob, out):
-        if len(out) == n_tokens or (out and out[-1] == eos):
-            dist[tuple(out)] = prob
-            return
-        with torch.no_grad():
-            probs = warp(target(torch.tensor([ids])).logits[0, -1], sampling)
-        for tok in range(probs.shape[-1]):
-            if float(probs[tok]) > 0:
-                walk(ids + [tok], prob * float(probs[tok]), out + [tok])
-
-    walk(list(prompt), 1.0, [])
-    return dist
+def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: int) -> None:
+    """``cache`` holds exactly what a fresh prefill of ``tokens[:length]`` computes."""
+    fresh = new_cache(model)
+    with torch.no_grad():
+        model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
+    for mine, ref in zip(cache.layers, fresh.layers, strict=True):
+        assert mine.keys.shape == ref.keys.shape
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -239,13 +231,7 @@ def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling
         cache = out.caches[role]
         length = cache.get_seq_length()
         assert length == len(tokens) - 1 if role == "target" else length <= len(tokens) - 1
-        fresh = new_cache(model)
-        with torch.no_grad():
-            model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
-        for mine, ref in zip(cache.layers, fresh.layers, strict=True):
-            assert mine.keys.shape == ref.keys.shape
-            torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+        assert_cache_is_fresh_prefill(model, cache, tokens, length)
 
 
 def test_the_distribution_test_rejects_the_draft_alone(cpu_pair6):

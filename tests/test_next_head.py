@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import tiny_lm
 from datasets import Dataset
-from stats import chi_square_pvalue
-from test_engine import ConstantHead, exact_distribution, noisy_copy
+from stats import chi_square_pvalue, exact_distribution
+from test_engine import ConstantHead, noisy_copy
 from test_train import base_overrides, random_rows, save_dataset, train_cfg
 
 from specdecpp import (

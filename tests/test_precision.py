@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_lm
-from stats import chi_square_pvalue
+from stats import chi_square_pvalue, exact_distribution
 from test_data_gen import make_cfg, prompts_file  # noqa: F401  (fixture)
-from test_engine import exact_distribution, noisy_copy
+from test_engine import noisy_copy
 
 from data_gen import run
 from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_lm
-from stats import chi_square_pvalue
-from test_engine import exact_distribution, noisy_copy
+from stats import chi_square_pvalue, exact_distribution
+from test_engine import noisy_copy
 
 from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, load_pair
 from specdecpp.labels import label_responses
