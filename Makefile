@@ -22,6 +22,7 @@ DEMO_LABEL_TOKENS ?= 96       # response length for data_gen
 DEMO_TEST_PROMPTS ?= 6        # bundled test prompts decoded by every method
 DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
+DEMO_TRAINER ?= cpu           # conf/trainer: cpu, or gpu (bf16-mixed on CUDA; scripts/gpu_checks.sh)
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
@@ -55,7 +56,7 @@ demo-data: demo-pair
 
 demo-head: demo-data
 	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
-		trainer=cpu logger=none
+		trainer=$(strip $(DEMO_TRAINER)) logger=none
 
 demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs)
 	test -f reports/demo/costs.json || $(PYTHON) -m infer.costs --limit 1 --max-new-tokens 16 \

@@ -106,13 +106,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts")
     ap.add_argument("--timing-steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="auto", help="auto (CUDA where present) | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="fast")
     ap.add_argument("--out", default="reports/batch/bench.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cache = os.environ.get("SPECDECPP_CACHE", ".cache")
     draft, target, tokenizer = load_pair(f"{cache}/{args.pair}/draft", f"{cache}/{args.pair}/target",
-                                         device="cpu", dtype=args.dtype)
+                                         device=args.device, dtype=args.dtype)
     eos = sorted(eos_token_ids(tokenizer, target))
     prompts = [q for source in ("bundled", "humaneval") for q in load_prompts(source, split="test", limit=args.prompts)]
     encoded = [(q.id, encode_prompt(tokenizer, q.prompt)) for q in prompts]
@@ -213,7 +214,7 @@ def main() -> None:
                 "accepted_per_candidate": sum(u["accepted"] for u in us) / max(sum(u["candidates"] for u in us), 1),
                 "discarded_per_token": sum(u["discarded"] for u in us) / tok.sum(),
             })
-    print(f"\n{machine_description()}, dtype "
+    print(f"\n{machine_description(target.device)}, dtype "
           f"{dtype_name(target.dtype)}, {len(encoded)} prompts x {args.repeats} passes, {args.max_new_tokens} tokens, "
           f"T=1 top-k 50; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print("| B | method | tokens/s | speedup vs target-only (95% CI) | Eq. 2.1 predicted tok/s (speedup) "
@@ -227,10 +228,10 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
-                               "args": vars(args), "threads": args.threads, "machine": machine_description(), "dtype": dtype_name(target.dtype),
+                               "args": vars(args), "threads": args.threads, "machine": machine_description(target.device), "dtype": dtype_name(target.dtype),
                                "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
     png = plot(table, out.with_suffix(".png"), f"demo pair, {dtype_name(target.dtype)}, T=1 top-k 50; dashed: Eq. 2.1 "
-               f"with t_draft(B), t_target(B, n)\n{machine_description()}")
+               f"with t_draft(B), t_target(B, n)\n{machine_description(target.device)}")
     print(f"written {out}, {png}")
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from specdecpp import (
 )
 from specdecpp.loading import dtype_name, eos_token_ids
 from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp.timing import machine_description
 from specdecpp_demo import demo_draft_path, demo_target_path
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -129,6 +129,8 @@ def measure_overlap(draft, target, draft_dir: str, context: torch.Tensor, steps:
     res = {"draft_alone_ms": _median_ms(_forward_loop(draft, context, 1, 3 * steps))}
     for width in (1, 4):
         res[f"target{width}_alone_ms"] = _median_ms(_forward_loop(target, context, width, steps))
+    if context.device.type != "cpu":  # the timer synchronises the whole device: only the forwards alone
+        return res
     if os.cpu_count() and os.cpu_count() >= 2:  # two threads for the target alone
         torch.set_num_threads(2)
         res["target1_alone_2threads_ms"] = _median_ms(_forward_loop(target, context, 1, steps))
@@ -233,6 +235,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (top-k 50 otherwise)")
     parser.add_argument("--overlap", action="store_true",
                         help="first measure how much draft and target slow each other when run at once")
+    parser.add_argument("--device", default="auto", help="auto (CUDA where present) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="fast", help="precision of both models (default fast, as the demo pair: "
                         "bf16 on CPUs with native bf16, else float32) | auto | float32 | bfloat16")
     parser.add_argument("--out", help="write the rows and the summary as JSON here")
@@ -251,14 +254,14 @@ def main(argv=None) -> None:
         args.target = args.target or str(demo_target_path())
         args.draft = args.draft or str(demo_draft_path())
     torch.set_num_threads(1)
-    draft, target, tok = load_pair(args.draft, args.target, "cpu", args.dtype)
+    draft, target, tok = load_pair(args.draft, args.target, args.device, args.dtype)
     eos = sorted(eos_token_ids(tok, target))
     prompts = [(f"bundled/{p.id}", p) for p in load_prompts("bundled", split="test", limit=args.prompts)]
     prompts += [(f"humaneval/{p.id}", p) for p in load_prompts("humaneval", split="test", limit=args.prompts)]
     sampling = SamplingConfig(temperature=args.temperature, top_k=50)
     methods = build_methods(draft, target, args.ks, args.gammas, args.svip_gamma, args.svip_threshold, sampling,
                             args.ks_2threads)
-    warm = torch.tensor([encode_prompt(tok, prompts[0][1].prompt)])
+    warm = torch.tensor([encode_prompt(tok, prompts[0][1].prompt)], device=target.device)
     overlap = None
     if args.overlap:
         overlap = measure_overlap(draft, target, args.draft, warm)
@@ -269,7 +272,7 @@ def main(argv=None) -> None:
         m.run(warm, 8, 0, eos)
     t_start = time.time()
     for i, (pid, p) in enumerate(prompts):
-        ids = torch.tensor([encode_prompt(tok, p.prompt)])
+        ids = torch.tensor([encode_prompt(tok, p.prompt)], device=target.device)
         for m in methods:
             out = m.run(ids, args.max_new_tokens, prompt_seed(args.seed, pid), eos)
             row = {"prompt_id": pid, "timed": True, **out.stats.to_dict()}
@@ -279,8 +282,7 @@ def main(argv=None) -> None:
     load_after = os.getloadavg()
     text, summary = table(methods, len(prompts), overlap)
     auto = next((m.decoder for m in methods if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{dtype_name(target.dtype)}; load average (1/5/15 min) before {load_before}, after {load_after}; "
+    machine = (f"{machine_description(target.device)}, {dtype_name(target.dtype)}; load average (1/5/15 min) before {load_before}, after {load_after}; "
                f"{(time.time() - t_start) / 60:.1f} min")
     print(f"\n{len(prompts)} prompts ({args.prompts} bundled test + {args.prompts} HumanEval), "
           f"{args.max_new_tokens} new tokens, {'greedy' if sampling.greedy else f'T={args.temperature:g}, top-k 50'}, "

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The checks a lent CUDA machine runs (docs/gpu.md): scripts/gpu_checks.sh STAGE [STAGE ...]
+#   setup    install carried wheels (.whl/*.whl, for an image without hydra/datasets/gguf) and this repo
+#   tests    pytest -m gpu: the CUDA twins of every exactness test (chain, tree, batch, PEARL, cascades)
+#   pair     materialise the demo pair from a local GGUF ($GGUF, or the parts $GGUF_PARTS/part* joined)
+#   demo     make demo's stages on CUDA (data_gen, the head on the GPU, costs, potential, infer, report)
+#   bench    the benchmark on CUDA at a reduced size: costs, Sequoia's tree, every method, report
+#   pearl    PEARL (draft and target on two CUDA streams) against target-only and fixed K
+#   batch    batches of 1, 4, 16 on CUDA
+# Every stage writes its log to $LOGS (default reports/gpu) and resumes where an earlier call stopped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOGS=${LOGS:-reports/gpu}
+export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$HOME/.cache/specdecpp} HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # where setup puts carried wheels
+mkdir -p "$LOGS"
+
+run() {  # run NAME CMD...: log to $LOGS/NAME.log, report the exit status
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$LOGS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    return "$rc"
+}
+
+for stage in "$@"; do
+    case $stage in
+    setup)
+        if ! $PY -c "import hydra, datasets, gguf" 2>/dev/null; then
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+        fi
+        if ! $PY -c "import datasets" 2>/dev/null && ls .whl/alt/*.whl >/dev/null 2>&1; then  # an older pyarrow
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/alt/*.whl
+        fi
+        $PY -c "import datasets, hydra, gguf; print('datasets', datasets.__version__, 'hydra', hydra.__version__)" || exit 1
+        $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed: using PYTHONPATH"
+        command -v make >/dev/null || echo "no make on this machine"
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+        ;;
+    tests)
+        run tests $PY -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" --durations=10 tests ;;
+    pair)
+        if [ -n "${GGUF_PARTS:-}" ]; then
+            GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+            cat "$GGUF_PARTS"/part* > "$GGUF"
+        fi
+        run pair $PY -m specdecpp_demo ${GGUF:+--gguf "$GGUF"} ;;
+    demo)
+        run demo make --no-print-directory demo-report PYTHON="$PY" DEMO_TRAINER=gpu ;;
+    bench)
+        run bench make --no-print-directory bench-report PYTHON="$PY" BENCH_PROMPTS="${BENCH_PROMPTS:-6}" ;;
+    pearl)
+        run pearl $PY scripts/bench_pearl.py --prompts "${PEARL_PROMPTS:-4}" --max-new-tokens 64 --overlap \
+            --svip-gamma 4 --out reports/pearl/bench_cuda.json ;;
+    batch)
+        run batch $PY scripts/bench_batch.py --prompts "${BATCH_PROMPTS:-16}" --max-new-tokens 48 --batch-sizes 1 4 16 \
+            --fixed-k 1 2 --fill --repeats 1 --timing-steps 10 --out reports/batch/bench_cuda.json ;;
+    *)
+        echo "unknown stage $stage" >&2; exit 2 ;;
+    esac
+done
