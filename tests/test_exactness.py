@@ -139,14 +139,16 @@ def on(device: str, pair):
 
 
 def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: int) -> None:
-    """``cache`` holds exactly what a fresh prefill of ``tokens[:length]`` computes."""
+    """``cache`` holds exactly what a fresh prefill of ``tokens[:length]`` computes (to float32
+    rounding: CUDA's kernels for a batch of ragged rows and for one row differ by about 2e-5)."""
+    atol, rtol = (1e-5, 1e-4) if tokens.device.type == "cpu" else (1e-4, 1e-3)
     fresh = new_cache(model)
     with torch.no_grad():
         model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
     for mine, ref in zip(cache.layers, fresh.layers, strict=True):
         assert mine.keys.shape == ref.keys.shape
-        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.keys, ref.keys, atol=atol, rtol=rtol)
+        torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
