@@ -42,7 +42,7 @@ for stage in "$@"; do
         $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
         ;;
     tests)
-        workers=()  # pytest-xdist where installed: the twins take over 12 minutes on one H100 unsplit
+        workers=()  # pytest-xdist where installed: the twins took over 12 minutes on an H100 with 16 workers
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         run tests $PY -m pytest -m gpu -q -p no:cacheprovider "${workers[@]}" --durations=10 tests ;;
     pair)
