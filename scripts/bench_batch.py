@@ -214,7 +214,8 @@ def main() -> None:
                 "accepted_per_candidate": sum(u["accepted"] for u in us) / max(sum(u["candidates"] for u in us), 1),
                 "discarded_per_token": sum(u["discarded"] for u in us) / tok.sum(),
             })
-    print(f"\n{machine_description(target.device)}, dtype "
+    machine = machine_description(target.device)
+    print(f"\n{machine}, dtype "
           f"{dtype_name(target.dtype)}, {len(encoded)} prompts x {args.repeats} passes, {args.max_new_tokens} tokens, "
           f"T=1 top-k 50; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print("| B | method | tokens/s | speedup vs target-only (95% CI) | Eq. 2.1 predicted tok/s (speedup) "
@@ -228,10 +229,10 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
-                               "args": vars(args), "threads": args.threads, "machine": machine_description(target.device), "dtype": dtype_name(target.dtype),
+                               "args": vars(args), "threads": args.threads, "machine": machine, "dtype": dtype_name(target.dtype),
                                "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
     png = plot(table, out.with_suffix(".png"), f"demo pair, {dtype_name(target.dtype)}, T=1 top-k 50; dashed: Eq. 2.1 "
-               f"with t_draft(B), t_target(B, n)\n{machine_description(target.device)}")
+               f"with t_draft(B), t_target(B, n)\n{machine}")
     print(f"written {out}, {png}")
 
 

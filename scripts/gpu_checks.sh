@@ -32,9 +32,6 @@ for stage in "$@"; do
         if ! $PY -c "import hydra, datasets, gguf" 2>/dev/null; then
             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
         fi
-        if ! $PY -c "import datasets" 2>/dev/null && ls .whl/alt/*.whl >/dev/null 2>&1; then  # an older pyarrow
-            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/alt/*.whl
-        fi
         $PY -c "import datasets, hydra, gguf; print('datasets', datasets.__version__, 'hydra', hydra.__version__)" || exit 1
         $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed: using PYTHONPATH"
         command -v make >/dev/null || echo "no make on this machine"
