@@ -78,6 +78,26 @@ def tree_lines(group: dict) -> str:
     return "\n".join(lines)
 
 
+def baseline_lines(group: dict) -> str:
+    """Each method against the fastest fixed K and the fastest SVIP of the same table, paired."""
+    lines = []
+    for e in group["entries"]:
+        cells = []
+        for method, v in e.get("vs_best", {}).items():
+            ci = v["ci95"]
+            verdict = ("" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1
+                       else " (not told apart)")
+            cells.append(f"{v['ratio']:.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+                         + f" over {method} {v['tag']}{verdict}")
+        if cells and e["method"] not in ("fixed_k", "svip"):
+            lines.append(f"- {e['method']} {e['tag'] if e['settings'] else '-'}: " + "; ".join(cells))
+    if not lines:
+        return ""
+    return ("Against the fastest fixed K and the fastest SVIP in this table (tokens/s ratio, 95% bootstrap "
+            "interval over the same resampled prompts; the fastest setting is picked on these prompts, which "
+            "favours the baseline):\n\n" + "\n".join(lines))
+
+
 def fit_line(group: dict) -> str:
     fit = group["fit"]
     if fit is None:
@@ -125,6 +145,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
             f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
         ]
+        if baseline_lines(g):
+            sections.append(baseline_lines(g) + "\n")
         if tree_lines(g):
             sections.append(tree_lines(g) + "\n")
         if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):

@@ -195,6 +195,41 @@ def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 100
     return paired_ratio_interval(*cols, n_resamples=n_boot, seed=seed, level=level)
 
 
+BASELINES = ("fixed_k", "svip")  # what a learned stop policy must beat (issue 24): each one's best setting
+
+
+def _run_key(entry: dict) -> tuple:
+    return (entry["method"], entry["tag"], repr(sorted(entry["settings"].items())))
+
+
+def _batching(rows: list[dict]) -> tuple:
+    return (rows[0].get("batch_size", 1), bool(rows[0].get("batch_fill")))
+
+
+def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
+    """Each timed entry's tokens/s over the fastest timed setting of each baseline method (fixed K,
+    SVIP) at the same batching, with a paired 95% bootstrap interval over prompts (the same
+    resampled prompts for both): ``entry["vs_best"][method] = {"tag", "ratio", "ci95"}``. The best
+    setting is picked on these same prompts, which favours the baseline (a conservative test for the
+    challenger)."""
+    rows_of = {_run_key(e): by_run[_run_key(e)] for e in entries}
+    for e in entries:
+        e["vs_best"] = {}
+    for method in BASELINES:
+        for batching in {_batching(rows_of[_run_key(e)]) for e in entries}:
+            pool = [e for e in entries if e["method"] == method and e["timed"] and e["tokens_per_s"]
+                    and _batching(rows_of[_run_key(e)]) == batching]
+            if not pool:
+                continue
+            best = max(pool, key=lambda e: e["tokens_per_s"])
+            for e in entries:
+                if e is best or not (e["timed"] and e["tokens_per_s"]) or e["method"] == "target_only" \
+                        or _batching(rows_of[_run_key(e)]) != batching:
+                    continue
+                e["vs_best"][method] = {"tag": best["tag"], "ratio": e["tokens_per_s"] / best["tokens_per_s"],
+                                        "ci95": paired_speedup_ci(rows_of[_run_key(e)], rows_of[_run_key(best)])}
+
+
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
     by_run = defaultdict(list)
@@ -219,6 +254,7 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
         if base_width and e["method"] not in CONCURRENT_METHODS:
             latency = latency_of(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
+    add_best_baseline_ratios(entries, by_run)
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
             "greedy": rows[0]["sampling"]["temperature"] == 0}

@@ -718,3 +718,40 @@ def test_batched_speedup_interval_is_over_calls():
     cols = np.array([[sum(a), wa, sum(b), wb] for (a, wa), (b, wb) in zip(mine, base, strict=True)], dtype=float).T
     assert got == pytest.approx(paired_ratio_interval(*cols, n_resamples=1000, seed=0, level=0.95))
     assert paired_speedup_ci(rows(mine[:1]), rows(base[:1])) is None  # one call: no interval
+
+
+def test_report_pairs_each_method_with_the_fastest_fixed_k_and_svip(tmp_path):
+    """The 'against the best baselines' lines: ratio over the fastest fixed K and SVIP setting,
+    recomputed here from the rows, with the paired interval over prompts and a verdict."""
+    from infer.summary import paired_speedup_ci
+
+    rng = np.random.default_rng(1)
+    rows, svip = [], {"threshold": 0.5, "c": 0.15, "max_candidates": 40}
+    for i in range(30):
+        noise = rng.uniform(0.9, 1.1)  # a prompt's load, shared by every method (paired)
+        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 25, 25, 1.00 * noise))
+        rows.append(_row("fixed_k", "k1", {"k": 1}, f"p{i}", 14, 12, 25, 0.80 * noise * rng.uniform(0.99, 1.01)))
+        rows.append(_row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, 25, 0.90 * noise))
+        rows.append(_row("svip", "h0.5", svip, f"p{i}", 14, 12, 25, 0.78 * noise * rng.uniform(0.99, 1.01)))
+        rows.append(_row("specdecpp", "fast", {"threshold": 0.5}, f"p{i}", 14, 12, 25, 0.70 * noise * rng.uniform(0.99, 1.01)))
+        rows.append(_row("specdecpp", "slow", {"threshold": 0.9}, f"p{i}", 14, 12, 25, 0.95 * noise))
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report(res.parent, tmp_path / "report")
+    entries = {e["tag"]: e for e in report["groups"][0]["entries"]}
+    by_tag = {t: [r for r in rows if r["tag"] == t] for t in entries}
+
+    def tps(tag):
+        return sum(r["n_generated"] for r in by_tag[tag]) / sum(r["wall_time_s"] for r in by_tag[tag])
+
+    fast = entries["fast"]["vs_best"]
+    assert fast["fixed_k"]["tag"] == "k1" and fast["svip"]["tag"] == "h0.5"  # the fastest of each
+    assert fast["fixed_k"]["ratio"] == pytest.approx(tps("fast") / tps("k1"))
+    assert fast["fixed_k"]["ci95"] == pytest.approx(paired_speedup_ci(by_tag["fast"], by_tag["k1"]))
+    assert fast["fixed_k"]["ci95"][0] > 1 and entries["slow"]["vs_best"]["svip"]["ci95"][1] < 1
+    assert "fixed_k" not in entries["k1"]["vs_best"] and "svip" in entries["k1"]["vs_best"]  # not against itself
+    assert entries["base"]["vs_best"] == {}
+    text = report["report"].read_text()
+    assert f"- specdecpp fast: {tps('fast') / tps('k1'):.3f}x" in text and "over fixed_k k1 (faster)" in text
+    assert "over svip h0.5 (slower)" in text
