@@ -154,7 +154,8 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
                     for head, out, done in zip(heads, preds, in_target, strict=True):
                         if done:
                             continue
-                        x = at if head.lag else lag_free_features(draft, before, seq[pos], head.feature_spec())
+                        x = at if head.lag else lag_free_features(draft, before, seq[pos], head.feature_spec(),
+                                                                   pos - len(raw_rows[j]["prompt_ids"]))
                         out[j][new] = torch.sigmoid(head(x.float())).reshape(-1).double().numpy()[fill]
                     filled[j][new] = True
     return preds

@@ -23,6 +23,8 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
   before verifying, it is the control that shows the probe learns when the information is there;
 - ``tnum@d``: the entropy and the 8 largest probabilities of the target's distribution at the
   ``target@d`` state (the engine has these logits from the last verification for d >= 1);
+- ``position``: log(1 + i) for the candidate's index i in the response (the lag-free head's optional
+  ``position`` feature, which the engine hands a head that asks for it);
 - ``history``: the labels P_{i-1} and P_{i-2} themselves (with indicators at the response start):
   an upper bound on what the outcomes of earlier rounds could tell (the engine sees only their
   Bernoulli outcomes, and none for the candidates of the current round).
@@ -66,6 +68,11 @@ FEATURE_SETS = {  # name -> the blocks concatenated
     "today's lag-free head (hidden, embedding, q numbers)": ["hidden", "embedding", "q"],
     "today's + topm": ["hidden", "embedding", "q", "topm"],
     "today's + topm + history (P_{i-1}, P_{i-2})": ["hidden", "embedding", "q", "topm", "history"],
+    "q numbers + position": ["q", "position"],
+    "today's + topm + position (log(1 + i), i the index in the response)": ["hidden", "embedding", "q", "topm",
+                                                                            "position"],
+    "today's + topm + position + target@1 + tnum@1 + history": ["hidden", "embedding", "q", "topm", "position",
+                                                                "target@1", "tnum@1", "history"],
     "today's + topm + tnum@1 (entropy, top-8 of p one position back)": ["hidden", "embedding", "q", "topm", "tnum@1"],
     "today's + topm + target@2 + tnum@2": ["hidden", "embedding", "q", "topm", "target@2", "tnum@2"],
     "today's + topm + target@1 + tnum@1": ["hidden", "embedding", "q", "topm", "target@1", "tnum@1"],
@@ -82,7 +89,7 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
     (the check that the states sit where the docstring says)."""
     from specdecpp.sampling import warp
 
-    out = {k: [] for k in ("hidden", "embedding", "q", "topm", "target@0", "target@1", "target@2", "history",
+    out = {k: [] for k in ("hidden", "embedding", "q", "topm", "position", "target@0", "target@1", "target@2", "history",
                            "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
     h = hidden_size
     for a in range(0, len(rows), batch):
@@ -120,6 +127,7 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
             prev2 = torch.cat([torch.zeros(2), p[:-2]])[:n]
             idx = torch.arange(n)
             out["history"].append(torch.stack([prev1, prev2, (idx >= 1).float(), (idx >= 2).float()], -1))
+            out["position"].append(torch.log1p(idx.float())[:, None])  # as specdecpp.head's `position` feature
             out["labels"].append(p)
             out["row_len"].append(torch.tensor([n]))
     return {k: torch.cat(v).numpy() for k, v in out.items() if v}

@@ -249,7 +249,7 @@ class BatchDrafter:
         drafting = [c > 0 for c in counts]  # the host's copy of ``active``
         if not any(drafting):
             return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
-        self.policy.new_round()
+        self.policy.begin_round(torch.tensor([s.n - s.prompt_len for s in seqs], device=device))
         active = torch.tensor(drafting, device=device)  # the policy still drafts this row
         bounded = active.clone()  # the row is below its count and drew no EOS yet
         limit = torch.tensor(counts, device=device)

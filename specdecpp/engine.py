@@ -133,7 +133,8 @@ class SpeculativeDecoder:
         with drafter:
             while not seq.finished:
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
-                block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen)
+                block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen,
+                                      generated=n - seq.prompt_len)
                 k = block.k
                 logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
                 n_acc, token = self.rule(seq.tokens[n : n + k], block.q, logits, gen, draft_logits=block.draft_logits,

@@ -86,9 +86,12 @@ class AcceptanceHead(nn.Module):
         """What a training feature is made of (train's feature cache keys on it)."""
         return {"kind": self.kind}
 
-    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    needs_position = False  # reads no candidate's position in the response (the lag-free head may)
+
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
         """The logit for one candidate at inference: ``hidden`` is the draft's state at the
-        candidate (``logits`` and ``token`` are not used by this kind)."""
+        candidate (``logits``, ``token`` and ``positions`` are not used by this kind)."""
         return self(hidden.float())
 
     def attach(self, draft_model) -> None:
@@ -169,8 +172,9 @@ class AcceptanceHead(nn.Module):
 NEXT_FEATURES = ("hidden", "embedding", "prob", "logprob", "entropy")  # the default set (today's heads)
 # Optional features a head may also ask for (recorded in its config.json ``features``; a head saved
 # before they existed has none of them): ``topm`` the ``top_m`` largest probabilities of q_T, sorted
-# (the shape of the draft's distribution, beyond its entropy).
-OPTIONAL_FEATURES = ("topm",)
+# (the shape of the draft's distribution, beyond its entropy); ``position`` log(1 + i) for the
+# candidate's 0-based index i in the response (how far decoding has got; issue 24).
+OPTIONAL_FEATURES = ("topm", "position")
 ALL_NEXT_FEATURES = NEXT_FEATURES + OPTIONAL_FEATURES
 SCALAR_FEATURES = ("prob", "logprob", "entropy")
 DEFAULT_TOP_M = 8
@@ -184,14 +188,16 @@ def feature_width(name: str, hidden_size: int, top_m: int = DEFAULT_TOP_M) -> in
 
 
 def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, embedding,
-                        temperature: float, features=NEXT_FEATURES, top_m: int = DEFAULT_TOP_M) -> torch.Tensor:
+                        temperature: float, features=NEXT_FEATURES, top_m: int = DEFAULT_TOP_M,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """The lag-free head's input for candidates y drafted from the draft states ``hidden`` [..., H]
     (the states that produced q) with raw logits ``logits`` [..., V]; ``tokens`` [...] are the
     sampled candidates, ``embedding`` the draft's input embedding module.
 
     In the order of ``features``: ``hidden`` e_{k-1}; ``embedding`` the input embedding of y_k;
     ``prob`` / ``logprob`` q_T(y_k) and its log, ``entropy`` H(q_T), ``topm`` the ``top_m`` largest
-    probabilities of q_T in decreasing order, where q_T = softmax(logits / T)
+    probabilities of q_T in decreasing order, ``position`` log(1 + i) for each candidate's 0-based
+    index i in the response (``positions`` [...], needed only by this feature), where q_T = softmax(logits / T)
     over the whole vocabulary (T = ``temperature``, 1 under greedy decoding, as SVIP's entropy; a
     reduced output vocabulary's -inf logits add nothing). One function for train and inference, so
     the engine hands the head exactly the features it was trained on."""
@@ -211,6 +217,14 @@ def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torc
             parts.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True))
         elif name == "topm":
             parts.append(logp.topk(top_m, dim=-1).values.exp())
+        elif name == "position":
+            if positions is None:
+                raise ValueError("the lag-free head's `position` feature needs each candidate's index in the "
+                                 "response (positions), and none was given")
+            positions = torch.as_tensor(positions, device=hidden.device)
+            if positions.shape != tokens.shape:
+                raise ValueError(f"positions {tuple(positions.shape)} must have the candidates' shape {tuple(tokens.shape)}")
+            parts.append(torch.log1p(positions.float()).unsqueeze(-1))
         else:
             raise ValueError(f"unknown lag-free head feature {name!r}; choose from {list(ALL_NEXT_FEATURES)}")
     return torch.cat(parts, dim=-1)
@@ -271,17 +285,25 @@ class NextTokenHead(AcceptanceHead):
             x = block(x)
         return self.out(x).squeeze(-1)
 
-    def features_of(self, hidden, logits, tokens, embedding=None, temperature: float | None = None) -> torch.Tensor:
+    @property
+    def needs_position(self) -> bool:
+        """The head reads each candidate's index in the response (the ``position`` feature)."""
+        return "position" in self.features
+
+    def features_of(self, hidden, logits, tokens, embedding=None, temperature: float | None = None,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
         embedding = embedding if embedding is not None else self.__dict__["_embedding"]
         if embedding is None and "embedding" in self.features:
             raise RuntimeError("NextTokenHead needs the draft's token embedding: call head.attach(draft) first")
         return next_token_features(hidden, logits, tokens, embedding,
                                    self.temperature if temperature is None else temperature, self.features,
-                                   self.top_m)
+                                   self.top_m, positions)
 
-    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The logit for candidate y_k: ``hidden`` e_{k-1}, ``logits`` the raw logits of q_k."""
-        return self(self.features_of(hidden, logits, token))
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The logit for candidate y_k: ``hidden`` e_{k-1}, ``logits`` the raw logits of q_k,
+        ``positions`` y_k's index in the response (read only by the ``position`` feature)."""
+        return self(self.features_of(hidden, logits, token, positions=positions))
 
     def attach(self, draft_model) -> None:
         super().attach(draft_model)

@@ -84,7 +84,8 @@ def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int 
     if spec is None or spec.get("kind", "resnet") == "resnet":
         return draft_features(draft, sequences, positions), [e[2] for e in examples]
     hidden = draft_features(draft, sequences, [p - 1 for p in positions])  # the states that produced q_i
-    return ([lag_free_features(draft, h, seq[pos], spec) for h, seq, pos in zip(hidden, sequences, positions, strict=True)],
+    return ([lag_free_features(draft, h, seq[pos], spec, pos - len(r["prompt_ids"]))
+             for h, seq, pos, r in zip(hidden, sequences, positions, rows, strict=True)],
             [e[2] for e in examples])
 
 
@@ -120,19 +121,23 @@ def target_context_features(draft, rows: list[dict], spec: dict):
         positions.append(len(prompt) - 1 + torch.arange(len(x)))  # the state that produced q_i
         labels.append(torch.as_tensor(r["p_acc"], dtype=torch.float32))
     hidden = draft_features(draft, sequences, positions)
-    feats = [lag_free_features(draft, h, torch.as_tensor(r["draft_ids"], dtype=torch.long), spec)
+    feats = [lag_free_features(draft, h, torch.as_tensor(r["draft_ids"], dtype=torch.long), spec,
+                               torch.arange(len(r["draft_ids"])))
              for h, r in zip(hidden, rows, strict=True)]
     return feats, labels
 
 
 @torch.no_grad()
-def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
+def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: dict,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """The lag-free head's features of candidates ``tokens`` [n] drafted from the states ``hidden``
-    [n, H] (the draft's logits recomputed from them by its output layer)."""
+    [n, H] (the draft's logits recomputed from them by its output layer); ``positions`` [n] are the
+    candidates' 0-based indices in the response (read by the ``position`` feature only)."""
     logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
     return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
                                float(spec["temperature"]), tuple(spec["features"]),
-                               **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}))
+                               **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}),
+                               positions=None if positions is None else positions.to(hidden.device))
 
 
 @torch.no_grad()

@@ -231,7 +231,8 @@ class PEARLDecoder:
                 if m and drafter.stop_at_eos and int(seq.tokens[n + m - 1]) in seq.eos:
                     count = 0  # the pending drafts end on EOS: nothing can follow it
                 if count:
-                    worker.submit(lambda start=n + m, count=count: drafter.block(seq.tokens, start, count, draft_gen))
+                    worker.submit(lambda start=n + m, count=count: drafter.block(seq.tokens, start, count, draft_gen,
+                                                                                     start - seq.prompt_len))
                 t0 = clock.now()
                 # p(. | tokens[:n + i]) for i = 0..m: tests the m pending drafts and the block's first
                 logits = target.feed(seq.tokens[target.length : n + m], n_logits=m + 1)[0]

@@ -61,6 +61,14 @@ class StopPolicy:
     def new_round(self) -> None:
         """Called before the first candidate of each round."""
 
+    def begin_round(self, generated=None) -> None:
+        """What a decoder calls before the first candidate of each round: ``generated`` is how many
+        response tokens are committed before it (an int, or a LongTensor [B] for a batch's rows; None
+        from a decoder that does not say), so the round's k-th candidate is the response's token
+        ``generated + k - 1`` (0-based). Stores it as ``self.generated`` and calls ``new_round``."""
+        self.generated = generated
+        self.new_round()
+
     def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor,
                     token: torch.Tensor | None = None) -> bool:
         raise NotImplementedError
@@ -193,8 +201,21 @@ class SpecDecPP(StopPolicy):
             self._p_all_accepted = torch.ones(logits.shape[0], dtype=torch.float64, device=logits.device)
         # lag 0: y_k from e_{k-1} (hidden), q_k (logits) and y_k; lag 1: y_{k-1} from e_{k-1}
         if k > self.head.lag:
-            self._p_all_accepted *= torch.sigmoid(self.head.score(hidden, logits, tokens)).double()
+            self._p_all_accepted *= torch.sigmoid(self.head.score(hidden, logits, tokens,
+                                                                  self._positions(k, tokens))).double()
         return (1.0 - self._p_all_accepted > self.threshold) & (k >= self.min_candidates)
+
+    def _positions(self, k: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The response index of each row's candidate y_k (the ``position`` feature), else None."""
+        if not self.head.needs_position:
+            return None
+        generated = getattr(self, "generated", None)
+        if generated is None:
+            raise RuntimeError("SpecDecPP: this head reads each candidate's position in the response (feature "
+                               "`position`), and the decoder did not say where the round starts: decoders call "
+                               "policy.begin_round(generated) before each round")
+        base = torch.as_tensor(generated, device=tokens.device).reshape(-1)
+        return (base + (k - 1)).expand(tokens.shape[0]) if base.numel() == 1 else base + (k - 1)
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "min_candidates": self.min_candidates,

@@ -221,12 +221,14 @@ class Drafter:
     def __exit__(self, *exc) -> None:
         self.runner.__exit__(*exc)
 
-    def block(self, seq: torch.Tensor, start: int, count: int, gen: torch.Generator | None) -> Block:
-        """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``."""
+    def block(self, seq: torch.Tensor, start: int, count: int, gen: torch.Generator | None,
+              generated: int | None = None) -> Block:
+        """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``; ``generated``:
+        the response tokens before ``start`` (``StopPolicy.begin_round``)."""
         t0 = self.clock.now()
         cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
         kept_logits = []
-        policy.new_round()
+        policy.begin_round(generated)
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])
             if cfg.greedy:  # the argmax; verification needs no q

@@ -168,8 +168,8 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
             super().__init__(32, depth=1, features=features, **({"top_m": top_m} if top_m else {}))
             self.calls = []
 
-        def score(self, hidden, logits, token):
-            feats = self.features_of(hidden, logits, token)
+        def score(self, hidden, logits, token, positions=None):
+            feats = self.features_of(hidden, logits, token, positions=positions)
             self.calls.append((int(token), feats.detach().reshape(-1).clone()))  # one row (a batch of 1)
             return torch.full(token.shape, 2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
 
@@ -195,7 +195,7 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
     cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
                               feature_size=spy.feature_size).row(0)
     (in_target_context,), _ = mixed_features(draft, [row], ratio=0.15, seed=0, spec={**spec, "context": "target"})
-    width = 2 * 32 + 3 + (top_m or 0)
+    width = 2 * 32 + 3 + (top_m + 1 if top_m else 0)  # every feature: topm (top_m) and position (1) too
     assert raw.shape == cached.shape == in_target_context.shape == (len(response), width) and spy.feature_size == width
 
     checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
@@ -211,6 +211,76 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
             checked["k=1" if k == 1 else "k>=2"] += 1
         n += accepted + 1
     assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
+
+
+@pytest.mark.parametrize("fill", [False, True], ids=["per-row", "fill"])
+def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, monkeypatch, fill):
+    """generate_batch scores every row's candidates at once: each row's committed candidates get the
+    features train computes from that row's output, the position feature included (each row at its
+    own index in its own response, rows leaving the batch as they finish)."""
+    import specdecpp.batch as batch_mod
+
+    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
+    features = ALL_NEXT_FEATURES
+
+    class Spy(NextTokenHead):
+        def __init__(self):
+            super().__init__(32, depth=1, features=features, top_m=5)
+
+        def score(self, hidden, logits, token, positions=None):
+            feats = self.features_of(hidden, logits, token, positions=positions)
+            self.round.append((self.k, self.active.clone(), token.clone(), feats.detach().clone()))
+            return torch.full(token.shape, 2.0)
+
+    live = {}
+    original = batch_mod.BatchDrafter.block
+
+    def block(self, seqs, counts, gens):
+        live["seqs"] = list(seqs)  # which prompts the round's rows are, and their committed response lengths
+        live["starts"] = [s.n - s.prompt_len for s in seqs]
+        return original(self, seqs, counts, gens)
+
+    monkeypatch.setattr(batch_mod.BatchDrafter, "block", block)
+
+    class Recorder(SpecDecPP):
+        def new_round(self):
+            super().new_round()
+            self.head.round = []
+            self.rounds.append((live["seqs"], live["starts"], self.head.round))
+
+        def stop_rows(self, k, logits, hidden, tokens, active):
+            self.head.k, self.head.active = k, active
+            return super().stop_rows(k, logits, hidden, tokens, active)
+
+    spy = Spy()
+    policy = Recorder(spy, threshold=0.6, max_candidates=6)
+    policy.rounds = []
+    prompts = [[5, 9, 13, 2, 7], [3, 1], [8, 8, 4, 6, 10, 12, 1], [2, 11, 7]]
+    gens = [torch.Generator().manual_seed(10 + j) for j in range(len(prompts))]
+    outs = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=1.0)).generate_batch(
+        [torch.tensor(p) for p in prompts], max_new_tokens=30, generators=gens, batch_size=3,
+        fill=fill)
+    responses = {tuple(p): o.tokens[0, len(p):].tolist() for p, o in zip(prompts, outs, strict=True)}
+    spec = spy.feature_spec()
+    train_features = {}
+    for p, resp in responses.items():
+        row = {"row": 0, "prompt_ids": torch.tensor(p), "target_ids": torch.tensor(resp),
+               "draft_ids": torch.tensor(resp), "p_acc": torch.ones(len(resp))}
+        (train_features[p],), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=spec)
+    checked = 0
+    for seqs, starts, calls in policy.rounds:
+        for b, s in enumerate(seqs):
+            p = tuple(s.tokens[: s.prompt_len].tolist())
+            resp = responses[p]
+            for k, active, tokens, feats in calls:  # k = 1, 2, ...: y_k of every row
+                if not active[b]:
+                    break  # the row stopped drafting (fill: it drafts on, but the test reads the policy's rows)
+                j = starts[b] + k - 1  # y_k's index in the row's response
+                if j >= len(resp) or resp[j] != int(tokens[b]):
+                    break  # rejected (a rejected candidate never equals what replaces it): the rest is discarded
+                torch.testing.assert_close(feats[b], train_features[p][j], atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked >= 20, checked
 
 
 def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
@@ -242,6 +312,33 @@ def test_topm_feature_is_the_sorted_top_probabilities_of_q():
     np.testing.assert_allclose(got[:, :4].numpy(), expected, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got[:, 4].numpy(), q[np.arange(6), tokens.numpy()], rtol=1e-5, atol=1e-7)
     assert (got[:, 0] >= got[:, 4] - 1e-7).all()  # the chosen token is never above the top one
+
+
+def test_position_feature_is_log1p_of_the_response_index_and_needs_positions():
+    g = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(3, 8, generator=g), torch.randn(3, 40, generator=g)
+    tokens = torch.tensor([4, 0, 39])
+    got = next_token_features(hidden, logits, tokens, None, 1.0, ("prob", "position"), positions=torch.tensor([0, 1, 99]))
+    np.testing.assert_allclose(got[:, 1].numpy(), np.log([1.0, 2.0, 100.0]), rtol=1e-6)
+    with pytest.raises(ValueError, match="position.*needs each candidate's index"):
+        next_token_features(hidden, logits, tokens, None, 1.0, ("position",))
+    with pytest.raises(ValueError, match="must have the candidates' shape"):
+        next_token_features(hidden, logits, tokens, None, 1.0, ("position",), positions=torch.tensor([1, 2]))
+    head = NextTokenHead(8, 0, features=("prob", "position"))
+    assert head.needs_position and head.feature_size == 2 and not NextTokenHead(8).needs_position
+    policy = SpecDecPP(head, threshold=0.5)
+    with pytest.raises(RuntimeError, match="did not say where the round starts"):
+        policy.should_stop(1, logits[0], hidden[0], tokens[0])  # no begin_round: the position is unknown
+    policy.begin_round(7)
+    x = next_token_features(hidden[:1], logits[:1], tokens[:1], None, 1.0, ("prob", "position"),
+                            positions=torch.tensor([8]))  # the round's second candidate: index 7 + 1
+    policy.should_stop(1, logits[0], hidden[0], tokens[0])
+    p2 = torch.sigmoid(head(x)).double()
+    stop = policy.should_stop(2, logits[0], hidden[0], tokens[0])
+    p1 = torch.sigmoid(head(next_token_features(hidden[:1], logits[:1], tokens[:1], None, 1.0, ("prob", "position"),
+                                                positions=torch.tensor([7])))).double()
+    torch.testing.assert_close(policy._p_all_accepted, (p1 * p2).reshape(1))  # scored at indices 7 and 8
+    assert stop == bool(1 - p1 * p2 > 0.5)
 
 
 def test_optional_features_round_trip_and_old_configs_load_with_todays_features(tmp_path):
@@ -344,7 +441,7 @@ def test_target_context_features_are_the_states_that_drew_each_candidate(tiny_pa
             with torch.no_grad():
                 out = draft(ids, output_hidden_states=True)
             expected = next_token_features(out.hidden_states[-1][0, -1], out.logits[0, -1], r["draft_ids"][i], emb,
-                                           1.0, ALL_NEXT_FEATURES, top_m=4)
+                                           1.0, ALL_NEXT_FEATURES, top_m=4, positions=torch.tensor(i))
             torch.testing.assert_close(f[i], expected, atol=1e-4, rtol=1e-4)
     split = Dataset.from_dict({c: rows[c] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")})
     cache = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 0, spec=spec,
