@@ -20,6 +20,7 @@ from test_train import base_overrides, random_rows, save_dataset, train_cfg
 from specdecpp import (
     AcceptanceHead,
     NextTokenHead,
+    PEARLDecoder,
     SamplingConfig,
     SpecDecPP,
     SpeculativeDecoder,
@@ -281,6 +282,46 @@ def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_p
                 torch.testing.assert_close(feats[b], train_features[p][j], atol=1e-4, rtol=1e-4)
                 checked += 1
     assert checked >= 20, checked
+
+
+def test_pearl_hands_the_lag_free_head_the_features_train_computes(tiny_pair):
+    """PEARL drafts its next block while the target verifies, from a start that already holds the
+    pending drafts: its candidates' features, the position included, equal train's at their index."""
+    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
+
+    class Spy(NextTokenHead):
+        def __init__(self):
+            super().__init__(32, depth=1, features=ALL_NEXT_FEATURES, top_m=5)
+
+        def score(self, hidden, logits, token, positions=None):
+            feats = self.features_of(hidden, logits, token, positions=positions)
+            self.round.append((int(token), feats.detach().reshape(-1).clone()))
+            return torch.full(token.shape, 2.0)
+
+    class Recorder(SpecDecPP):
+        def new_round(self):
+            super().new_round()
+            self.head.round = []
+            self.rounds.append((self.generated, self.head.round))
+
+    policy = Recorder(Spy(), threshold=0.6, max_candidates=6)
+    policy.rounds = []
+    prompt = [5, 9, 13, 2, 7]
+    out = PEARLDecoder(draft, target, 3, SamplingConfig(temperature=1.0), policy=policy).generate(
+        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(4))
+    response = out.tokens[0, len(prompt):].tolist()
+    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
+           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
+    (train_features,), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=policy.head.feature_spec())
+    checked = 0
+    for generated, calls in policy.rounds:
+        for k, (token, feats) in enumerate(calls, start=1):
+            j = generated + k - 1
+            if j >= len(response) or response[j] != token:
+                break  # rejected: this candidate and the rest of its block were discarded
+            torch.testing.assert_close(feats, train_features[j], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 10, checked
 
 
 def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
