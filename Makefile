@@ -39,7 +39,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'~comparison.oracle'
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
-	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch reference-heads \
+	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
 	bench-cascade cascade-head
 
 install:
@@ -138,6 +138,17 @@ PEARL_TOKENS ?= 64
 bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixed K, PEARL; interleaved, with intervals
 	$(PYTHON) scripts/bench_pearl.py --prompts $(strip $(PEARL_PROMPTS)) --max-new-tokens $(strip $(PEARL_TOKENS)) \
 		--overlap --svip-gamma 4 --out reports/pearl/bench.json
+
+HEADS_PROMPTS ?= 40    # per prompt set, for bench-heads
+bench-heads: demo-pair  # issue 24: the reference heads at their dev thresholds against fixed K = 1, 2 and SVIP, 40 + 40 prompts, paired
+	for set in bundled humaneval; do \
+		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(HEADS_PROMPTS)) \
+			max_new_tokens=$(strip $(BENCH_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
+			'out=results/bench_heads/$${prompts.name}/$${method.name}' 'comparison.fixed_k.k=[1,2]' \
+			'comparison.svip.threshold=[0.5]' '~comparison.specdecpp' '+comparison.specdecpp=[$(REF_HEAD_POINTS)]' \
+			'~comparison.hf_assisted' '~comparison.oracle' || exit 1; \
+	done
+	$(PYTHON) -m infer.report results/bench_heads --out reports/bench_heads
 
 BATCH_PROMPTS ?= 16    # per prompt set (bundled test, HumanEval test): 32 prompts, batches of 1, 4 and 16
 BATCH_TOKENS ?= 48
