@@ -249,7 +249,8 @@ class BatchDrafter:
         drafting = [c > 0 for c in counts]  # the host's copy of ``active``
         if not any(drafting):
             return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
-        self.policy.begin_round(torch.tensor([s.n - s.prompt_len for s in seqs], device=device))
+        self.policy.begin_round(torch.tensor([s.n - s.prompt_len for s in seqs], device=device)
+                                if self.policy.needs_position else None)  # no copy to the device otherwise
         active = torch.tensor(drafting, device=device)  # the policy still drafts this row
         bounded = active.clone()  # the row is below its count and drew no EOS yet
         limit = torch.tensor(counts, device=device)

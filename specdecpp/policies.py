@@ -48,12 +48,15 @@ class StopPolicy:
     ``reads_values`` (``should_stop`` reads tensor values on the host, a device sync per candidate on
     GPU; a policy that decides from ``k`` alone sets False, and the engine then adds no sync either).
     Both default to True, which is right for any policy; the built-in ones say what they use.
+    ``needs_position`` (default False): the policy reads ``self.generated``, where each round starts
+    in the response, which batch decoders then copy to the device once per round.
     """
 
     name = "policy"
     max_candidates: int = 0
     needs_hidden: bool = True
     reads_values: bool = True
+    needs_position: bool = False  # reads where each round starts in the response (``begin_round``)
 
     def bind(self, draft_model, temperature: float) -> None:
         """Called once by the decoder: check compatibility with the draft, move state to its device."""
@@ -186,6 +189,11 @@ class SpecDecPP(StopPolicy):
         """Asked of the head (the paper's head reads the draft's final hidden state)."""
         return self.head.needs_hidden
 
+    @property
+    def needs_position(self) -> bool:
+        """Asked of the head (a lag-free head with the ``position`` feature)."""
+        return self.head.needs_position
+
     def bind(self, draft_model, temperature: float) -> None:
         self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
 
@@ -207,7 +215,7 @@ class SpecDecPP(StopPolicy):
 
     def _positions(self, k: int, tokens: torch.Tensor) -> torch.Tensor | None:
         """The response index of each row's candidate y_k (the ``position`` feature), else None."""
-        if not self.head.needs_position:
+        if not self.needs_position:
             return None
         generated = getattr(self, "generated", None)
         if generated is None:
