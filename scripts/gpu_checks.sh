@@ -11,7 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-LOGS=${LOGS:-reports/gpu}
+LOGS=${LOGS:-${OUT:-reports/gpu}}  # the device tool's $OUT where set: the logs come back even when a call is cut off
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-0}  # seconds per stage (0: none), so that one slow stage leaves time for the next
 export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$HOME/.cache/specdecpp} HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # where setup puts carried wheels
 mkdir -p "$LOGS"
@@ -20,7 +21,7 @@ run() {  # run NAME CMD...: log to $LOGS/NAME.log, report the exit status
     local name=$1; shift
     echo "== $name: $*"
     local t0=$SECONDS
-    "$@" 2>&1 | tee "$LOGS/$name.log"
+    timeout "$STAGE_TIMEOUT" "$@" 2>&1 | tee "$LOGS/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     return "$rc"
