@@ -23,6 +23,7 @@ train() {  # train OUT OVERRIDES...: skip a head already trained
     local out=$1; shift
     test -f "$out/model.safetensors" || $PY -m train +experiment=wrej1_d1 $common "$@" out="$out"
 }
+train heads/ablation/mixed_default/next_wrej1_d1
 train heads/ablation/target_default/next_wrej1_d1 data.feature_context=target
 train heads/ablation/target_position/next_wrej1_d1 data.feature_context=target "head.features=[$five,position]"
 train heads/ablation/mixed_position/next_wrej1_d1 "head.features=[$five,position]"
@@ -32,7 +33,7 @@ for set in bundled humaneval; do
         if [ $ctx = target ]; then
             heads+=(--head heads/ablation/target_default/next_wrej1_d1 --head heads/ablation/target_position/next_wrej1_d1)
         else
-            heads+=(--head heads/ablation/mixed_position/next_wrej1_d1)
+            heads+=(--head heads/ablation/mixed_default/next_wrej1_d1 --head heads/ablation/mixed_position/next_wrej1_d1)
         fi
         test -f reports/ablation_position/$set-$ctx/potential.json || $PY -m infer.potential data/demo/heldout_$set \
             --split test --costs reports/bench/costs.json --head-context $ctx "${heads[@]}" \
