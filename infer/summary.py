@@ -212,22 +212,24 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
     resampled prompts for both): ``entry["vs_best"][method] = {"tag", "ratio", "ci95"}``. The best
     setting is picked on these same prompts, which favours the baseline (a conservative test for the
     challenger)."""
-    rows_of = {_run_key(e): by_run[_run_key(e)] for e in entries}
+    def batching(e):
+        return _batching(by_run[_run_key(e)])
+
     for e in entries:
         e["vs_best"] = {}
     for method in BASELINES:
-        for batching in {_batching(rows_of[_run_key(e)]) for e in entries}:
+        for layout in {batching(e) for e in entries}:
             pool = [e for e in entries if e["method"] == method and e["timed"] and e["tokens_per_s"]
-                    and _batching(rows_of[_run_key(e)]) == batching]
+                    and batching(e) == layout]
             if not pool:
                 continue
             best = max(pool, key=lambda e: e["tokens_per_s"])
             for e in entries:
                 if e is best or not (e["timed"] and e["tokens_per_s"]) or e["method"] == "target_only" \
-                        or _batching(rows_of[_run_key(e)]) != batching:
+                        or batching(e) != layout:
                     continue
                 e["vs_best"][method] = {"tag": best["tag"], "ratio": e["tokens_per_s"] / best["tokens_per_s"],
-                                        "ci95": paired_speedup_ci(rows_of[_run_key(e)], rows_of[_run_key(best)])}
+                                        "ci95": paired_speedup_ci(by_run[_run_key(e)], by_run[_run_key(best)])}
 
 
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
@@ -238,13 +240,13 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
                 repr(sorted(row["settings"].items())))].append(row)
     entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
     base = next((e for e in entries if e["method"] == "target_only"), None)
-    base_rows = by_run.get(("target_only", base["tag"], repr(sorted(base["settings"].items())))) if base else None
+    base_rows = by_run.get(_run_key(base)) if base else None
     batched = rows[0].get("batch_size", 1) > 1
     # Eq. 2.3 with the measured width (batch 1: t_target(n); batches: t_draft(B), t_target(B, n))
     latency_of = batch_latency_of if batched else width_latency
     base_width = latency_of(base_rows, costs) if costs and base_rows else None
     for e in entries:
-        e_rows = by_run[(e["method"], e["tag"], repr(sorted(e["settings"].items())))]
+        e_rows = by_run[_run_key(e)]
         e["speedup"] = e["speedup_predicted"] = e["speedup_ci95"] = e["speedup_width_predicted"] = None
         if base and e["tokens_per_s"] and base["tokens_per_s"]:
             e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
