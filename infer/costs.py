@@ -48,6 +48,7 @@ from specdecpp.costmodel import Costs, fixed_k_speedup, save_costs
 from specdecpp.loading import dtype_name, load_model, resolve_dtype
 from specdecpp.prompts import encode_prompt, load_prompts
 from specdecpp.reduced_vocab import ReducedOutput, output_vocab_size
+from specdecpp.rounds import decode_attention
 from specdecpp.timing import time_forwards
 
 PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
@@ -104,7 +105,8 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
             for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
                 calls[(name, n)] = (lambda r=runner, t=tail[:n], n=n: r.feed(t, n_logits=n))
                 resets[(name, n)] = (lambda r=runner, length=length: r.rollback(length))
-        timed = time_forwards(calls, repeats=steps, warmup=3, resets=resets)
+        with decode_attention(next(iter(models.values())).device):  # the kernels decoding uses
+            timed = time_forwards(calls, repeats=steps, warmup=3, resets=resets)
     out: dict[str, dict[int, float]] = {}
     for (name, n), t in timed.items():
         out.setdefault(name, {})[n] = t.median
@@ -132,7 +134,7 @@ def batch_times(draft, target, context: list[int], sizes: list[int], widths: lis
             for n in ws:
                 calls[(name, b, n)] = (lambda r=runner, t=tail[:n], b=b: r.feed([t] * b, n_logits=t.shape[0]))
                 resets[(name, b, n)] = (lambda r=runner, length=length, b=b: (r.rollback([length] * b), r.compact()))
-    with torch.no_grad():
+    with torch.no_grad(), decode_attention(target.device):  # the kernels decoding uses
         timed = time_forwards(calls, repeats=repeats, warmup=2, resets=resets)
     return ({b: timed[("draft", b, 1)].median for b in sizes},
             {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes})

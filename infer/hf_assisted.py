@@ -30,6 +30,7 @@ from specdecpp.engine import RunStats
 from specdecpp.hooks import GatherKeptLogits
 from specdecpp.loading import token_set
 from specdecpp.policies import check_count, check_threshold
+from specdecpp.rounds import decode_attention
 from specdecpp.sampling import SamplingConfig
 
 from .timing import Clock, ForwardMeter
@@ -120,7 +121,7 @@ class HFAssistedRunner:
             seen[0] = draft_meter.calls
 
         torch.manual_seed(seed)  # transformers samples from the global generator
-        with GatherKeptLogits(self.draft, self.target), draft_meter, \
+        with decode_attention(self.target.device), GatherKeptLogits(self.draft, self.target), draft_meter, \
                 ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),

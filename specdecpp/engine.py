@@ -19,6 +19,7 @@ from .rounds import (
     ModelRunner,
     Sequence,
     check_pair_devices,
+    decoding,
     device_generator,
     start_generate,
 )
@@ -120,6 +121,7 @@ class SpeculativeDecoder:
         policy.bind(draft, self.sampling.temperature)
 
     @torch.no_grad()
+    @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
@@ -151,6 +153,7 @@ class SpeculativeDecoder:
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
 
     @torch.no_grad()
+    @decoding
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                        generators: list[torch.Generator | None] | None = None,
                        eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,

@@ -90,8 +90,9 @@ def theorem1_gamma(draft, target, context_len: int = 64, steps: int = 8,
     models' device, alone). Returns ``(gamma, t_draft_s, t_target_s)``; gamma in [1, max_gamma]."""
     vocab = min(output_vocab_size(draft), output_vocab_size(target))
     context = torch.arange(context_len, device=target.device) % vocab
-    t_draft = _time_forwards(draft, vocab, context, steps)
-    t_target = _time_forwards(target, vocab, context, steps)
+    with rounds.decode_attention(target.device):  # the kernels generate will use
+        t_draft = _time_forwards(draft, vocab, context, steps)
+        t_target = _time_forwards(target, vocab, context, steps)
     return max(1, min(max_gamma, round(t_target / t_draft))), t_draft, t_target
 
 
@@ -206,6 +207,7 @@ class PEARLDecoder:
         return self.gamma
 
     @torch.no_grad()
+    @rounds.decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,

@@ -14,6 +14,8 @@ repeats another's bookkeeping:
   :meth:`Sequence.commit` writes the verified tokens, cuts at EOS and says what was kept.
 - :meth:`RunStats.add_round <specdecpp.engine.RunStats.add_round>` counts a round.
 - :class:`Clock`: wall time with CUDA synchronised where a reading must count queued kernels.
+- :func:`decode_attention` / :func:`decoding`: the attention kernels a decoder's forwards use on
+  CUDA (not cuDNN's, which builds a plan for every new query/key length).
 
 Conventions: ``p`` is the TARGET's warped distribution and ``q`` the DRAFT's (see verify.py).
 Both caches hold every committed token except the newest one, which the next forward feeds.
@@ -21,6 +23,9 @@ Both caches hold every committed token except the newest one, which the next for
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -166,6 +171,44 @@ class Clock:
         if self.cuda and self.sync:
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
+
+
+# Which scaled-dot-product-attention kernels decoding may use on CUDA (environment variable):
+# "no-cudnn" (default) or "default" (PyTorch's own choice, cuDNN's kernel first on recent GPUs).
+SDPA_ENV = "SPECDECPP_SDPA"
+SDPA_CHOICES = ("no-cudnn", "default")
+
+
+def decode_attention(device) -> contextlib.AbstractContextManager:
+    """The attention kernels for decoding on ``device``: on CUDA, flash, memory-efficient or math
+    attention, not cuDNN's. PyTorch prefers cuDNN's kernel on Hopper GPUs, and it builds (and
+    caches) an execution plan for every new query and key length: speculative decoding meets a new
+    pair in nearly every forward (the key length grows by a round's accepted tokens, the query
+    length is the round's K + 1), so each first visit costs milliseconds of host time, and a method
+    run after another that already visited the same lengths looks faster than it is
+    (docs/gpu.md, "Fixed K on CUDA"). Set ``SPECDECPP_SDPA=default`` to leave the choice to
+    PyTorch. A no-op on CPU. The flags are process-wide while the context is open (PEARL's
+    drafting thread sees them too)."""
+    choice = os.environ.get(SDPA_ENV, SDPA_CHOICES[0])
+    if choice not in SDPA_CHOICES:
+        raise ValueError(f"{SDPA_ENV} must be one of {', '.join(SDPA_CHOICES)}, got {choice!r}")
+    if torch.device(device).type != "cuda" or choice == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def decoding(method):
+    """Decorator for a decoder's ``generate``: runs it under :func:`decode_attention` of the
+    decoder's ``self.device``."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with decode_attention(self.device):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class _NeverStop(StopPolicy):

@@ -37,6 +37,7 @@ from .rounds import (
     Clock,
     ModelRunner,
     check_pair_devices,
+    decoding,
     start_generate,
 )
 from .rounds import Sequence as Committed
@@ -292,6 +293,7 @@ class SequoiaDecoder:
         return self._plans[tree.n_nodes]
 
     @torch.no_grad()
+    @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
