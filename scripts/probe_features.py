@@ -29,6 +29,9 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
   an upper bound on what the outcomes of earlier rounds could tell (the engine sees only their
   Bernoulli outcomes, and none for the candidates of the current round).
 
+``--train-fractions 0.25 0.5 1`` fits every set on the first quarter, half and all of the train
+prompts (a learning curve: would more labelled data help?); ``--widths 256 1024`` fits networks of these widths.
+
 Writes probe.json and probe.md to ``--out``.
 """
 
@@ -160,7 +163,17 @@ def metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
             "positions": int(labels.numel())}
 
 
-def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, targets: str = "soft"):
+def first_rows(data: dict, fraction: float) -> dict:
+    """The blocks of the first ``fraction`` of ``data``'s responses (whole responses, in order)."""
+    if fraction >= 1.0:
+        return data
+    lens = data["row_len"]
+    rows = max(1, int(round(fraction * len(lens))))
+    end = int(lens[:rows].sum())
+    return {k: (v[:rows] if k == "row_len" else v[:end]) for k, v in data.items()}
+
+
+def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, targets: str = "soft", width: int = 256):
     """``targets``: ``soft`` trains on P_i (the paper's loss); ``bernoulli`` on 0/1 draws of
     Bernoulli(P_i), a fresh draw per epoch (the same loss in expectation, more noise)."""
     torch.manual_seed(seed)
@@ -168,7 +181,7 @@ def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, target
     xd, _, _ = matrix(dev, names, mean, std)
     p, yd = torch.from_numpy(train["labels"]), torch.from_numpy(dev["labels"])
     y = p
-    model = Probe(x.shape[1])
+    model = Probe(x.shape[1], width)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     best, best_state, g = float("inf"), None, torch.Generator().manual_seed(seed)
     for _ in range(epochs):
@@ -232,8 +245,16 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sets", nargs="+", help="only these feature sets (their names' first words are enough)")
+    ap.add_argument("--extra-train", action="append", default=[],
+                    help="DIR:SPLIT of another dataset of the same pair whose positions join the train split "
+                         "(more labelled data: e.g. the same prompts with another data_gen seed); repeatable")
+    ap.add_argument("--train-fractions", type=float, nargs="+", default=[1.0],
+                    help="fit on the first fraction of the train prompts (a learning curve)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[256], help="the probe network's width(s)")
     ap.add_argument("--out", default="reports/probe")
     args = ap.parse_args()
+    if any(not 0 < f <= 1 for f in args.train_fractions):
+        ap.error(f"--train-fractions must lie in (0, 1], got {args.train_fractions}")
     if (args.cost_ratio is None) == (args.costs is None):
         ap.error("give exactly one of --cost-ratio or --costs")
     costs = Costs.from_ratio(args.cost_ratio) if args.costs is None else load_costs(args.costs)
@@ -252,6 +273,14 @@ def main() -> None:
     data = {name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft, target, size,
                             sampling if name == "dev" else None)
             for name in ("train", "dev")}
+    for spec in args.extra_train:
+        directory, _, split = spec.rpartition(":")
+        extra, extra_meta = load_labelled(directory)
+        if extra_meta.get("draft") != meta.get("draft") or extra_meta.get("target") != meta.get("target"):
+            raise SystemExit(f"probe_features: --extra-train {directory} was labelled by another pair "
+                             f"({extra_meta.get('draft')}, {extra_meta.get('target')})")
+        more = blocks_of([extra[split][i] for i in range(len(extra[split]))], draft, target, size)
+        data["train"] = {k: np.concatenate([data["train"][k], more[k]]) for k in data["train"] if k in more}
     for spec in args.eval:
         directory, _, split = spec.rpartition(":")
         ev, _ = load_labelled(directory)
@@ -267,13 +296,20 @@ def main() -> None:
     sets = {k: v for k, v in FEATURE_SETS.items() if not args.sets or any(k.startswith(s) for s in args.sets)}
     results = []
     runs = [(name, names, "soft", False) for name, names in sets.items()]
-    if not args.sets:  # the training variants, on the best engine-visible set
+    if args.train_fractions != [1.0] or args.widths != [256]:
+        runs = [(f"{name} [train {f:.0%}, width {w}]", names, "soft", False, f, w)
+                for name, names, *_ in runs for w in args.widths for f in sorted(args.train_fractions)]
+    elif not args.sets:  # the training variants, on the best engine-visible set
         runs += [("today's + topm, Bernoulli 0/1 targets", FEATURE_SETS["today's + topm"], "bernoulli", False),
                  ("today's + topm, temperature-scaled on dev", FEATURE_SETS["today's + topm"], "soft", True)]
-    for name, names, targets, scale in runs:
+    for name, names, targets, scale, *curve in runs:
         t1 = time.perf_counter()
-        model, mean, std = fit(data["train"], data["dev"], names, args.epochs, args.seed, targets)
-        record = {"set": name, "blocks": names, "targets": targets, "splits": {}}
+        fraction, width = curve if curve else (1.0, 256)
+        train = first_rows(data["train"], fraction)
+        model, mean, std = fit(train, data["dev"], names, args.epochs, args.seed, targets, width)
+        record = {"set": name, "blocks": names, "targets": targets, "width": width,
+                  "train_positions": int(len(train["labels"])), "train_prompts": int(len(train["row_len"])),
+                  "splits": {}}
         temperature = 1.0
         if scale:
             with torch.no_grad():

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Issue 24: would more labelled data help the stop predictor? A learning curve on the demo pair.
+#   scripts/data_curve.sh       # resumable: data_gen resumes by shard, the probe reruns only if its report is missing
+# 1. data_gen with another seed over the same 230 bundled train prompts (192 tokens): new responses,
+#    new candidates, the same prompt distribution -> data/demo/reference_seed1 (train split only);
+# 2. the probe (scripts/probe_features.py) on data/demo/reference plus it, fitting today's lag-free
+#    features and the target@0 control on the first 1/8, 1/4, 1/2 and all of the 460 responses,
+#    scored on the reference dev split and the held-out sets -> reports/probe_data_curve.
+# Needs data/demo/reference, data/demo/heldout_{bundled,humaneval} and reports/bench/costs.json
+# (scripts/position_ablation.sh makes them).
+set -euo pipefail
+PY=${PYTHON:-python}
+T=${THREADS:-2}
+export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1
+$PY -m data_gen pair=demo prompts=bundled 'splits=[train]' 'limit={train: 230}' max_new_tokens=192 seed=1 \
+    out=data/demo/reference_seed1 shard_size=32 num_threads=$T
+test -f reports/probe_data_curve/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py data/demo/reference \
+    --extra-train data/demo/reference_seed1:train \
+    --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test --costs reports/bench/costs.json \
+    --sets "today's lag-free" "control" --train-fractions 0.125 0.25 0.5 1 --out reports/probe_data_curve
