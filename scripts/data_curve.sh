@@ -5,7 +5,7 @@
 #    new candidates, the same prompt distribution -> data/demo/reference_seed1 (train split only);
 # 2. the probe (scripts/probe_features.py) on data/demo/reference plus it, fitting today's lag-free
 #    features and the target@0 control on the first 1/8, 1/4, 1/2 and all of the 460 responses,
-#    scored on the reference dev split and the held-out sets -> reports/probe_data_curve.
+#    scored on the reference dev split and the held-out sets -> reports/probe_data_curve;
 # Needs data/demo/reference, data/demo/heldout_{bundled,humaneval} and reports/bench/costs.json
 # (scripts/position_ablation.sh makes them).
 set -euo pipefail
@@ -18,3 +18,15 @@ test -f reports/probe_data_curve/probe.json || PROBE_THREADS=$T $PY scripts/prob
     --extra-train data/demo/reference_seed1:train \
     --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test --costs reports/bench/costs.json \
     --sets "today's lag-free" "control" --train-fractions 0.125 0.25 0.5 1 --out reports/probe_data_curve
+# 3. the real thing: a lag-free head (w_rej = 1, D = 1, target context, as scripts/position_ablation.sh's
+#    target_default head) trained on both datasets (train's data.path=[A,B]), then both heads scored
+#    on the held-out prompts by infer.potential in the context they were trained in.
+common="head=next pair=demo trainer=cpu logger=none optimizer.lr=3e-3 data.batch_size=8 trainer.max_epochs=12"
+test -f heads/ablation/target_joined/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
+    'data.path=[data/demo/reference,data/demo/reference_seed1]' data.feature_context=target \
+    out=heads/ablation/target_joined/next_wrej1_d1
+for set in bundled humaneval; do
+    test -f reports/data_curve/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
+        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
+        --head heads/ablation/target_joined/next_wrej1_d1 --out reports/data_curve/$set
+done

@@ -27,7 +27,7 @@ from specdecpp.loss import weighted_bce
 from specdecpp.mixing import mixed_example, mixed_features, mixing_mask
 from train import run
 from train.cache import feature_cache
-from train.checks import check_draft_matches
+from train.checks import check_draft_matches, load_dataset_dir
 from train.data import HeadDataModule
 from train.metrics import RejectionAUROC, SoftCalibrationError
 from train.module import AcceptanceHeadModule
@@ -774,6 +774,51 @@ def test_draft_comes_from_the_dataset_and_a_train_only_dataset_holds_out_validat
     assert other["ids"] != validation["ids"] and other["seed"] == 1
     with pytest.raises(ValueError, match="does not match the configured draft"):  # an explicit draft still wins
         train("d", f"pair.draft={tiny_pair.target}")
+
+
+def test_joined_datasets_train_as_one(tiny_pair, tmp_path):
+    """data.path=[A,B]: every split the rows of A then B (e.g. one pair's prompts labelled again with
+    another data_gen seed), the head trained on all of them and recording both sources."""
+    vocab = tiny_pair.vocab
+    a_rows, b_rows, dev_rows = random_rows(10, vocab, 5), random_rows(14, vocab, 6), random_rows(6, vocab, 7)
+    a = save_dataset(tmp_path / "a", {"train": a_rows, "dev": dev_rows}, tiny_pair.draft, 32, vocab)
+    b = save_dataset(tmp_path / "b", {"train": b_rows}, tiny_pair.draft, 32, vocab)
+    splits, meta = load_dataset_dir([str(a), str(b)])
+    assert splits["train"]["id"] == a_rows["id"] + b_rows["id"]
+    assert splits["train"]["p_acc"] == [list(map(float, np.float32(x))) for x in a_rows["p_acc"] + b_rows["p_acc"]]
+    assert splits["dev"]["id"] == dev_rows["id"] and meta["rows"] == {"train": 24, "dev": 6}
+    assert [j["path"] for j in meta["joined"]] == [str(a), str(b)] and meta["draft"] == tiny_pair.draft
+    full = ["trainer=smoke", "callbacks=none", "trainer.limit_test_batches=null"]  # evaluate every train row
+    out = run(train_cfg([*base_overrides(tiny_pair, a, tmp_path), f"data.path=[{a},{b}]", *full]))
+    alone = run(train_cfg([*base_overrides(tiny_pair, a, tmp_path / "alone"), *full]))
+    labelled = sum(len(x) for x in a_rows["target_ids"] + b_rows["target_ids"])
+    assert alone["metrics"]["train"]["positions"] < out["metrics"]["train"]["positions"] <= labelled
+    head = AcceptanceHead.from_pretrained(Path(out["out"]))
+    assert [j["path"] for j in head.meta["training"]["dataset_meta"]["joined"]] == [str(a), str(b)]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("sampling", r"differ in sampling"),
+    ("draft", r"differ in draft"),
+    ("leak", r"1 prompt\(s\) of the joined 'dev' split are also in 'train'"),
+    ("empty", "data.path is an empty list"),
+])
+def test_joining_datasets_of_another_pair_or_with_leaked_prompts_is_refused(tiny_pair, tmp_path, case, message):
+    vocab = tiny_pair.vocab
+    dev = random_rows(4, vocab, 2)
+    a = save_dataset(tmp_path / "a", {"train": random_rows(6, vocab, 1), "dev": dev}, tiny_pair.draft, 32, vocab)
+    b_train = random_rows(6, vocab, 3)
+    if case == "leak":  # B labelled one of A's dev prompts as training data
+        b_train = {k: [*v[:-1], dev[k][0]] for k, v in b_train.items()}
+    b = save_dataset(tmp_path / "b", {"train": b_train}, tiny_pair.target if case == "draft" else tiny_pair.draft,
+                     32, vocab)
+    if case == "sampling":
+        meta = json.loads((b / "specdecpp_meta.json").read_text())
+        (b / "specdecpp_meta.json").write_text(json.dumps({**meta, "sampling": {**meta["sampling"], "top_k": 0}}))
+    with pytest.raises(ValueError, match=message):
+        run(train_cfg([*base_overrides(tiny_pair, a, tmp_path), "data.path=[]" if case == "empty" else
+                       f"data.path=[{a},{b}]"]))
+    assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
 
 
 def test_learning_rate_schedule_is_warmup_then_cosine(draft):

@@ -107,8 +107,8 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str,
             "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
             "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
             **({"feature_context": str(data.feature_context)} if data.get("feature_context", "mixed") != "mixed" else {}),
-            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed", "labels")
-                             if k != "labels" or meta.get(k) is not None}}
+            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed", "labels", "joined")
+                             if k not in ("labels", "joined") or meta.get(k) is not None}}
 
 
 HOLDOUT_SPLIT = "val"

@@ -31,8 +31,19 @@ def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, 
                          "a new one each epoch: set one of them to false")
 
 
+# What datasets joined for one training must share (the pair, its sampling, what the labels mean)
+JOIN_KEYS = ("draft", "target", "sampling", "vocab_size", "draft_hidden_size", "labels")
+
+
 def load_dataset_dir(path):
-    """Read and validate a data_gen dataset directory (schema, lengths, labels): (DatasetDict, meta)."""
+    """Read and validate a data_gen dataset directory (schema, lengths, labels): (DatasetDict, meta).
+    A list of directories (``data.path=[A,B]``) is read as one dataset: see :func:`join_datasets`."""
+    if path is not None and not isinstance(path, (str, bytes)) and hasattr(path, "__iter__"):
+        paths = [str(p) for p in path]
+        if not paths:
+            raise ValueError("data.path is an empty list: give a data_gen output directory, or a list of them")
+        return join_datasets(paths, [load_dataset_dir(p) for p in paths]) if len(paths) > 1 else \
+            load_dataset_dir(paths[0])
     if path is None or str(path) == "":
         raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/bundled")
     try:
@@ -42,6 +53,40 @@ def load_dataset_dir(path):
     except Exception as exc:  # datasets fails with e.g. IndexError on a split saved with no rows
         raise ValueError(f"could not read the dataset in {str(path)!r} ({type(exc).__name__}: {exc}); an empty "
                          "split cannot be read back: regenerate the dataset with python -m data_gen") from exc
+
+
+def join_datasets(paths: list[str], loaded: list) -> tuple:
+    """Several data_gen outputs of one pair as one dataset: each split the rows of every directory
+    that has it, in the order given (e.g. the same prompts labelled again with another data_gen
+    ``seed``: new responses and candidates, more positions). The pair, the sampling and the label
+    kind must agree (``JOIN_KEYS``), and no prompt id of a ``dev`` or ``test`` row may appear in
+    ``train``. The meta is the first directory's, with every source listed under ``joined``."""
+    from datasets import DatasetDict, concatenate_datasets
+
+    first = loaded[0][1]
+    for path, (_, meta) in zip(paths[1:], loaded[1:], strict=True):
+        for key in JOIN_KEYS:
+            if meta.get(key) != first.get(key):
+                raise ValueError(f"data.path: {path!r} and {paths[0]!r} differ in {key} ({meta.get(key)!r} against "
+                                 f"{first.get(key)!r}); datasets trained together must come from one pair, with "
+                                 "one sampling and one kind of label")
+    names = list(dict.fromkeys(name for splits, _ in loaded for name in splits))
+    try:
+        joined = DatasetDict({name: concatenate_datasets([splits[name] for splits, _ in loaded if name in splits])
+                              for name in names})
+    except ValueError as exc:
+        raise ValueError(f"data.path: the datasets {paths} do not share one schema ({exc}); regenerate the older "
+                         "ones with this version of data_gen") from exc
+    if "train" in joined:
+        train_ids = set(joined["train"]["id"])
+        for name in ("dev", "test"):
+            leaked = sorted(train_ids & set(joined[name]["id"])) if name in joined else []
+            if leaked:
+                raise ValueError(f"data.path: {len(leaked)} prompt(s) of the joined {name!r} split are also in "
+                                 f"'train' (e.g. {leaked[0]!r}): join datasets whose splits hold the same prompts")
+    sources = [{"path": path, **{k: meta.get(k) for k in ("created", "seed", "dtype", "max_new_tokens", "rows")}}
+               for path, (_, meta) in zip(paths, loaded, strict=True)]
+    return joined, {**first, "rows": {name: len(joined[name]) for name in names}, "joined": sources}
 
 
 def arrow_column(split, name: str):
