@@ -2,6 +2,8 @@
 # The checks a lent CUDA machine runs (docs/gpu.md): scripts/gpu_checks.sh STAGE [STAGE ...]
 #   setup    install carried wheels (.whl/*.whl, for an image without hydra/datasets/gguf) and this repo
 #   tests    pytest -m gpu: the CUDA twins of every exactness test (chain, tree, batch, PEARL, cascades)
+#   core     the quick part of them first: every decoder's greedy equality and same-seed test, the T=1
+#            chi-square of every non-batch decoder, the attention-kernel test (no `slow` ones)
 #   pair     materialise the demo pair from a local GGUF ($GGUF, or the parts $GGUF_PARTS/part* joined)
 #   demo     make demo's stages on CUDA (data_gen, the head on the GPU, costs, potential, infer, report)
 #   bench    the benchmark on CUDA at a reduced size: costs, Sequoia's tree, every method, report
@@ -43,6 +45,11 @@ for stage in "$@"; do
         workers=()  # pytest-xdist where installed: the twins took over 12 minutes on an H100 with 16 workers
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         run tests $PY -m pytest -m gpu -q -p no:cacheprovider "${workers[@]}" --durations=10 tests ;;
+    core)
+        workers=()
+        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        run core $PY -m pytest -m "gpu and not slow" -k "greedy or same_seed or T1 or attention" -q \
+            -p no:cacheprovider "${workers[@]}" --durations=10 tests/test_exactness.py tests/test_attention.py ;;
     pair)
         if [ -n "${GGUF_PARTS:-}" ]; then
             GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
