@@ -1,21 +1,28 @@
 """Where a round's time goes, per stop policy, on any device: the engine's rounds with policies that
-do the same work but synchronise differently.
+do the same work but synchronise differently (docs/gpu.md, "Fixed K on CUDA").
 
-    python scripts/profile_rounds.py --device cuda --configs demo/configs      # random weights
-    python scripts/profile_rounds.py --device cuda --draft PATH --target PATH  # a real pair
+    mkdir cfg && cp DRAFT/config.json cfg/draft.json && cp TARGET/config.json cfg/target.json
+    python scripts/profile_rounds.py --device cuda --configs cfg                 # random weights
+    python scripts/profile_rounds.py --device cuda --draft PATH --target PATH    # a real pair
+    python scripts/profile_rounds.py --device cuda --configs cfg --phases --sync-debug --trace
+    SPECDECPP_SDPA=default python scripts/profile_rounds.py ...   # PyTorch's own attention kernels
 
 Each method decodes ``--new`` tokens from one prompt, ``--repeats`` times, interleaved with the
 others (so a drift in the machine hits every method alike); the table gives the median wall time
 per round and per token. With random weights every round is one token under greedy decoding, which
-is what the comparison wants: the same forwards per round for every K-1 method. ``--trace``
-also runs torch.profiler over one decode per method and prints each one's busiest host ops and its
-device time (``--chrome DIR``: and writes a Chrome trace per method).
+is what the comparison wants: the same forwards per round for every K-1 method. ``--phases``: the
+host time per round inside each engine call (the forwards, warp, sample, verify, commit), with no
+sync added, so a wait shows where the host waits. ``--sync-debug`` (CUDA): torch.cuda's sync debug
+mode counts each implicit synchronisation by its engine line. ``--trace``: torch.profiler over one
+decode per method, its busiest host ops and its device time (``--chrome DIR``: and a Chrome trace).
 
 Variants, all with the same forwards per round:
-- ``fixed_kK``: FixedK(K) as shipped (``reads_values=False``: no host sync while drafting).
-- ``fixed_kK_values``: FixedK(K) declaring ``reads_values=True`` (the drafter then checks every
-  candidate against EOS on the host: one sync per candidate, as SVIP and SpecDec++ have).
-- ``svip_kK``: SVIP with ``max_candidates=K`` and c = 1e-9 and threshold 1, so it drafts K.
+- ``fixed_kK``: FixedK(K) as shipped (``reads_values=False``).
+- ``fixed_kK_values``: FixedK(K) declaring ``reads_values=True``. With an EOS the drafter would
+  then check every candidate on the host; this script gives none, so it runs the very same code as
+  ``fixed_kK``: two methods that must take the same time.
+- ``svip_kK``: SVIP with ``max_candidates=K`` and c = 1e-9 and threshold 1, so it drafts K (and
+  reads the entropy on the host: one sync per candidate).
 """
 
 from __future__ import annotations
