@@ -126,3 +126,33 @@ def test_cuda_decoding_launches_no_cudnn_attention(monkeypatch):
     assert out.stats.n_generated == 12
     assert "aten::scaled_dot_product_attention" in names or any("attention" in n for n in names)
     assert not any("cudnn_attention" in n for n in names), sorted(n for n in names if "attention" in n)
+
+
+def test_profile_rounds_compares_methods_that_do_the_same_work(tmp_path):
+    """scripts/profile_rounds.py on tiny random models: every method decodes the tokens asked for,
+    and FixedK as shipped and FixedK declaring reads_values run the same rounds and drafts (the
+    premise of its comparison); --phases splits the host time by engine call."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    for name, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
+        LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=2).to_json_file(tmp_path / f"{name}.json")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_rounds.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--configs",
+                          str(tmp_path), "--ks", "1,3", "--new", "6", "--repeats", "1", "--prompt-len", "5",
+                          "--phases", "--json", str(tmp_path / "rows.json")],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert set(rows) == {"target_only", "fixed_k1", "fixed_k1_values", "svip_k1", "fixed_k3", "fixed_k3_values",
+                         "svip_k3"}
+    assert all(r["tokens"] == 6 for r in rows.values())
+    assert rows["target_only"]["rounds"] == 6 and rows["target_only"]["drafted"] == 0
+    for k in (1, 3):
+        same = [(rows[m]["rounds"], rows[m]["drafted"]) for m in (f"fixed_k{k}", f"fixed_k{k}_values", f"svip_k{k}")]
+        assert same[0] == same[1] == same[2], same
+    assert "host ms per round inside each call" in out and "target_feed" in out
