@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 24: would more labelled data help the stop predictor? A learning curve on the demo pair.
 #   scripts/data_curve.sh       # resumable: data_gen resumes by shard, the probe reruns only if its report is missing
+#   STAGES=3 scripts/data_curve.sh   # also the next doubling (step 4: 920 responses)
 # 1. data_gen with another seed over the same 230 bundled train prompts (192 tokens): new responses,
 #    new candidates, the same prompt distribution -> data/demo/reference_seed1 (train split only);
 # 2. the probe (scripts/probe_features.py) on data/demo/reference plus it, fitting today's lag-free
@@ -29,4 +30,27 @@ for set in bundled humaneval; do
     test -f reports/data_curve/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
         --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
         --head heads/ablation/target_joined/next_wrej1_d1 --out reports/data_curve/$set
+done
+# 4. the next doubling (920 responses): data_gen seeds 2 and 3 over the same prompts, the probe on all four
+#    seeds (half and all of them), and the same lag-free head trained on all four -> reports/probe_data_curve920,
+#    heads/ablation/target_joined4, reports/data_curve920/{bundled,humaneval} (the three heads side by side).
+#    `STAGES=2` (default) stops after step 3; `STAGES=3` runs this too.
+[ "${STAGES:-2}" -ge 3 ] || exit 0
+for s in 2 3; do
+    $PY -m data_gen pair=demo prompts=bundled 'splits=[train]' 'limit={train: 230}' max_new_tokens=192 seed=$s \
+        out=data/demo/reference_seed$s shard_size=32 num_threads=$T
+done
+test -f reports/probe_data_curve920/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py data/demo/reference \
+    --extra-train data/demo/reference_seed1:train --extra-train data/demo/reference_seed2:train \
+    --extra-train data/demo/reference_seed3:train \
+    --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test --costs reports/bench/costs.json \
+    --sets "today's lag-free" "control" --train-fractions 0.5 1 --out reports/probe_data_curve920
+test -f heads/ablation/target_joined4/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
+    'data.path=[data/demo/reference,data/demo/reference_seed1,data/demo/reference_seed2,data/demo/reference_seed3]' \
+    data.feature_context=target out=heads/ablation/target_joined4/next_wrej1_d1
+for set in bundled humaneval; do
+    test -f reports/data_curve920/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
+        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
+        --head heads/ablation/target_joined/next_wrej1_d1 --head heads/ablation/target_joined4/next_wrej1_d1 \
+        --out reports/data_curve920/$set
 done

@@ -31,6 +31,8 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
 
 ``--train-fractions 0.25 0.5 1`` fits every set on the first quarter, half and all of the train
 prompts (a learning curve: would more labelled data help?); ``--widths 256 1024`` fits networks of these widths.
+``--extra-train DIR:SPLIT[:N]`` adds the first N responses (all without N) of another dataset of the same
+pair to the train split (another data_gen seed: scripts/data_curve.sh; other prompts: scripts/domain_data.sh).
 
 Writes probe.json and probe.md to ``--out``.
 """
@@ -236,6 +238,17 @@ def margin(data: dict, logits: np.ndarray, costs: Costs, seeds: int = 5) -> dict
     return out
 
 
+def extra_train_spec(spec: str) -> tuple[str, str, int | None]:
+    """``--extra-train DIR:SPLIT[:N]`` -> (DIR, SPLIT, N or None)."""
+    directory, _, split = spec.rpartition(":")
+    rows = None
+    if split.isdigit() and ":" in directory:  # DIR:SPLIT:N
+        rows, (directory, _, split) = int(split), directory.rpartition(":")
+    if not directory or not split or rows == 0:
+        raise SystemExit(f"probe_features: --extra-train wants DIR:SPLIT or DIR:SPLIT:N with N >= 1, got {spec!r}")
+    return directory, split, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="a data_gen dataset with train and dev splits")
@@ -246,8 +259,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sets", nargs="+", help="only these feature sets (their names' first words are enough)")
     ap.add_argument("--extra-train", action="append", default=[],
-                    help="DIR:SPLIT of another dataset of the same pair whose positions join the train split "
-                         "(more labelled data: e.g. the same prompts with another data_gen seed); repeatable")
+                    help="DIR:SPLIT[:N] of another dataset of the same pair whose positions join the train split "
+                         "(more labelled data: e.g. the same prompts with another data_gen seed; N: its first N "
+                         "responses only); repeatable")
     ap.add_argument("--train-fractions", type=float, nargs="+", default=[1.0],
                     help="fit on the first fraction of the train prompts (a learning curve)")
     ap.add_argument("--widths", type=int, nargs="+", default=[256], help="the probe network's width(s)")
@@ -274,12 +288,15 @@ def main() -> None:
                             sampling if name == "dev" else None)
             for name in ("train", "dev")}
     for spec in args.extra_train:
-        directory, _, split = spec.rpartition(":")
+        directory, split, rows = extra_train_spec(spec)
         extra, extra_meta = load_labelled(directory)
+        if split not in extra:
+            raise SystemExit(f"probe_features: --extra-train {directory} has no split {split!r} (it has {sorted(extra)})")
         if extra_meta.get("draft") != meta.get("draft") or extra_meta.get("target") != meta.get("target"):
             raise SystemExit(f"probe_features: --extra-train {directory} was labelled by another pair "
                              f"({extra_meta.get('draft')}, {extra_meta.get('target')})")
-        more = blocks_of([extra[split][i] for i in range(len(extra[split]))], draft, target, size)
+        n = len(extra[split]) if rows is None else min(rows, len(extra[split]))
+        more = blocks_of([extra[split][i] for i in range(n)], draft, target, size)
         data["train"] = {k: np.concatenate([data["train"][k], more[k]]) for k in data["train"] if k in more}
     for spec in args.eval:
         directory, _, split = spec.rpartition(":")

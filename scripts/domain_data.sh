@@ -1,0 +1,30 @@
+#!/bin/bash
+# Issue 24: does in-domain labelled data help the stop predictor more than the same amount of other data?
+#   scripts/domain_data.sh      # resumable (data_gen by shard; the probe reruns only if its report is missing)
+# 1. HumanEval problems 100-163 (never in a held-out set: make potential uses 0-39, make bench-heads 0-79) as a
+#    `jsonl` prompt file with split train -> data/prompts/humaneval_100_163.jsonl; data_gen labels them as the
+#    reference data was labelled (192 tokens, seed 0) -> data/demo/humaneval_train (64 responses);
+# 2. the probe on the reference data plus those 64 responses, beside the reference data plus the first 64
+#    responses of data/demo/reference_seed1 (bundled prompts, the same amount) -> reports/probe_domain/{code,bundled}.
+# Needs data/demo/reference, data/demo/reference_seed1 (scripts/data_curve.sh), the held-out sets and
+# reports/bench/costs.json (scripts/position_ablation.sh).
+set -euo pipefail
+PY=${PYTHON:-python}
+T=${THREADS:-1}
+export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1
+mkdir -p data/prompts
+test -f data/prompts/humaneval_100_163.jsonl || $PY - <<'PY'
+import json
+from specdecpp.prompts import load_prompts
+rows = [{"id": p.id, "prompt": p.prompt, "split": "train"} for p in load_prompts("humaneval", split="test")[100:164]]
+with open("data/prompts/humaneval_100_163.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+PY
+$PY -m data_gen pair=demo prompts=jsonl prompts.path=data/prompts/humaneval_100_163.jsonl prompts.name=humaneval_train \
+    'splits=[train]' max_new_tokens=192 seed=0 out=data/demo/humaneval_train shard_size=32 num_threads=$T
+common=(data/demo/reference --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test
+        --costs reports/bench/costs.json --sets "today's lag-free" "control")
+test -f reports/probe_domain/code/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
+    --extra-train data/demo/humaneval_train:train --out reports/probe_domain/code
+test -f reports/probe_domain/bundled/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
+    --extra-train data/demo/reference_seed1:train:64 --out reports/probe_domain/bundled
