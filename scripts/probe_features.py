@@ -33,6 +33,10 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
 prompts (a learning curve: would more labelled data help?); ``--widths 256 1024`` fits networks of these widths.
 ``--extra-train DIR:SPLIT[:N]`` adds the first N responses (all without N) of another dataset of the same
 pair to the train split (another data_gen seed: scripts/data_curve.sh; other prompts: scripts/domain_data.sh).
+``--bilinear R`` also fits each set that holds the candidate's embedding and the draft's hidden state with a
+rank-R term (U emb)·(V hidden) added to the network's output: the shape of a correction to the draft's
+logit of the candidate, E[y]·A·h, which the MLP on the concatenated features learns only slowly.
+``--cache DIR`` keeps each dataset's feature blocks, so a second probe on the same data skips the forwards.
 
 Writes probe.json and probe.md to ``--out``.
 """
@@ -138,15 +142,60 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
     return {k: torch.cat(v).numpy() for k, v in out.items() if v}
 
 
+def cached_blocks(cache: str | None, directory: str, split: str, n: int | None, meta: dict, compute) -> dict:
+    """``compute()``'s blocks of dataset ``directory``'s ``split`` (its first ``n`` rows), kept in
+    ``cache`` (an .npz per dataset, split, rows and labelling run: the dataset meta's ``created``) so
+    that a second probe on the same data skips the models' forwards; no cache: just ``compute()``."""
+    if not cache:
+        return compute()
+    import hashlib
+
+    key = json.dumps([str(Path(directory).resolve()), split, n, meta.get("created"), meta.get("draft"),
+                      meta.get("target"), DRAFT_SPEC])
+    path = Path(cache) / f"blocks-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    blocks = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **blocks)
+    tmp.replace(path)  # a complete file or none
+    return blocks
+
+
 class Probe(torch.nn.Module):
-    def __init__(self, size: int, width: int = 256) -> None:
+    """Linear(F, width), one residual block, Linear(width, 1), as the lag-free head; with ``bilinear``
+    = R > 0 also a rank-R term sum_r (U_r . a)(V_r . b) between two blocks of the input (``pair``:
+    their column slices), the form of a logit correction E[y] A h that the MLP computes only slowly."""
+
+    def __init__(self, size: int, width: int = 256, bilinear: int = 0, pair: tuple[slice, slice] | None = None) -> None:
         super().__init__()
         self.proj, self.block, self.out = torch.nn.Linear(size, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+        self.pair = pair
+        if bilinear:
+            a, b = pair
+            self.u = torch.nn.Linear(a.stop - a.start, bilinear, bias=False)
+            self.v = torch.nn.Linear(b.stop - b.start, bilinear, bias=False)
+            for m in (self.u, self.v):
+                torch.nn.init.normal_(m.weight, std=0.1 / m.in_features ** 0.5)
 
     def forward(self, x):
-        x = self.proj(x)
-        x = x + torch.nn.functional.silu(self.block(x))
-        return self.out(x).squeeze(-1)
+        z = self.proj(x)
+        z = self.out(z + torch.nn.functional.silu(self.block(z))).squeeze(-1)
+        if self.pair is not None:
+            a, b = self.pair
+            z = z + (self.u(x[:, a]) * self.v(x[:, b])).sum(-1)
+        return z
+
+
+def block_slices(data: dict, names: list[str]) -> dict[str, slice]:
+    """Each block's columns in ``matrix(data, names)``."""
+    out, at = {}, 0
+    for n in names:
+        out[n] = slice(at, at + data[n].shape[1])
+        at += data[n].shape[1]
+    return out
 
 
 def matrix(data: dict, names: list[str], mean=None, std=None):
@@ -175,15 +224,23 @@ def first_rows(data: dict, fraction: float) -> dict:
     return {k: (v[:rows] if k == "row_len" else v[:end]) for k, v in data.items()}
 
 
-def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, targets: str = "soft", width: int = 256):
+def fit(train: dict, dev: dict, names: list[str], epochs: int, seed: int, targets: str = "soft", width: int = 256,
+        bilinear: int = 0):
     """``targets``: ``soft`` trains on P_i (the paper's loss); ``bernoulli`` on 0/1 draws of
-    Bernoulli(P_i), a fresh draw per epoch (the same loss in expectation, more noise)."""
+    Bernoulli(P_i), a fresh draw per epoch (the same loss in expectation, more noise). ``bilinear``:
+    the rank of a term between the ``embedding`` and ``hidden`` blocks (0: none)."""
     torch.manual_seed(seed)
     x, mean, std = matrix(train, names)
     xd, _, _ = matrix(dev, names, mean, std)
     p, yd = torch.from_numpy(train["labels"]), torch.from_numpy(dev["labels"])
     y = p
-    model = Probe(x.shape[1], width)
+    pair = None
+    if bilinear:
+        cols = block_slices(train, names)
+        if "embedding" not in cols or "hidden" not in cols:
+            raise SystemExit(f"probe_features: --bilinear needs the embedding and hidden blocks, the set has {names}")
+        pair = (cols["embedding"], cols["hidden"])
+    model = Probe(x.shape[1], width, bilinear, pair)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     best, best_state, g = float("inf"), None, torch.Generator().manual_seed(seed)
     for _ in range(epochs):
@@ -265,6 +322,11 @@ def main() -> None:
     ap.add_argument("--train-fractions", type=float, nargs="+", default=[1.0],
                     help="fit on the first fraction of the train prompts (a learning curve)")
     ap.add_argument("--widths", type=int, nargs="+", default=[256], help="the probe network's width(s)")
+    ap.add_argument("--bilinear", type=int, nargs="+", default=[],
+                    help="also fit each set with a rank-R bilinear term between the candidate's embedding and the "
+                         "draft's hidden state (sets that hold both), for each R given")
+    ap.add_argument("--cache", help="keep each dataset's feature blocks here (.npz), so a rerun on the same data "
+                                    "skips the models' forwards")
     ap.add_argument("--out", default="reports/probe")
     args = ap.parse_args()
     if any(not 0 < f <= 1 for f in args.train_fractions):
@@ -284,8 +346,9 @@ def main() -> None:
     size = int(draft.config.hidden_size)
     sampling = SamplingConfig(**meta["sampling"])
     t0 = time.perf_counter()
-    data = {name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft, target, size,
-                            sampling if name == "dev" else None)
+    data = {name: cached_blocks(args.cache, args.data, name, None, meta,
+                                lambda name=name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft,
+                                                            target, size, sampling if name == "dev" else None))
             for name in ("train", "dev")}
     for spec in args.extra_train:
         directory, split, rows = extra_train_spec(spec)
@@ -296,12 +359,14 @@ def main() -> None:
             raise SystemExit(f"probe_features: --extra-train {directory} was labelled by another pair "
                              f"({extra_meta.get('draft')}, {extra_meta.get('target')})")
         n = len(extra[split]) if rows is None else min(rows, len(extra[split]))
-        more = blocks_of([extra[split][i] for i in range(n)], draft, target, size)
+        more = cached_blocks(args.cache, directory, split, n, extra_meta,
+                             lambda ds=extra[split], n=n: blocks_of([ds[i] for i in range(n)], draft, target, size))
         data["train"] = {k: np.concatenate([data["train"][k], more[k]]) for k in data["train"] if k in more}
     for spec in args.eval:
         directory, _, split = spec.rpartition(":")
-        ev, _ = load_labelled(directory)
-        data[spec] = blocks_of([ev[split][i] for i in range(len(ev[split]))], draft, target, size)
+        ev, ev_meta = load_labelled(directory)
+        data[spec] = cached_blocks(args.cache, directory, split, None, ev_meta,
+                                   lambda ds=ev[split]: blocks_of([ds[i] for i in range(len(ds))], draft, target, size))
     diff = np.abs(data["dev"]["recomputed"] - data["dev"]["labels"])
     print(f"index check on dev: |min(1, p/q) from target@0 and hidden - P| mean {diff.mean():.4f}, "
           f"median {np.median(diff):.4f}, corr {np.corrcoef(data['dev']['recomputed'], data['dev']['labels'])[0, 1]:.4f}",
@@ -319,12 +384,14 @@ def main() -> None:
     elif not args.sets:  # the training variants, on the best engine-visible set
         runs += [("today's + topm, Bernoulli 0/1 targets", FEATURE_SETS["today's + topm"], "bernoulli", False),
                  ("today's + topm, temperature-scaled on dev", FEATURE_SETS["today's + topm"], "soft", True)]
-    for name, names, targets, scale, *curve in runs:
+    runs = [(*r, 0) for r in runs] + [(f"{r[0]}, bilinear rank {rank}", *r[1:], rank) for rank in args.bilinear
+                                      for r in runs if {"embedding", "hidden"} <= set(r[1])]
+    for name, names, targets, scale, *curve, rank in runs:
         t1 = time.perf_counter()
         fraction, width = curve if curve else (1.0, 256)
         train = first_rows(data["train"], fraction)
-        model, mean, std = fit(train, data["dev"], names, args.epochs, args.seed, targets, width)
-        record = {"set": name, "blocks": names, "targets": targets, "width": width,
+        model, mean, std = fit(train, data["dev"], names, args.epochs, args.seed, targets, width, rank)
+        record = {"set": name, "blocks": names, "targets": targets, "width": width, "bilinear": rank,
                   "train_positions": int(len(train["labels"])), "train_prompts": int(len(train["row_len"])),
                   "splits": {}}
         temperature = 1.0

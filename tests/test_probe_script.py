@@ -59,3 +59,47 @@ def test_learning_curve_places_rows_by_set_and_size_and_plots(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT.parent / "plot_learning_curve.py"), str(bad)],
                          capture_output=True, text=True)
     assert run.returncode != 0 and "bad.json" in run.stderr
+
+
+def test_cached_blocks_computes_once_per_dataset_and_labelling_run(probe, tmp_path):
+    import numpy as np
+
+    calls = []
+
+    def compute(value):
+        def run():
+            calls.append(value)
+            return {"labels": np.full(3, value, dtype=np.float32), "row_len": np.array([3])}
+        return run
+
+    meta = {"created": "2026-01-01", "draft": "d", "target": "t"}
+    first = probe.cached_blocks(str(tmp_path), "data/x", "train", None, meta, compute(1.0))
+    again = probe.cached_blocks(str(tmp_path), "data/x", "train", None, meta, compute(2.0))
+    assert calls == [1.0] and np.array_equal(first["labels"], again["labels"])
+    # another split, another row count or a relabelled dataset is another entry
+    probe.cached_blocks(str(tmp_path), "data/x", "dev", None, meta, compute(3.0))
+    probe.cached_blocks(str(tmp_path), "data/x", "train", 2, meta, compute(4.0))
+    relabelled = probe.cached_blocks(str(tmp_path), "data/x", "train", None, {**meta, "created": "2026-02-02"},
+                                     compute(5.0))
+    assert calls == [1.0, 3.0, 4.0, 5.0] and relabelled["labels"][0] == 5.0
+    assert not list(tmp_path.glob("*.tmp.npz"))
+    # without a cache directory nothing is kept
+    probe.cached_blocks(None, "data/x", "train", None, meta, compute(6.0))
+    assert calls[-1] == 6.0
+
+
+def test_probe_bilinear_term_is_the_low_rank_product_of_its_two_blocks(probe):
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 7)
+    a, b = slice(0, 3), slice(3, 6)
+    plain = probe.Probe(7, 16)
+    with_term = probe.Probe(7, 16, bilinear=2, pair=(a, b))
+    with_term.load_state_dict({**plain.state_dict(), "u.weight": with_term.u.weight, "v.weight": with_term.v.weight})
+    expected = plain(x) + ((x[:, a] @ with_term.u.weight.T) * (x[:, b] @ with_term.v.weight.T)).sum(-1)
+    assert torch.allclose(with_term(x), expected, atol=1e-6)
+    assert not torch.allclose(with_term(x), plain(x))
+    cols = probe.block_slices({"hidden": torch.zeros(1, 4), "embedding": torch.zeros(1, 4), "q": torch.zeros(1, 3)},
+                              ["q", "embedding", "hidden"])
+    assert cols == {"q": slice(0, 3), "embedding": slice(3, 7), "hidden": slice(7, 11)}
