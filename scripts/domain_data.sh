@@ -6,6 +6,7 @@
 #    reference data was labelled (192 tokens, seed 0) -> data/demo/humaneval_train (64 responses);
 # 2. the probe on the reference data plus those 64 responses, beside the reference data plus the first 64
 #    responses of data/demo/reference_seed1 (bundled prompts, the same amount) -> reports/probe_domain/{code,bundled}.
+# 3. a real lag-free head on the reference data plus the code responses, scored by infer.potential (below).
 # Needs data/demo/reference, data/demo/reference_seed1 (scripts/data_curve.sh), the held-out sets and
 # reports/bench/costs.json (scripts/position_ablation.sh).
 set -euo pipefail
@@ -28,3 +29,15 @@ test -f reports/probe_domain/code/probe.json || PROBE_THREADS=$T $PY scripts/pro
     --extra-train data/demo/humaneval_train:train --out reports/probe_domain/code
 test -f reports/probe_domain/bundled/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
     --extra-train data/demo/reference_seed1:train:64 --out reports/probe_domain/bundled
+# 3. the real thing: the lag-free head of scripts/data_curve.sh's step 3 (w_rej = 1, D = 1, target context) trained
+#    on the reference data plus the 64 code responses, scored beside the reference-only head on the held-out sets
+#    (HumanEval problems 0-39 and the bundled test prompts) -> reports/domain_data/{bundled,humaneval}.
+common="head=next pair=demo trainer=cpu logger=none optimizer.lr=3e-3 data.batch_size=8 trainer.max_epochs=12"
+test -f heads/ablation/target_code/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
+    'data.path=[data/demo/reference,data/demo/humaneval_train]' data.feature_context=target \
+    out=heads/ablation/target_code/next_wrej1_d1
+for set in bundled humaneval; do
+    test -f reports/domain_data/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
+        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
+        --head heads/ablation/target_code/next_wrej1_d1 --out reports/domain_data/$set
+done
