@@ -29,6 +29,17 @@ test -f reports/probe_domain/code/probe.json || PROBE_THREADS=$T $PY scripts/pro
     --extra-train data/demo/humaneval_train:train --out reports/probe_domain/code
 test -f reports/probe_domain/bundled/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
     --extra-train data/demo/reference_seed1:train:64 --out reports/probe_domain/bundled
+# 2b. the same two probes with training seeds 1 and 2 (a probe's margin moves by 0.3-0.4 points between seeds)
+#    -> reports/probe_domain/{code,bundled}_seed{1,2}; feature blocks kept in .cache/probe_blocks.
+for seed in 1 2; do
+    for kind in code bundled; do
+        extra=data/demo/humaneval_train:train
+        [ $kind = code ] || extra=data/demo/reference_seed1:train:64
+        test -f reports/probe_domain/${kind}_seed$seed/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py \
+            "${common[@]}" --extra-train $extra --seed $seed --cache .cache/probe_blocks \
+            --out reports/probe_domain/${kind}_seed$seed
+    done
+done
 # 3. the real thing: the lag-free head of scripts/data_curve.sh's step 3 (w_rej = 1, D = 1, target context) trained
 #    on the reference data plus the 64 code responses, scored beside the reference-only head on the held-out sets
 #    (HumanEval problems 0-39 and the bundled test prompts) -> reports/domain_data/{bundled,humaneval}.
