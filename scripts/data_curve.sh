@@ -54,3 +54,6 @@ for set in bundled humaneval; do
         --head heads/ablation/target_joined/next_wrej1_d1 --head heads/ablation/target_joined4/next_wrej1_d1 \
         --out reports/data_curve920/$set
 done
+# the curve of both probe runs as a table and a PNG (docs/train/learning_curve.png is a copy)
+$PY scripts/plot_learning_curve.py reports/probe_data_curve/probe.json reports/probe_data_curve920/probe.json \
+    --out reports/data_curve/learning_curve.png
