@@ -280,12 +280,19 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
             margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             line += f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), 95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]"
         best_lines.append(line)
-    if costs.target_by_width:
+    margins_by_width = {}
+    if costs.target_by_width:  # the same comparison at the measured width curve (what tokens/s on this machine sees)
         fw = pt.best(records, "fixed_k", "speedup_by_width")
-        for name in ("informed", *[f"head:{n}" for n in head_names]):
+        for name in dict.fromkeys(r["name"] for r in records):
+            if name in ("fixed_k", "oracle"):
+                continue
             b = pt.best(records, name, "speedup_by_width")
+            margin = b["speedup_by_width"] / fw["speedup_by_width"] - 1
+            lo_hi = pt.margin_interval(results[b["label"]], results[fw["label"]], costs, by_width=True, n_boot=n_boot)
+            margins_by_width[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             best_lines.append(f"with t_target(n): {name} best {b['label']} {b['speedup_by_width']:.3f}x vs fixed K "
-                              f"{fw['label']} {fw['speedup_by_width']:.3f}x ({100 * (b['speedup_by_width'] / fw['speedup_by_width'] - 1):+.1f}%)")
+                              f"{fw['label']} {fw['speedup_by_width']:.3f}x ({100 * margin:+.1f}%, 95% CI "
+                              f"[{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%])")
     informed, lag_free = margins.get("informed"), margins.get("informed_lag_free")
     if informed and lag_free and informed["margin"] < WHATIF_BELOW:
         best_lines.append(
@@ -304,13 +311,15 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     md = report_markdown(records, context)
     (out_dir / "potential.md").write_text(md)
     payload = {"context": {k: v for k, v in context.items()}, "costs": {"t_draft": costs.t_draft, "t_target": costs.t_target,
-               "target_by_width": costs.target_by_width}, "margins_vs_best_fixed_k": margins, "records": records}
+               "target_by_width": costs.target_by_width}, "margins_vs_best_fixed_k": margins,
+               "margins_vs_best_fixed_k_by_width": margins_by_width, "records": records}
     (out_dir / "potential.json").write_text(json.dumps(payload, indent=1) + "\n")
     plot(records, out_dir / "potential.png", f"{data_dir} ({split}): stop potential at c = {costs.ratio:.3f}")
     if not quiet:
         print(md)
         print(f"wrote {out_dir / 'potential.md'}, potential.json, potential.png")
-    return {"records": records, "margins": margins, "out": str(out_dir), "context": context}
+    return {"records": records, "margins": margins, "margins_by_width": margins_by_width, "out": str(out_dir),
+            "context": context}
 
 
 def run_whatif(data_dir: str, split: str = "test", gammas=whatif.DEFAULT_GAMMAS, ratios=(),

@@ -285,7 +285,8 @@ def summarise(results: Mapping[str, list[Counts]], policies: Sequence[Policy], c
               n_boot: int = 1000) -> list[dict]:
     """One record per policy setting: name, settings, verification_rate, discard_rate, speedup
     (Eq. 2.3 at the cost ratio) with its 95% bootstrap interval over prompts, tokens per round,
-    and speedup_by_width when a width-dependent target cost is known."""
+    speedup_by_width when a width-dependent target cost is known, and the pooled ``counts`` every
+    figure is computed from (tokens, rounds, drafted, discarded, widths: rounds per candidate count)."""
     records = []
     ratio = costs.ratio
     for policy in policies:
@@ -294,6 +295,8 @@ def summarise(results: Mapping[str, list[Counts]], policies: Sequence[Policy], c
         rec = {"name": policy.name, "settings": dict(policy.settings), "label": policy.label,
                "verification_rate": total.verification_rate, "discard_rate": total.discard_rate,
                "tokens_per_round": total.tokens_per_round,
+               "counts": {"tokens": total.tokens, "rounds": total.rounds, "drafted": total.drafted,
+                          "discarded": total.discarded, "widths": {str(k): v for k, v in sorted(total.widths.items())}},
                "speedup": speedup_eq23(total, ratio),
                "speedup_ci95": speedup_interval(per_row, costs, n_boot=n_boot)}
         if costs.target_by_width:

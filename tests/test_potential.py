@@ -136,6 +136,28 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
     # a weak pair is told where to look next (the what-if grid), a strong one is not
     assert ("--whatif-gammas" in md) == (result["margins"]["informed"]["margin"] < cli.WHATIF_BELOW)
     assert (out / "potential.png").stat().st_size > 10_000
+    # every policy's best against the best fixed K at the width curve, recomputed by hand from the counts
+    by_width = result["margins_by_width"]
+    assert set(by_width) == {"informed", "informed_lag_free", "svip", "head:wrej6_d1"}
+    assert payload["margins_vs_best_fixed_k_by_width"].keys() == by_width.keys()
+    def t_target(n):  # linear between the measured widths 1, 2, 4; flat beyond
+        return {1: 0.05, 2: 0.06, 3: 0.065}.get(n, 0.07)
+
+    def by_hand(rec):  # target-only latency / latency per token, from the record's counts
+        c = rec["counts"]
+        verify = sum(r * t_target(int(k) + 1) for k, r in c["widths"].items())
+        return 0.05 / ((0.002 * c["drafted"] + verify) / c["tokens"])
+
+    recs = {r["label"]: r for r in payload["records"]}
+    fixed = max((r for r in payload["records"] if r["name"] == "fixed_k"), key=by_hand)
+    for name, m in by_width.items():
+        best = recs[m["setting"]]
+        assert best["name"] == name
+        assert by_hand(best) == pytest.approx(max(by_hand(r) for r in payload["records"] if r["name"] == name))
+        assert m["margin"] == pytest.approx(by_hand(best) / by_hand(fixed) - 1)
+        lo, hi = m["ci95"]
+        assert lo <= m["margin"] <= hi + 1e-9
+        assert f"with t_target(n): {name} best {m['setting']}" in md and "95% CI" in md
 
 
 def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines_features(potential_dataset, tmp_path, tiny_pair):
