@@ -22,15 +22,9 @@ test -f reports/probe_data_curve/probe.json || PROBE_THREADS=$T $PY scripts/prob
 # 3. the real thing: a lag-free head (w_rej = 1, D = 1, target context, as scripts/position_ablation.sh's
 #    target_default head) trained on both datasets (train's data.path=[A,B]), then both heads scored
 #    on the held-out prompts by infer.potential in the context they were trained in.
-common="head=next pair=demo trainer=cpu logger=none optimizer.lr=3e-3 data.batch_size=8 trainer.max_epochs=12"
-test -f heads/ablation/target_joined/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
-    'data.path=[data/demo/reference,data/demo/reference_seed1]' data.feature_context=target \
-    out=heads/ablation/target_joined/next_wrej1_d1
-for set in bundled humaneval; do
-    test -f reports/data_curve/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
-        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
-        --head heads/ablation/target_joined/next_wrej1_d1 --out reports/data_curve/$set
-done
+source "$(dirname "$0")/issue24_lib.sh"
+target_head heads/ablation/target_joined/next_wrej1_d1 data/demo/reference data/demo/reference_seed1
+score_heads reports/data_curve heads/ablation/target_default/next_wrej1_d1 heads/ablation/target_joined/next_wrej1_d1
 # 4. the next doubling (920 responses): data_gen seeds 2 and 3 over the same prompts, the probe on all four
 #    seeds (half and all of them), and the same lag-free head trained on all four -> reports/probe_data_curve920,
 #    heads/ablation/target_joined4, reports/data_curve920/{bundled,humaneval} (the three heads side by side).
@@ -45,15 +39,10 @@ test -f reports/probe_data_curve920/probe.json || PROBE_THREADS=$T $PY scripts/p
     --extra-train data/demo/reference_seed3:train \
     --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test --costs reports/bench/costs.json \
     --sets "today's lag-free" "control" --train-fractions 0.5 1 --out reports/probe_data_curve920
-test -f heads/ablation/target_joined4/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
-    'data.path=[data/demo/reference,data/demo/reference_seed1,data/demo/reference_seed2,data/demo/reference_seed3]' \
-    data.feature_context=target out=heads/ablation/target_joined4/next_wrej1_d1
-for set in bundled humaneval; do
-    test -f reports/data_curve920/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
-        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
-        --head heads/ablation/target_joined/next_wrej1_d1 --head heads/ablation/target_joined4/next_wrej1_d1 \
-        --out reports/data_curve920/$set
-done
+target_head heads/ablation/target_joined4/next_wrej1_d1 data/demo/reference data/demo/reference_seed1 \
+    data/demo/reference_seed2 data/demo/reference_seed3
+score_heads reports/data_curve920 heads/ablation/target_default/next_wrej1_d1 \
+    heads/ablation/target_joined/next_wrej1_d1 heads/ablation/target_joined4/next_wrej1_d1
 # the curve of both probe runs as a table and a PNG (docs/train/learning_curve.png is a copy)
 $PY scripts/plot_learning_curve.py reports/probe_data_curve/probe.json reports/probe_data_curve920/probe.json \
     --out reports/data_curve/learning_curve.png

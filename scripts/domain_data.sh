@@ -43,12 +43,6 @@ done
 # 3. the real thing: the lag-free head of scripts/data_curve.sh's step 3 (w_rej = 1, D = 1, target context) trained
 #    on the reference data plus the 64 code responses, scored beside the reference-only head on the held-out sets
 #    (HumanEval problems 0-39 and the bundled test prompts) -> reports/domain_data/{bundled,humaneval}.
-common="head=next pair=demo trainer=cpu logger=none optimizer.lr=3e-3 data.batch_size=8 trainer.max_epochs=12"
-test -f heads/ablation/target_code/next_wrej1_d1/model.safetensors || $PY -m train +experiment=wrej1_d1 $common \
-    'data.path=[data/demo/reference,data/demo/humaneval_train]' data.feature_context=target \
-    out=heads/ablation/target_code/next_wrej1_d1
-for set in bundled humaneval; do
-    test -f reports/domain_data/$set/potential.json || $PY -m infer.potential data/demo/heldout_$set --split test \
-        --costs reports/bench/costs.json --head-context target --head heads/ablation/target_default/next_wrej1_d1 \
-        --head heads/ablation/target_code/next_wrej1_d1 --out reports/domain_data/$set
-done
+source "$(dirname "$0")/issue24_lib.sh"
+target_head heads/ablation/target_code/next_wrej1_d1 data/demo/reference data/demo/humaneval_train
+score_heads reports/domain_data heads/ablation/target_default/next_wrej1_d1 heads/ablation/target_code/next_wrej1_d1
