@@ -140,15 +140,18 @@ bench-pearl: demo-pair  # docs/infer.md, PEARL: target-only (1, 2 threads), fixe
 		--overlap --svip-gamma 4 --out reports/pearl/bench.json
 
 HEADS_PROMPTS ?= 40    # per prompt set, for bench-heads
+HEADS_SETS ?= bundled humaneval
+HEADS_POINTS ?= $(REF_HEAD_POINTS)  # the heads and thresholds, e.g. {head:DIR,threshold:0.7}
+HEADS_OUT ?= bench_heads  # results/$(HEADS_OUT), reports/$(HEADS_OUT)
 bench-heads: demo-pair  # issue 24: the reference heads at their dev thresholds against fixed K = 1, 2 and SVIP, 40 + 40 prompts, paired
-	for set in bundled humaneval; do \
+	for set in $(HEADS_SETS); do \
 		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(HEADS_PROMPTS)) \
 			max_new_tokens=$(strip $(BENCH_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
-			'out=results/bench_heads/$${prompts.name}/$${method.name}' 'comparison.fixed_k.k=[1,2]' \
-			'comparison.svip.threshold=[0.5]' '~comparison.specdecpp' '+comparison.specdecpp=[$(REF_HEAD_POINTS)]' \
+			'out=results/$(strip $(HEADS_OUT))/$${prompts.name}/$${method.name}' 'comparison.fixed_k.k=[1,2]' \
+			'comparison.svip.threshold=[0.5]' '~comparison.specdecpp' '+comparison.specdecpp=[$(strip $(HEADS_POINTS))]' \
 			'~comparison.hf_assisted' '~comparison.oracle' || exit 1; \
 	done
-	$(PYTHON) -m infer.report results/bench_heads --out reports/bench_heads
+	$(PYTHON) -m infer.report results/$(strip $(HEADS_OUT)) --out reports/$(strip $(HEADS_OUT))
 
 BATCH_PROMPTS ?= 16    # per prompt set (bundled test, HumanEval test): 32 prompts, batches of 1, 4 and 16
 BATCH_TOKENS ?= 48
