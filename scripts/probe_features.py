@@ -142,16 +142,18 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
     return {k: torch.cat(v).numpy() for k, v in out.items() if v}
 
 
-def cached_blocks(cache: str | None, directory: str, split: str, n: int | None, meta: dict, compute) -> dict:
+def cached_blocks(cache: str | None, directory: str, split: str, n: int | None, meta: dict, compute,
+                  checked: bool = False) -> dict:
     """``compute()``'s blocks of dataset ``directory``'s ``split`` (its first ``n`` rows), kept in
-    ``cache`` (an .npz per dataset, split, rows and labelling run: the dataset meta's ``created``) so
-    that a second probe on the same data skips the models' forwards; no cache: just ``compute()``."""
+    ``cache`` (an .npz per dataset, split, rows, labelling run (the dataset meta's ``created``) and
+    ``checked``: whether they hold the ``recomputed`` labels) so that a second probe on the same data
+    skips the models' forwards; no cache: just ``compute()``."""
     if not cache:
         return compute()
     import hashlib
 
     key = json.dumps([str(Path(directory).resolve()), split, n, meta.get("created"), meta.get("draft"),
-                      meta.get("target"), DRAFT_SPEC])
+                      meta.get("target"), DRAFT_SPEC, checked])
     path = Path(cache) / f"blocks-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
     if path.exists():
         with np.load(path) as z:
@@ -348,7 +350,8 @@ def main() -> None:
     t0 = time.perf_counter()
     data = {name: cached_blocks(args.cache, args.data, name, None, meta,
                                 lambda name=name: blocks_of([splits[name][i] for i in range(len(splits[name]))], draft,
-                                                            target, size, sampling if name == "dev" else None))
+                                                            target, size, sampling if name == "dev" else None),
+                                checked=name == "dev")
             for name in ("train", "dev")}
     for spec in args.extra_train:
         directory, split, rows = extra_train_spec(spec)

@@ -82,6 +82,9 @@ def test_cached_blocks_computes_once_per_dataset_and_labelling_run(probe, tmp_pa
     relabelled = probe.cached_blocks(str(tmp_path), "data/x", "train", None, {**meta, "created": "2026-02-02"},
                                      compute(5.0))
     assert calls == [1.0, 3.0, 4.0, 5.0] and relabelled["labels"][0] == 5.0
+    # the main dev split's blocks carry the label check, an --eval of the same split's do not
+    probe.cached_blocks(str(tmp_path), "data/x", "train", None, meta, compute(7.0), checked=True)
+    assert calls[-1] == 7.0
     assert not list(tmp_path.glob("*.tmp.npz"))
     # without a cache directory nothing is kept
     probe.cached_blocks(None, "data/x", "train", None, meta, compute(6.0))
