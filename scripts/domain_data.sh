@@ -25,19 +25,17 @@ $PY -m data_gen pair=demo prompts=jsonl prompts.path=data/prompts/humaneval_100_
     'splits=[train]' max_new_tokens=192 seed=0 out=data/demo/humaneval_train shard_size=32 num_threads=$T
 common=(data/demo/reference --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test
         --costs reports/bench/costs.json --sets "today's lag-free" "control")
-test -f reports/probe_domain/code/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
-    --extra-train data/demo/humaneval_train:train --out reports/probe_domain/code
-test -f reports/probe_domain/bundled/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" \
-    --extra-train data/demo/reference_seed1:train:64 --out reports/probe_domain/bundled
-# 2b. the same two probes with training seeds 1 and 2 (a probe's margin moves by 0.3-0.4 points between seeds)
-#    -> reports/probe_domain/{code,bundled}_seed{1,2}; feature blocks kept in .cache/probe_blocks.
-for seed in 1 2; do
+# 2 and 2b: the two probes with training seeds 0, 1 and 2 (a probe's margin moves by 0.3-0.4 points between seeds)
+#    -> reports/probe_domain/{code,bundled} (seed 0) and {code,bundled}_seed{1,2}; feature blocks kept in
+#    .cache/probe_blocks.
+for seed in 0 1 2; do
     for kind in code bundled; do
         extra=data/demo/humaneval_train:train
         [ $kind = code ] || extra=data/demo/reference_seed1:train:64
-        test -f reports/probe_domain/${kind}_seed$seed/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py \
-            "${common[@]}" --extra-train $extra --seed $seed --cache .cache/probe_blocks \
-            --out reports/probe_domain/${kind}_seed$seed
+        out=reports/probe_domain/$kind
+        [ $seed = 0 ] || out=${out}_seed$seed
+        test -f $out/probe.json || PROBE_THREADS=$T $PY scripts/probe_features.py "${common[@]}" --extra-train $extra \
+            --seed $seed --cache .cache/probe_blocks --out $out
     done
 done
 # 3. the real thing: the lag-free head of scripts/data_curve.sh's step 3 (w_rej = 1, D = 1, target context) trained

@@ -33,12 +33,17 @@ def curve_points(paths: list[str]) -> dict[str, dict[int, dict]]:
     return points
 
 
+def scored_splits(points: dict[str, dict[int, dict]]) -> list[str]:
+    """The splits the probe scored (dev and its --eval sets), from the first result row."""
+    return list(next(iter(next(iter(points.values())).values()))["splits"])
+
+
 def short(split: str) -> str:
     return split if split == "dev" else Path(split.split(":")[0]).name
 
 
 def table(points: dict[str, dict[int, dict]]) -> str:
-    splits = list(next(iter(next(iter(points.values())).values()))["splits"])
+    splits = scored_splits(points)
     head = "| feature set | train responses (positions) | " + " | ".join(
         f"{short(s)} AUROC | {short(s)} margin (share)" for s in splits) + " |"
     lines = [head, "|" + "---|" * (2 + 2 * len(splits))]
@@ -59,7 +64,7 @@ def plot(points: dict[str, dict[int, dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    splits = list(next(iter(next(iter(points.values())).values()))["splits"])
+    splits = scored_splits(points)
     fig, axes = plt.subplots(2, len(splits), figsize=(4.2 * len(splits), 6.4), squeeze=False)
     for j, s in enumerate(splits):
         for name, by_n in points.items():
