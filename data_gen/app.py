@@ -13,17 +13,24 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specdecpp.cascade import Cascade
-from specdecpp.dataset import META_FILE, consolidate, read_meta, save_shard, shard_done, write_meta
-from specdecpp.labels import (
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.data.dataset import (
+    META_FILE,
+    consolidate,
+    read_meta,
+    save_shard,
+    shard_done,
+    write_meta,
+)
+from specdecpp.data.labels import (
     label_responses,
     prompt_generator,
     sample_responses_with_probs,
     shared_vocab,
 )
-from specdecpp.loading import eos_token_ids, load_pair
-from specdecpp.prompts import encode_prompt
-from specdecpp.sampling import SamplingConfig
+from specdecpp.data.prompts import encode_prompt
+from specdecpp.decoders.cascade import Cascade
+from specdecpp.models.loading import eos_token_ids, load_pair
 
 from .plan import (
     Shard,

@@ -11,9 +11,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import specdecpp
-from specdecpp.identity import portable_name, same_model
-from specdecpp.loading import dtype_name
-from specdecpp.prompts import Prompt, load_prompts
+from specdecpp.data.prompts import Prompt, load_prompts
+from specdecpp.models.identity import portable_name, same_model
+from specdecpp.models.loading import dtype_name
 
 # A source's own splits when `splits` is null. A JSONL file is one training split unless its rows
 # carry "split" fields (then pass splits=[train,dev,test]); evaluation sets keep prompts.split.

@@ -10,7 +10,7 @@ from datasets import DatasetDict
 from rich.console import Console
 from rich.table import Table
 
-from specdecpp.dataset import label_summary
+from specdecpp.data.dataset import label_summary
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_PNG = "summary.png"

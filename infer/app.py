@@ -17,12 +17,12 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from specdecpp import StopPolicy
-from specdecpp.loading import dtype_name, eos_token_ids, load_pair
-from specdecpp.prompts import Prompt, encode_prompt, load_prompts
-from specdecpp.quality import target_quality
-from specdecpp.reduced_vocab import output_vocab_size
-from specdecpp.sampling import SamplingConfig
-from specdecpp.tasks import score_output
+from specdecpp.analysis.quality import target_quality
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
+from specdecpp.data.tasks import score_output
+from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
+from specdecpp.models.reduced_vocab import output_vocab_size
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
@@ -136,7 +136,7 @@ def load_models(pair: dict):
 
 
 def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> dict:
-    """The output's task score (specdecpp.tasks, untimed): HumanEval pass@1 by execution, GSM8K
+    """The output's task score (specdecpp.data.tasks, untimed): HumanEval pass@1 by execution, GSM8K
     exact match; ``task`` None for prompts without a task."""
     text = tokenizer.decode(output_ids, skip_special_tokens=True)
     return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text)
@@ -145,7 +145,7 @@ def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> di
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
     """One result row. ``lossy``: the method's output does not follow the target's distribution
-    (a cascade); ``quality`` (specdecpp.quality.target_quality and the task score, untimed) is
+    (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured

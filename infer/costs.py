@@ -1,17 +1,17 @@
 """python -m infer.costs [--pair demo | --draft D --target T] --costs-out FILE: what a pair costs.
 
 Measures a draft/target pair side by side: per-forward costs (the cost model's ``costs.json``,
-``specdecpp.costmodel``), per-token acceptance and Eq. 2.3's fixed-K speedup.
+``specdecpp.analysis.costmodel``), per-token acceptance and Eq. 2.3's fixed-K speedup.
 
     python -m infer.costs --costs-out reports/demo/costs.json              # the demo pair (conf/pair/demo.yaml)
     python -m infer.costs --draft DIR --target DIR --out reports/pair.json --costs-out reports/costs.json
 
 costs: median seconds of one cached forward of one token, batch 1, draft and target, through the
-    decoding engine's own model call, timed by ``specdecpp.timing.time_forwards``
+    decoding engine's own model call, timed by ``specdecpp.core.timing.time_forwards``
     (``torch.utils.benchmark.Timer``: CUDA-synchronised) and interleaved call by call so that
     machine load affects both alike; in the same loop the target's cost of scoring n = 2..8 tokens
     at once (a verification of n - 1 candidates): the width curve t_target(n), and the draft's
-    t_draft(n) (a token tree's level of n nodes, specdecpp.tree_search). --max-width W extends
+    t_draft(n) (a token tree's level of n nodes, specdecpp.analysis.tree_search). --max-width W extends
     both curves to 12, 16, 24, 32, 48, 64, 96, 128, ... up to W (token trees of Sequoia's sizes).
 acceptance: the target samples a response to each held-out prompt (temperature 1, top-k 50);
     at every response position, alpha_i = sum_v min(p_i(v), q_i(v)) with p and q the warped
@@ -23,7 +23,7 @@ precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on 
     bf16 dot products, else float32); --compare-dtype float32 times the same pair at float32 in the
     same loop.
 --batch-sizes B ...: also t_draft(B) and t_target(B, n) (B rows of n tokens each, n <= 21) through
-    the batched engine's forward (specdecpp.batch.BatchRunner), for the batched Eq. 2.3.
+    the batched engine's forward (specdecpp.decoders.batch.BatchRunner), for the batched Eq. 2.3.
 --costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, draft_by_width,
     draft_by_batch, target_by_batch, provenance),
     read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
@@ -43,13 +43,13 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
-from specdecpp.compat import cache_kwargs
-from specdecpp.costmodel import Costs, fixed_k_speedup, save_costs
-from specdecpp.loading import dtype_name, load_model, resolve_dtype
-from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.reduced_vocab import ReducedOutput, output_vocab_size
-from specdecpp.rounds import decode_attention
-from specdecpp.timing import time_forwards
+from specdecpp.analysis.costmodel import Costs, fixed_k_speedup, save_costs
+from specdecpp.core.attention import decode_attention
+from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.timing import time_forwards
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import dtype_name, load_model, resolve_dtype
+from specdecpp.models.reduced_vocab import ReducedOutput, output_vocab_size
 
 PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
 
@@ -88,11 +88,11 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
 def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
                ) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
-    batch 1, through the decoding engine's own model call (``specdecpp.rounds.ModelRunner.feed``: on a
+    batch 1, through the decoding engine's own model call (``specdecpp.models.runner.ModelRunner.feed``: on a
     CPU it pads 2-3 tokens to 4, as decoding does), the cache rolled back after each (untimed);
-    every (model, n) in turn in each step (``specdecpp.timing.time_forwards``), so machine load
+    every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so machine load
     affects all alike."""
-    from specdecpp.rounds import ModelRunner
+    from specdecpp.models.runner import ModelRunner
 
     widths = widths or {}
     calls, resets = {}, {}
@@ -116,10 +116,10 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
 def batch_times(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int
                 ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
     """t_draft(B) (one token per row) and t_target(B, n) (n tokens per row): medians of the batched
-    engine's forwards (``specdecpp.batch.BatchRunner.feed``) after ``context`` cached in every row,
+    engine's forwards (``specdecpp.decoders.batch.BatchRunner.feed``) after ``context`` cached in every row,
     the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in each
-    step (``specdecpp.timing.time_forwards``), so machine load affects all alike."""
-    from specdecpp.batch import BatchRunner
+    step (``specdecpp.core.timing.time_forwards``), so machine load affects all alike."""
+    from specdecpp.decoders.batch import BatchRunner
 
     tail_len = max(widths) + 1
     if len(context) <= tail_len:

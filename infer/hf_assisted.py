@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecpp.engine import RunStats
-from specdecpp.hooks import GatherKeptLogits
-from specdecpp.loading import token_set
-from specdecpp.policies import check_count, check_threshold
-from specdecpp.rounds import decode_attention
-from specdecpp.sampling import SamplingConfig
+from specdecpp.core.attention import decode_attention
+from specdecpp.core.hooks import GatherKeptLogits
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.decoders.rounds import RunStats
+from specdecpp.models.loading import token_set
+from specdecpp.stopping.policies import check_count, check_threshold
 
 from .timing import Clock, ForwardMeter
 

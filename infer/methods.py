@@ -40,11 +40,11 @@ from specdecpp import (
     TokenTree,
     load_head,
 )
-from specdecpp.costmodel import load_costs
-from specdecpp.identity import same_model
-from specdecpp.pearl import MAX_AUTO_GAMMA
-from specdecpp.sampling import SamplingConfig
-from specdecpp.tree_search import choose_tree
+from specdecpp.analysis.costmodel import load_costs
+from specdecpp.analysis.tree_search import choose_tree
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
+from specdecpp.models.identity import same_model
 
 from .hf_assisted import HF_MODES
 from .timing import Clock, ForwardMeter
@@ -113,7 +113,7 @@ def _num(x: float) -> str:
 
 def draft_hidden_size(draft_ref: str) -> int | None:
     """The draft's hidden size from its config alone (no weights are loaded)."""
-    from specdecpp.loading import load_config
+    from specdecpp.models.loading import load_config
 
     config = load_config(draft_ref)
     size = getattr(config, "hidden_size", None)

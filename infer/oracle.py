@@ -1,15 +1,15 @@
 """The greedy oracle on a real pair: decode the prompt greedily with the target, then one draft
 forward pass over prompt + continuation gives the draft's greedy prediction at every position;
-:func:`specdecpp.potential.greedy_oracle` turns the two into the oracle's counts (no timing)."""
+:func:`specdecpp.analysis.potential.greedy_oracle` turns the two into the oracle's counts (no timing)."""
 
 from __future__ import annotations
 
 import torch
 
 from specdecpp import SpeculativeDecoder, TargetOnly
-from specdecpp.potential import greedy_oracle
-from specdecpp.reduced_vocab import output_vocab_size
-from specdecpp.sampling import SamplingConfig
+from specdecpp.analysis.potential import greedy_oracle
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.models.reduced_vocab import output_vocab_size
 
 
 @torch.no_grad()

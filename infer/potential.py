@@ -3,14 +3,14 @@
 
 "Can a learned stop predictor pay off on my pair?", answered from a data_gen dataset alone, before
 any decoding: replays speculative rounds along each labelled response with Bernoulli(P_i)
-acceptances (``specdecpp.potential``) for fixed K 1..10, the informed Algorithm 2 (a perfect head
+acceptances (``specdecpp.analysis.potential``) for fixed K 1..10, the informed Algorithm 2 (a perfect head
 with the real head's one-candidate lag), the same perfect head without the lag, trained heads (``--head``, run on the draft's features
 of the same data), SVIP from the stored draft entropy and the hindsight oracle. Speedups by
 Eq. 2.3 at the cost ratio, with 95% bootstrap intervals over prompts, and with the measured
 width-dependent target cost when ``--costs`` has one. Writes potential.md, potential.json and
 potential.png to ``--out`` (default: DATA_DIR/potential) and prints the table.
 
-``--costs FILE``: the pair's ``costs.json`` (``specdecpp.costmodel``: ``t_draft`` and ``t_target``,
+``--costs FILE``: the pair's ``costs.json`` (``specdecpp.analysis.costmodel``: ``t_draft`` and ``t_target``,
 seconds per forward, and optionally ``target_by_width``, the target scoring n tokens after a cached
 prefix), as written by ``python -m infer.costs --costs-out FILE``; a ``summary.json`` of
 ``infer.report`` also works (its first fitted group's t_draft and t_target).
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specdecpp import potential as pt
-from specdecpp.costmodel import Costs, load_costs
+from specdecpp.analysis import potential as pt
+from specdecpp.analysis.costmodel import Costs, load_costs
 
 from . import whatif
 
@@ -43,7 +43,7 @@ WHATIF_BELOW = 0.05  # an informed margin under this gets a verdict line pointin
 
 def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> tuple[list[dict], dict, list]:
     """Rows of one split (or every split with ``all``) as numpy arrays, the meta, the raw rows."""
-    from specdecpp.dataset import load_labelled
+    from specdecpp.data.dataset import load_labelled
 
     splits, meta = load_labelled(data_dir)
     names = list(splits) if split == "all" else [split]
@@ -95,9 +95,9 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     """
     import torch
 
-    from specdecpp.head import load_head
-    from specdecpp.loading import load_model
-    from specdecpp.mixing import (
+    from specdecpp.models.loading import load_model
+    from specdecpp.stopping.head import load_head
+    from specdecpp.training.mixing import (
         draft_features,
         lag_free_features,
         mixed_example,
@@ -263,7 +263,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
-    from specdecpp.head import load_head
+    from specdecpp.stopping.head import load_head
     lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
     pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
     t0 = time.perf_counter()

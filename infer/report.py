@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from specdecpp.costmodel import Costs, load_costs
+from specdecpp.analysis.costmodel import Costs, load_costs
 
 from .plots import pareto_plot, quality_plot, throughput_plot
 from .results import read_result_dir
@@ -118,7 +118,7 @@ def _slug(*parts: str) -> str:
 
 
 def report_costs(path: str | Path | None) -> Costs | None:
-    """The ``--costs`` file (``specdecpp.costmodel.load_costs``); the report uses its width curve."""
+    """The ``--costs`` file (``specdecpp.analysis.costmodel.load_costs``); the report uses its width curve."""
     if path is None:
         return None
     costs = load_costs(path)
@@ -178,7 +178,7 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "the target's distribution, so its speed is only comparable at its quality: target log-lik/token = "
         "mean log-probability of the output under the target's warped distribution (greedy: its raw "
         "softmax), greedy match = share of output tokens equal to the target's argmax at their position "
-        "(specdecpp/quality.py); the exact methods' values are the reference. Task scores (specdecpp/tasks.py, "
+        "(specdecpp/analysis/quality.py); the exact methods' values are the reference. Task scores (specdecpp/data/tasks.py, "
         "every method): HumanEval pass@1 = share of problems whose output passes the problem's tests when "
         "executed (one sample each), GSM8K exact match = share of outputs whose last number is the reference "
         "answer; with a 95% bootstrap interval over prompts.\n")

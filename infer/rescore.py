@@ -1,6 +1,6 @@
 """python -m infer.rescore RESULTS_DIR [--tokenizer PATH]
 
-Recompute the task scores (specdecpp/tasks.py: HumanEval pass@1, GSM8K exact match) of result rows
+Recompute the task scores (specdecpp/data/tasks.py: HumanEval pass@1, GSM8K exact match) of result rows
 already written, without decoding again: for files written before the scores existed, or after the
 scoring changed. Each row's ``output_ids`` are decoded with the tokenizer of its target
 (``pair.target``, or ``--tokenizer``). HumanEval rows (prompt source ``humaneval``) find their
@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from specdecpp.loading import load_tokenizer
-from specdecpp.tasks import score_output
+from specdecpp.data.tasks import score_output
+from specdecpp.models.loading import load_tokenizer
 
 from .results import read_rows
 

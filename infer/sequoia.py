@@ -15,7 +15,7 @@ measure: decodes each prompt with a star of W children (specdecpp.SequoiaDecoder
     and counts, per round, which child (1..W, in sampling order) was accepted or none: p_k is the
     share of rounds whose k-th child was accepted (rounds cut to no child by the length limit are
     left out), the estimate Sequoia's repo makes (methods/sequoia.md, "Estimating p").
-tree: specdecpp.tree_search.choose_tree: the (n, d) with the largest G(n, d) * t_target(1) /
+tree: specdecpp.analysis.tree_search.choose_tree: the (n, d) with the largest G(n, d) * t_target(1) /
     (t_target(n) + the draft's forwards for that tree); writes the tree JSON (with the acceptance
     vector, G and the predicted speedup in it) and prints the table of candidates (best depth per size);
     --table FILE writes every candidate as JSON.
@@ -33,10 +33,10 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, SequoiaDecoder, TokenTree, load_pair
-from specdecpp.costmodel import load_costs
-from specdecpp.loading import dtype_name, eos_token_ids
-from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.tree_search import check_acceptance, choose_tree
+from specdecpp.analysis.costmodel import load_costs
+from specdecpp.analysis.tree_search import check_acceptance, choose_tree
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import dtype_name, eos_token_ids
 
 from .app import sampling_tag
 from .costs import pair_config

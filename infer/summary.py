@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from specdecpp.costmodel import (
+from specdecpp.analysis.costmodel import (
     CostFit,
     Costs,
     batch_latency,
@@ -17,7 +17,7 @@ from specdecpp.costmodel import (
     latency_by_width,
     predicted_tokens_per_s,
 )
-from specdecpp.stats import bootstrap_interval, paired_ratio_interval
+from specdecpp.analysis.stats import bootstrap_interval, paired_ratio_interval
 
 from .methods import METHODS
 from .results import pooled_wall
@@ -135,7 +135,7 @@ R2_WARNING = 0.9  # below this the constant-cost model (Eq. 2.1) does not explai
 
 
 def width_latency(rows: list[dict], costs: Costs) -> float | None:
-    """Seconds per token predicted with a width-dependent target cost (``specdecpp.costmodel``):
+    """Seconds per token predicted with a width-dependent target cost (``specdecpp.analysis.costmodel``):
     t_draft * N_draft plus, per round, t_target(K + 1) for a verification of K candidates. Rows
     that record their draft forwards' widths (token trees) cost t_draft(m) per forward of m tokens
     where costs.json has the draft's curve."""
@@ -176,7 +176,7 @@ def batch_latency_of(rows: list[dict], costs: Costs) -> float | None:
 
 def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float] | None:
-    """95% bootstrap interval (``specdecpp.stats``) of tokens/s(rows) / tokens/s(base_rows) over
+    """95% bootstrap interval (``specdecpp.analysis.stats``) of tokens/s(rows) / tokens/s(base_rows) over
     prompts resampled with replacement, the same prompts for both (pooled: sum of tokens / sum of
     wall time); None with fewer than two prompts timed in both. Batched rows share their call's
     time, so there the unit is the call (``batch_id``: the same prompts in both)."""
@@ -264,7 +264,7 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
 
 def summarize_results(rows: list[dict], costs: Costs | None = None) -> list[dict]:
     """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (a
-    ``specdecpp.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
+    ``specdecpp.analysis.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
     target cost."""
     return [{**dict(zip(GROUP_KEYS, key, strict=True)), **summarize_group(group, costs)}
             for key, group in group_rows(rows).items()]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdecpp.engine import Clock
+from specdecpp.decoders.chain import Clock
 
 
 class ForwardMeter:

@@ -6,7 +6,7 @@ acceptances while keeping their order and their spread across positions: an easy
 easier than a hard one), and for each cost ratio c the potential simulator (the same Bernoulli(P_i)
 rounds, common random numbers) gives Eq. 2.3 speedups of the best fixed K, the informed Algorithm 2
 (a perfect head with the paper's one-candidate lag), the same perfect head without the lag, and the
-hindsight oracle, each at its best threshold (``specdecpp.potential.whatif_grid``). The table has
+hindsight oracle, each at its best threshold (``specdecpp.analysis.potential.whatif_grid``). The table has
 the informed margins over the best fixed K for every (mean acceptance, c); whatif.md, whatif.json
 and whatif.png go to the output directory.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdecpp import potential as pt
+from specdecpp.analysis import potential as pt
 
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05)
 

@@ -10,8 +10,8 @@ at B = 16); one unit is one ``generate_batch`` call, decoded by every method in 
 the next unit, so load drift on a shared machine touches all methods alike. Row b is seeded from
 its prompt id (infer.results.prompt_seed), the same in every method and batch size. Printed per B
 and method: pooled tokens/s (all tokens / all wall time), the speedup over target-only at the same
-B with a paired 95% bootstrap interval over units (specdecpp.stats), and the prediction from the
-calls' recorded rounds (specdecpp.costmodel.batch_latency) with costs measured first in the same
+B with a paired 95% bootstrap interval over units (specdecpp.analysis.stats), and the prediction from the
+calls' recorded rounds (specdecpp.analysis.costmodel.batch_latency) with costs measured first in the same
 process (t_draft(B) and t_target(B, n) by timing BatchRunner forwards on a real prompt's cache).
 """
 
@@ -37,11 +37,11 @@ from specdecpp import (
     load_head,
     load_pair,
 )
-from specdecpp.costmodel import Costs, batch_latency
-from specdecpp.loading import dtype_name, eos_token_ids
-from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.stats import paired_ratio_interval
-from specdecpp.timing import machine_description
+from specdecpp.analysis.costmodel import Costs, batch_latency
+from specdecpp.analysis.stats import paired_ratio_interval
+from specdecpp.core.timing import machine_description
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import dtype_name, eos_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)

@@ -19,15 +19,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdecpp.labels import (
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.data.labels import (
     label_responses,
     prompt_generator,
     sample_responses_with_probs,
     shared_vocab,
 )
-from specdecpp.loading import load_pair
-from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.sampling import SamplingConfig
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import load_pair
 
 
 def measure(draft, target, encoded, ids, batch_size, sampling, max_new_tokens, eos, vocab) -> dict:

@@ -27,9 +27,9 @@ def tokens_per_s(rows: list[dict]) -> float:
 def main() -> None:
     import infer.hf_assisted as hf
     from infer.summary import paired_speedup_ci
-    from specdecpp.loading import dtype_name, load_model, load_tokenizer
-    from specdecpp.prompts import encode_prompt, load_prompts
-    from specdecpp.sampling import SamplingConfig
+    from specdecpp.core.sampling import SamplingConfig
+    from specdecpp.data.prompts import encode_prompt, load_prompts
+    from specdecpp.models.loading import dtype_name, load_model, load_tokenizer
     from specdecpp_demo import demo_draft_path, demo_target_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

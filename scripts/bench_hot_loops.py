@@ -60,9 +60,9 @@ def crop_to(cache, length: int) -> None:
 
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
-    from specdecpp.compat import cache_kwargs
-    from specdecpp.hooks import new_cache
-    from specdecpp.timing import time_forward
+    from specdecpp.core.compat import cache_kwargs
+    from specdecpp.core.hooks import new_cache
+    from specdecpp.core.timing import time_forward
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)
     cache = new_cache(draft)
@@ -75,7 +75,7 @@ def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
 
 def labelling_peak_mb(draft, target, device, batch: int, length: int) -> float:
     from specdecpp import SamplingConfig
-    from specdecpp.labels import label_responses
+    from specdecpp.data.labels import label_responses
 
     prompts = [[1, 2, 3, 4]] * batch
     responses = [torch.randint(5, 1000, (length,), generator=torch.Generator().manual_seed(b)).tolist()

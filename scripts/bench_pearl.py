@@ -38,9 +38,9 @@ from specdecpp import (
     TargetOnly,
     load_pair,
 )
-from specdecpp.loading import dtype_name, eos_token_ids
-from specdecpp.prompts import encode_prompt, load_prompts
-from specdecpp.timing import machine_description
+from specdecpp.core.timing import machine_description
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import dtype_name, eos_token_ids
 from specdecpp_demo import demo_draft_path, demo_target_path
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
@@ -89,9 +89,9 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
-    from specdecpp.compat import cache_kwargs
-    from specdecpp.hooks import keep_last, new_cache
-    from specdecpp.timing import time_forward
+    from specdecpp.core.compat import cache_kwargs
+    from specdecpp.core.hooks import keep_last, new_cache
+    from specdecpp.core.timing import time_forward
 
     cache, times = new_cache(model), out if out is not None else []
     keep = keep_last(width, 1, context.device)
@@ -111,7 +111,7 @@ def _median_ms(times) -> float:
 
 
 def _draft_process(draft_dir, dtype, context, ready, stop, result) -> None:
-    from specdecpp.loading import load_model
+    from specdecpp.models.loading import load_model
 
     torch.set_num_threads(1)
     model = load_model(draft_dir, "cpu", dtype)

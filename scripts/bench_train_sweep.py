@@ -40,7 +40,7 @@ def build_dataset(directory: Path, draft: str, hidden: int, vocab: int, prompts:
     """Random prompts and responses in the data_gen format (labels random: this is a timing run)."""
     from datasets import DatasetDict
 
-    from specdecpp.dataset import rows_to_dataset, write_meta
+    from specdecpp.data.dataset import rows_to_dataset, write_meta
 
     rng = np.random.default_rng(0)
 
@@ -143,7 +143,7 @@ def main() -> None:
     draft = args.draft or build_draft(work / "draft", args.vocab, args.hidden, args.layers)
     data = args.data
     if data is None:
-        from specdecpp.loading import load_model
+        from specdecpp.models.loading import load_model
 
         config = load_model(draft, "cpu").config
         data = build_dataset(work / "data", draft, config.hidden_size, config.vocab_size, args.prompts, args.length)

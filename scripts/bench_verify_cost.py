@@ -18,8 +18,8 @@ import argparse
 
 import torch
 
-from specdecpp.compat import cache_kwargs
-from specdecpp.timing import time_forward
+from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.timing import time_forward
 
 
 def smollm_shape(seed: int = 0, layers: int = 30):
@@ -41,7 +41,7 @@ def crop_to(cache, length: int) -> None:
 
 @torch.no_grad()
 def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
-    from specdecpp.hooks import new_cache
+    from specdecpp.core.hooks import new_cache
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
@@ -55,7 +55,7 @@ def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
 @torch.no_grad()
 def engine_feed_ms(model, prefix: int, n: int, repeats: int) -> float:
     """The same call through the engine's runner (``ModelRunner.feed``: what SpeculativeDecoder does)."""
-    from specdecpp.rounds import ModelRunner
+    from specdecpp.models.runner import ModelRunner
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (prefix + n,), generator=torch.Generator().manual_seed(0))
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from specdecpp.loading import load_model
+    from specdecpp.models.loading import load_model
 
     models = {"target": load_model(args.model, "cpu") if args.model else smollm_shape()}
     if args.draft:

@@ -53,8 +53,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from specdecpp.sampling import SamplingConfig, warp
-from specdecpp.schedules import warmup_cosine
+from specdecpp.core.sampling import SamplingConfig, warp
+from specdecpp.training.schedules import warmup_cosine
 from specdecpp_demo.pair import (
     TARGET_GGUF,
     TARGET_HUB_ID,
@@ -88,7 +88,7 @@ def load_target(dtype: str = "float32"):
     ``fast`` is bf16 on CPUs that multiply it natively, the precision the demo pair decodes in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdecpp.loading import resolve_dtype
+    from specdecpp.models.loading import resolve_dtype
 
     target_dir = demo_target_path()
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
@@ -112,7 +112,7 @@ def prompt_shard_plan(recipe: dict, tokenizer) -> dict[str, tuple[list[int], int
     """``generate.prompts`` recipes: shard name -> (encoded chat prompt, seed). Training shard i
     answers prompt i mod n of ``prompts.split`` (``batch_size`` sampled answers); validation shard
     j answers prompt j of ``validation.split`` (``validation.batch_size`` answers)."""
-    from specdecpp.prompts import encode_prompt, load_prompts
+    from specdecpp.data.prompts import encode_prompt, load_prompts
 
     gen = recipe["generate"]
     plan = {}

@@ -42,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from specdecpp.head import portable_config  # noqa: E402
+from specdecpp.stopping.head import portable_config  # noqa: E402
 from specdecpp_demo import draft_identity, target_identity  # noqa: E402
 
 EXPERIMENTS = [f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5)]

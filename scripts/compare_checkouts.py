@@ -4,7 +4,7 @@ Each checkout runs in its own worker process (imported from that checkout's dire
 public API only: load_pair, SpeculativeDecoder, FixedK, SVIP, SpecDecPP, load_head), both load the
 same pair, and the prompts alternate between them (old-new, new-old, ...) so that machine load hits
 both alike. Greedy decoding: the tokens must be identical; tokens/s is compared as the pooled ratio
-new/old with a paired bootstrap interval over prompts (specdecpp.stats).
+new/old with a paired bootstrap interval over prompts (specdecpp.analysis.stats).
 
     python scripts/compare_checkouts.py /path/to/old-checkout . \\
         --draft .cache/demo/draft --target .cache/demo/target --head demo/heads/wrej6_d3 --prompts 10
@@ -25,8 +25,16 @@ import numpy as np
 WORKER = r'''
 import json, sys
 import torch
-from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, SpeculativeDecoder, load_head, load_pair
-from specdecpp.prompts import encode_prompt, load_prompts
+from specdecpp import (
+    SVIP,
+    FixedK,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    load_head,
+    load_pair,
+)
+from specdecpp.data.prompts import encode_prompt, load_prompts
 
 draft_dir, target_dir, head_dir, dtype, n_prompts, tokens = sys.argv[1:7]
 torch.set_num_threads(1)
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     for name in ("old", "new"):
         if not (getattr(args, name) / "specdecpp" / "__init__.py").is_file():
             parser.error(f"{name} {str(getattr(args, name))!r} is not a checkout of this project (no specdecpp/)")
-    from specdecpp.stats import paired_ratio_interval
+    from specdecpp.analysis.stats import paired_ratio_interval
 
     workers = {"old": Worker(args.old, args), "new": Worker(args.new, args)}
     failed = False

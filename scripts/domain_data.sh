@@ -16,7 +16,7 @@ export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1
 mkdir -p data/prompts
 test -f data/prompts/humaneval_100_163.jsonl || $PY - <<'PY'
 import json
-from specdecpp.prompts import load_prompts
+from specdecpp.data.prompts import load_prompts
 rows = [{"id": p.id, "prompt": p.prompt, "split": "train"} for p in load_prompts("humaneval", split="test")[100:164]]
 with open("data/prompts/humaneval_100_163.jsonl", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)

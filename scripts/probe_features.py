@@ -5,15 +5,15 @@
 
 A diagnostic beside `python -m train`, not a way to ship heads: it trains the same kind of network
 as the lag-free head (Linear(F, 256), one residual block, Linear(256, 1); the weighted soft-label
-BCE of specdecpp.loss with w_rej = 1, Adam, best-on-dev epoch) on feature sets that include
+BCE of specdecpp.training.loss with w_rej = 1, Adam, best-on-dev epoch) on feature sets that include
 information the engine does not hand a head today, and reports the dev and held-out AUROC, KL
-and calibration (specdecpp.head_metrics), and the Eq. 2.3 margin over the best fixed K of the
-lag-free Algorithm 2 with the probe's predictions (specdecpp.potential, 5 seeds).
+and calibration (specdecpp.training.metrics), and the Eq. 2.3 margin over the best fixed K of the
+lag-free Algorithm 2 with the probe's predictions (specdecpp.analysis.potential, 5 seeds).
 
 Every position i of a response is scored in the data_gen context (prompt + X_<i, no token mixing:
 the context the label P_i was computed in), for the candidate Y_i. Features:
 
-- draft side (what the lag-free head sees; specdecpp.head.next_token_features): ``hidden`` e_{i-1},
+- draft side (what the lag-free head sees; specdecpp.stopping.head.next_token_features): ``hidden`` e_{i-1},
   ``embedding`` of Y_i, ``prob``, ``logprob``, ``entropy`` of q_i, ``topm`` (its 8 largest
   probabilities);
 - ``target@d``: the target's final hidden state d positions before the one that produced p_i
@@ -55,19 +55,19 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from specdecpp import potential as pt  # noqa: E402
-from specdecpp.costmodel import Costs, load_costs  # noqa: E402
-from specdecpp.dataset import load_labelled  # noqa: E402
-from specdecpp.head_metrics import (  # noqa: E402
+from specdecpp.analysis import potential as pt  # noqa: E402
+from specdecpp.analysis.costmodel import Costs, load_costs  # noqa: E402
+from specdecpp.core.sampling import SamplingConfig  # noqa: E402
+from specdecpp.data.dataset import load_labelled  # noqa: E402
+from specdecpp.models.loading import load_model  # noqa: E402
+from specdecpp.training.loss import weighted_bce  # noqa: E402
+from specdecpp.training.metrics import (  # noqa: E402
     binary_kl,
     calibration_bins,
     expected_calibration_error,
     rejection_auroc,
 )
-from specdecpp.loading import load_model  # noqa: E402
-from specdecpp.loss import weighted_bce  # noqa: E402
-from specdecpp.mixing import draft_features, lag_free_features  # noqa: E402
-from specdecpp.sampling import SamplingConfig  # noqa: E402
+from specdecpp.training.mixing import draft_features, lag_free_features  # noqa: E402
 
 DRAFT_SPEC = {"kind": "next", "features": ["hidden", "embedding", "prob", "logprob", "entropy", "topm"],
               "temperature": 1.0, "top_m": 8}
@@ -96,7 +96,7 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
     With ``sampling`` (the dataset's), ``recomputed`` holds min(1, p/q) of Y_i from the warped
     target logits of the ``target@0`` state and the draft's of ``hidden``: it must equal the label
     (the check that the states sit where the docstring says)."""
-    from specdecpp.sampling import warp
+    from specdecpp.core.sampling import warp
 
     out = {k: [] for k in ("hidden", "embedding", "q", "topm", "position", "target@0", "target@1", "target@2", "history",
                            "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
@@ -136,7 +136,7 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
             prev2 = torch.cat([torch.zeros(2), p[:-2]])[:n]
             idx = torch.arange(n)
             out["history"].append(torch.stack([prev1, prev2, (idx >= 1).float(), (idx >= 2).float()], -1))
-            out["position"].append(torch.log1p(idx.float())[:, None])  # as specdecpp.head's `position` feature
+            out["position"].append(torch.log1p(idx.float())[:, None])  # as specdecpp.stopping.head's `position` feature
             out["labels"].append(p)
             out["row_len"].append(torch.tensor([n]))
     return {k: torch.cat(v).numpy() for k, v in out.items() if v}

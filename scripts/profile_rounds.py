@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly
-from specdecpp.rounds import SDPA_CHOICES, SDPA_ENV
+from specdecpp.core.attention import SDPA_CHOICES, SDPA_ENV
 
 
 class ValuesFixedK(FixedK):
@@ -149,7 +149,7 @@ def main() -> None:
 
 def phases(decs, prompt, args, device) -> None:
     """Host time spent inside each engine call, per round (medians over ``--repeats`` decodes)."""
-    from specdecpp import rounds
+    from specdecpp.decoders import rounds
 
     spent: dict[str, float] = {}
 
@@ -164,10 +164,10 @@ def phases(decs, prompt, args, device) -> None:
 
     draft = next(iter(decs.values())).draft
     saved = {n: getattr(rounds, n) for n in ("sample", "warp", "verify")}
-    feed, commit = rounds.ModelRunner.feed, rounds.Sequence.commit
+    feed, commit = rounds.ModelRunner.feed, rounds.TokenBuffer.commit
     rounds.sample, rounds.warp, rounds.verify = (timed(lambda a, n=n: n, saved[n]) for n in ("sample", "warp", "verify"))
     rounds.ModelRunner.feed = timed(lambda a: "draft_feed" if a[0].model is draft else "target_feed", feed)
-    rounds.Sequence.commit = timed(lambda a: "commit", commit)
+    rounds.TokenBuffer.commit = timed(lambda a: "commit", commit)
     try:
         table = {}
         for n, dec in decs.items():
@@ -180,7 +180,7 @@ def phases(decs, prompt, args, device) -> None:
     finally:
         for n, fn in saved.items():
             setattr(rounds, n, fn)
-        rounds.ModelRunner.feed, rounds.Sequence.commit = feed, commit
+        rounds.ModelRunner.feed, rounds.TokenBuffer.commit = feed, commit
     cols = ["wall", "draft_feed", "warp", "sample", "target_feed", "verify", "commit"]
     print("\nhost ms per round inside each call (no added sync)")
     print(f"{'method':<20}" + "".join(f"{c:>12}" for c in cols))

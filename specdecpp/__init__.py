@@ -1,16 +1,17 @@
 """specdecpp: learned stop predictors (SpecDec++) for speculative decoding, and its baselines."""
 
-from .cascade import Cascade
-from .engine import GenerateOutput, RunStats, SpeculativeDecoder
-from .head import AcceptanceHead, NextTokenHead, load_head
-from .identity import register_resolver
-from .loading import load_pair
-from .pearl import PEARLDecoder, PEARLStats
-from .policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
-from .sampling import SamplingConfig, warp
-from .sequoia import SequoiaDecoder, SequoiaStats
-from .tree import TokenTree
-from .verify import verify
+from .core.sampling import SamplingConfig, warp
+from .core.verify import verify
+from .decoders.cascade import Cascade
+from .decoders.chain import SpeculativeDecoder
+from .decoders.pearl import PEARLDecoder, PEARLStats
+from .decoders.rounds import GenerateOutput, RunStats
+from .decoders.sequoia import SequoiaDecoder, SequoiaStats
+from .decoders.tree import TokenTree
+from .models.identity import register_resolver
+from .models.loading import load_pair
+from .stopping.head import AcceptanceHead, NextTokenHead, load_head
+from .stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 
 __version__ = "0.1.0"
 

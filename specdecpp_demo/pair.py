@@ -7,7 +7,7 @@
   (:class:`specdecpp_demo.projected.ProjectedDraft`), saved with the target's tokenizer files and
   its reduced output vocabulary; rebuilt whenever the artifact changes.
 
-Both land under :func:`cache_dir` and carry a portable identity (:mod:`specdecpp.identity`):
+Both land under :func:`cache_dir` and carry a portable identity (:mod:`specdecpp.models.identity`):
 ``specdecpp-demo-target@<GGUF sha256>`` and ``specdecpp-demo-draft@<artifact sha256>``. What a
 head or dataset records is that identity; :func:`resolve` (registered through the entry-point
 group ``specdecpp.model_resolvers``) turns it back into these directories on any machine.
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specdecpp.identity import IDENTITY_FILE, parse_identity, write_identity
-from specdecpp.reduced_vocab import OUTPUT_VOCAB_FILE
+from specdecpp.models.identity import IDENTITY_FILE, parse_identity, write_identity
+from specdecpp.models.reduced_vocab import OUTPUT_VOCAB_FILE
 
 from .projected import (
     ARTIFACT_CONFIG,

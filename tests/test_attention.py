@@ -17,9 +17,9 @@ from specdecpp import (
     SequoiaDecoder,
     SpeculativeDecoder,
     TokenTree,
-    rounds,
 )
-from specdecpp.rounds import SDPA_ENV, decode_attention
+from specdecpp.core import attention
+from specdecpp.core.attention import SDPA_ENV, decode_attention
 
 FLAGS = ("cudnn_sdp_enabled", "flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled")
 
@@ -98,7 +98,7 @@ def test_every_forward_of_every_decoder_runs_under_decode_attention(monkeypatch,
         state["forwards"] += 1
         state["outside"] += state["open"] == 0
 
-    monkeypatch.setattr(rounds, "decode_attention", spy)
+    monkeypatch.setattr(attention, "decode_attention", spy)
     monkeypatch.setattr(hf_assisted, "decode_attention", spy)
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in (draft, target)]
     try:

@@ -25,7 +25,7 @@ from test_exactness import (  # the registry's pairs and heads (fixtures), reuse
     on,
 )
 
-import specdecpp.batch
+import specdecpp.decoders.batch
 from specdecpp import (
     SVIP,
     FixedK,
@@ -179,7 +179,7 @@ def test_a_row_does_not_depend_on_its_batch_mates(cpu_pair32, policy, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("compact_at", [4, specdecpp.batch.COMPACT_AT], ids=["compact_often", "default"])
+@pytest.mark.parametrize("compact_at", [4, specdecpp.decoders.batch.COMPACT_AT], ids=["compact_often", "default"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
                          ids=["greedy", "T1"])
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -187,10 +187,10 @@ def test_every_rows_caches_equal_fresh_prefill(cpu_pair32, policy, sampling, com
     """After many ragged rounds (rows drafting different K, rejecting, finishing, joining) each
     row's cache (its columns of the batch cache) equals a fresh prefill of its tokens: the
     target's every committed token but the newest, the draft's at most that."""
-    monkeypatch.setattr(specdecpp.batch, "COMPACT_AT", compact_at)
+    monkeypatch.setattr(specdecpp.decoders.batch, "COMPACT_AT", compact_at)
     compactions = []
-    compact = specdecpp.batch.BatchRunner.compact
-    monkeypatch.setattr(specdecpp.batch.BatchRunner, "compact",
+    compact = specdecpp.decoders.batch.BatchRunner.compact
+    monkeypatch.setattr(specdecpp.decoders.batch.BatchRunner, "compact",
                         lambda self: compactions.append(self.width) or compact(self))
     draft, target, heads = on(device, cpu_pair32)
     dec = decoder((draft, target, heads), policy, sampling)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def test_bench_cascade_runs_every_rule_over_alphas_and_the_head_comparison_in_distinct_files():
     from infer.methods import resolve_method
     from infer.sweep import expand_comparison
-    from specdecpp.sampling import SamplingConfig
+    from specdecpp.core.sampling import SamplingConfig
 
     dry = subprocess.run(["make", "-n", "bench-cascade", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout

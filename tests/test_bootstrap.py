@@ -1,4 +1,4 @@
-"""specdecpp.stats: the project's one bootstrap (scipy's), paired and unpaired."""
+"""specdecpp.analysis.stats: the project's one bootstrap (scipy's), paired and unpaired."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from specdecpp.stats import bootstrap_interval, paired_ratio_interval, pooled_ratio
+from specdecpp.analysis.stats import bootstrap_interval, paired_ratio_interval, pooled_ratio
 
 
 def mean(x, axis=-1):

@@ -13,7 +13,7 @@ from stats import chi_square_pvalue, exact_distribution, sequence_distribution
 from test_exactness import DEVICES, _pair6, on
 
 from specdecpp import SVIP, Cascade, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, warp
-from specdecpp.cascade import RULES
+from specdecpp.decoders.cascade import RULES
 
 PROMPT = [0, 1]
 
@@ -245,7 +245,7 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
     from infer.report import build_report
     from infer.results import read_rows
     from specdecpp import AcceptanceHead, load_pair
-    from specdecpp.quality import target_quality
+    from specdecpp.analysis.quality import target_quality
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
@@ -268,7 +268,7 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
         assert r["greedy_match"] == 1.0
     # quality recomputed independently for one cascade row
     draft, target, tok = load_pair(tiny_pair.draft, tiny_pair.target)
-    from specdecpp.prompts import encode_prompt
+    from specdecpp.data.prompts import encode_prompt
 
     row = rows["cascade"][0]
     ids = torch.tensor([encode_prompt(tok, {"sea": "Write a short poem about the sea.",
@@ -309,8 +309,8 @@ def test_data_gen_labels_under_a_cascade_equal_an_independent_recomputation(tiny
     from test_data_gen import PROMPTS, make_cfg, recompute_row
 
     from data_gen import run
-    from specdecpp.dataset import load_labelled
-    from specdecpp.loading import load_model
+    from specdecpp.data.dataset import load_labelled
+    from specdecpp.models.loading import load_model
 
     prompts_file = tmp_path / "prompts.jsonl"
     import json

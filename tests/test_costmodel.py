@@ -1,4 +1,4 @@
-"""specdecpp.costmodel: Eq. 2.3, the width curve t_target(n), and the one costs.json with its loader."""
+"""specdecpp.analysis.costmodel: Eq. 2.3, the width curve t_target(n), and the one costs.json with its loader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specdecpp.costmodel import (
+from specdecpp.analysis.costmodel import (
     SCHEMA,
     Costs,
     expected_tokens_per_round,

@@ -1,4 +1,4 @@
-"""python -m infer.costs (was scripts/measure_pair.py) and the one forward timer, specdecpp.timing."""
+"""python -m infer.costs (was scripts/measure_pair.py) and the one forward timer, specdecpp.core.timing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from infer import costs as measure
-from specdecpp.costmodel import SCHEMA, load_costs
-from specdecpp.timing import time_forward, time_forwards
+from specdecpp.analysis.costmodel import SCHEMA, load_costs
+from specdecpp.core.timing import time_forward, time_forwards
 
 
 def test_time_forward_times_each_call_from_the_reset_state():
@@ -58,7 +58,7 @@ def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny
     alpha, _ = measure.position_acceptance(draft, target, ids, 2)
     assert alpha.shape == (4,) and (alpha < 1).all() and (alpha > 0).all()
     # a draft that scores only tokens 0-3: the target mass it covers is p(0..3) at each position
-    from specdecpp.reduced_vocab import restrict_output_vocab
+    from specdecpp.models.reduced_vocab import restrict_output_vocab
 
     small = copy.deepcopy(draft)
     restrict_output_vocab(small, [0, 1, 2, 3])

@@ -17,11 +17,17 @@ from hydra import compose, initialize_config_dir
 
 import data_gen.app
 from data_gen import run
-from specdecpp.dataset import FEATURES, DatasetError, load_labelled, rows_to_dataset, write_meta
-from specdecpp.labels import label_responses, left_pad, prompt_generator, sample_responses
-from specdecpp.loading import load_model
-from specdecpp.prompts import encode_prompt
-from specdecpp.sampling import SamplingConfig, sample, warp
+from specdecpp.core.sampling import SamplingConfig, sample, warp
+from specdecpp.data.dataset import (
+    FEATURES,
+    DatasetError,
+    load_labelled,
+    rows_to_dataset,
+    write_meta,
+)
+from specdecpp.data.labels import label_responses, left_pad, prompt_generator, sample_responses
+from specdecpp.data.prompts import encode_prompt
+from specdecpp.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
@@ -279,7 +285,7 @@ def test_continuous_batching_refills_finished_rows_and_equals_single(batch_size)
 def test_kept_target_probs_give_the_labels_of_a_target_forward(sampling, monkeypatch):
     """p_i kept while sampling (top-k, top-p, greedy supports) labels like a second target forward;
     a support too wide to keep falls back to that forward."""
-    import specdecpp.labels as labels
+    import specdecpp.data.labels as labels
 
     draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 32, 2, seed=5, scale=0.5)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
@@ -470,7 +476,7 @@ def test_real_model_self_draft(tmp_path):
 
 def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
     """`datasets` cannot reload an empty split: it is left out and recorded as 0 rows."""
-    from specdecpp.dataset import consolidate, save_shard
+    from specdecpp.data.dataset import consolidate, save_shard
 
     row = {"id": "a", "prompt": "hi", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [3, 5],
            "p_acc": [1.0, 0.25], "draft_entropy": [0.5, 0.7]}
@@ -484,7 +490,7 @@ def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
 def test_chunked_labels_equal_whole_ones_and_post_processed_logits_fall_back(monkeypatch):
     """Labelling a chunk of positions at a time gives the same labels as one piece; a model whose
     output layer does not reproduce its logits (soft-capping, scaling) gets its whole logits."""
-    import specdecpp.labels as labels_module
+    import specdecpp.data.labels as labels_module
 
     draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 24, 2, seed=7, scale=0.5)
     prompts = [[1, 2, 3], [4, 5]]

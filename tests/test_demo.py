@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import specdecpp_demo.pair as demo
-from specdecpp.loading import load_tokenizer
+from specdecpp.models.loading import load_tokenizer
 from specdecpp_demo import projected
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache):
     from transformers import AutoModelForCausalLM
 
-    from specdecpp.loading import check_tokenizers
+    from specdecpp.models.loading import check_tokenizers
 
     draft_dir = demo.demo_draft_path()
     assert draft_dir == demo_cache / "draft"
@@ -114,8 +114,8 @@ def test_materialised_draft_is_an_hf_model_with_the_target_tokenizer(demo_cache)
 
 
 def test_materialised_draft_scores_only_its_output_vocabulary(demo_cache, tmp_path):
-    from specdecpp.loading import load_model
-    from specdecpp.reduced_vocab import OUTPUT_VOCAB_FILE, ReducedOutput
+    from specdecpp.models.loading import load_model
+    from specdecpp.models.reduced_vocab import OUTPUT_VOCAB_FILE, ReducedOutput
 
     vocab = json.loads((projected.ARTIFACT_DIR / projected.ARTIFACT_VOCAB).read_text())
     assert vocab["size"] == len(vocab["token_ids"]) < vocab["vocab_size"]
@@ -175,7 +175,7 @@ def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair):
     shards answer dev prompts, every shard has its own seed, and no test prompt is ever used."""
     import yaml
 
-    from specdecpp.prompts import encode_prompt, load_prompts
+    from specdecpp.data.prompts import encode_prompt, load_prompts
 
     build = load_script("build_demo_draft")
     recipe = yaml.safe_load((REPO / "conf" / "distill" / "continue_bundled.yaml").read_text())
@@ -316,7 +316,7 @@ def real_pair():
 @pytest.mark.slow
 def test_dequantised_target_answers_sensibly(real_pair):
     _, target, tokenizer = real_pair
-    from specdecpp.prompts import encode_prompt
+    from specdecpp.data.prompts import encode_prompt
 
     ids = torch.tensor([encode_prompt(tokenizer, "What is the capital of France? Answer briefly.")])
     out = target.generate(ids, max_new_tokens=12, do_sample=False)
@@ -327,7 +327,7 @@ def test_dequantised_target_answers_sensibly(real_pair):
 def test_demo_draft_acceptance_is_above_a_floor(real_pair):
     """A few held-out positions; the full measurement is python -m infer.costs (docs/demo.md)."""
     from infer import costs as measure
-    from specdecpp.prompts import encode_prompt, load_prompts
+    from specdecpp.data.prompts import encode_prompt, load_prompts
 
     draft, target, tokenizer = real_pair
     alphas = []
@@ -362,8 +362,8 @@ def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
 
 def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     """demo/heads/ belongs to this draft artifact: a rebuilt draft must come with rebuilt heads."""
-    from specdecpp.head import AcceptanceHead
-    from specdecpp.identity import model_identity, same_model
+    from specdecpp.models.identity import model_identity, same_model
+    from specdecpp.stopping.head import AcceptanceHead
 
     identity = "specdecpp-demo-draft@" + demo.artifact_digest(projected.ARTIFACT_DIR)
     assert identity == demo.draft_identity()
@@ -378,7 +378,7 @@ def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
     assert len(selection["heads"]) == 2 and all((REPO / "demo" / "heads" / s["name"]).is_dir()
                                                 for s in selection["heads"])
     # the two lag-free heads: their kind, the draft they name, and their feature size for its width
-    from specdecpp.head import NEXT_FEATURES, NextTokenHead, load_head
+    from specdecpp.stopping.head import NEXT_FEATURES, NextTokenHead, load_head
     assert len(selection["lag_free_heads"]) == 2
     for s in selection["lag_free_heads"]:
         head = load_head(REPO / "demo" / "heads" / s["name"])

@@ -243,7 +243,7 @@ def test_draft_runs_without_every_layers_states_and_hidden_only_for_the_head(pai
 
 
 def test_unsynced_clock_never_synchronises(monkeypatch):
-    from specdecpp.rounds import Clock
+    from specdecpp.core.timing import Clock
 
     syncs = []
     stream = type("Stream", (), {"synchronize": lambda self: syncs.append(1)})()
@@ -260,7 +260,7 @@ def test_unsynced_clock_never_synchronises(monkeypatch):
 def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
     """scripts/bench_verify_cost.py: 2-3 tokens cost more than 4 on CPU; the runner pads them and
     crops the padding from the cache again, the real positions unchanged."""
-    from specdecpp.rounds import CPU_TOKEN_MULTIPLE, ModelRunner
+    from specdecpp.models.runner import CPU_TOKEN_MULTIPLE, ModelRunner
 
     _, target = pair32
     assert CPU_TOKEN_MULTIPLE == 4

@@ -31,8 +31,8 @@ from specdecpp import (
     SpeculativeDecoder,
     TargetOnly,
 )
-from specdecpp.compat import cache_kwargs
-from specdecpp.hooks import new_cache
+from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.hooks import new_cache
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 

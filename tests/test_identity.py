@@ -1,5 +1,5 @@
 """Portable records: heads and datasets name models by identities that resolve on any machine
-(specdecpp.identity), and the library knows nothing of the demo or the applications."""
+(specdecpp.models.identity), and the library knows nothing of the demo or the applications."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specdecpp import AcceptanceHead, load_head, load_pair, register_resolver
-from specdecpp.identity import (
+from specdecpp.models.identity import (
     IDENTITY_FILE,
     model_identity,
     parse_identity,
@@ -23,7 +23,7 @@ from specdecpp.identity import (
     unregister_resolver,
     write_identity,
 )
-from specdecpp.loading import load_config
+from specdecpp.models.loading import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,8 +22,13 @@ from infer.report import main as report_main
 from infer.results import ResultWriter, prompt_seed, read_result_dir, read_rows
 from infer.summary import summarize_results
 from specdecpp import AcceptanceHead
-from specdecpp.costmodel import Costs, fit_cost_model, predicted_latency_per_token, save_costs
-from specdecpp.potential import greedy_oracle
+from specdecpp.analysis.costmodel import (
+    Costs,
+    fit_cost_model,
+    predicted_latency_per_token,
+    save_costs,
+)
+from specdecpp.analysis.potential import greedy_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"method", "settings", "tag", "pair", "prompts", "sampling", "seed", "prompt_id", "n_generated",
@@ -556,9 +561,9 @@ def two_eos_pair(setup, tmp_path_factory):
     from transformers import GenerationConfig
 
     from specdecpp import SpeculativeDecoder, TargetOnly
-    from specdecpp.loading import load_model
-    from specdecpp.prompts import encode_prompt
-    from specdecpp.sampling import SamplingConfig
+    from specdecpp.core.sampling import SamplingConfig
+    from specdecpp.data.prompts import encode_prompt
+    from specdecpp.models.loading import load_model
 
     root = tmp_path_factory.mktemp("two_eos")
     target = root / "target"
@@ -575,7 +580,7 @@ def two_eos_pair(setup, tmp_path_factory):
 
 
 def test_eos_set_includes_every_generation_config_eos_id(setup, two_eos_pair):
-    from specdecpp.loading import eos_token_ids, load_model
+    from specdecpp.models.loading import eos_token_ids, load_model
 
     target = load_model(two_eos_pair.target, "cpu")
     assert eos_token_ids(setup.pair.tokenizer, target) == {setup.pair.tokenizer.eos_token_id, two_eos_pair.stop}
@@ -625,7 +630,7 @@ def test_pair_comes_from_the_heads_config(setup, tmp_path):
 
     summaries = sweep.run(make_cfg(*base, "sampling=greedy", f"out={tmp_path}/sweep/${{method.name}}",
                                    "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
-                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.head={head}",
+                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.stopping.head={head}",
                                    "comparison.specdecpp.threshold=[0.5]"))
     assert [s["method"] for s in summaries] == ["target_only", "fixed_k", "specdecpp"]
     for s in summaries:
@@ -706,7 +711,7 @@ def test_batched_speedup_interval_is_over_calls():
     """Batched rows share their call's wall time: the paired interval resamples calls (the same
     calls for both methods), each call's tokens summed over its rows."""
     from infer.summary import paired_speedup_ci
-    from specdecpp.stats import paired_ratio_interval
+    from specdecpp.analysis.stats import paired_ratio_interval
 
     def rows(tokens_walls):
         return [{"timed": True, "prompt_id": f"{c}-{j}", "batch_id": f"call{c}", "batch_wall_time_s": wall,

@@ -82,7 +82,7 @@ def test_transformers_lower_bound_covers_the_apis_used(tiny_pair):
     from packaging.version import Version
     from transformers import DynamicCache
 
-    from specdecpp.loading import load_model
+    from specdecpp.models.loading import load_model
 
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]

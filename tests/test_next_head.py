@@ -27,10 +27,10 @@ from specdecpp import (
     load_head,
     load_pair,
 )
-from specdecpp import potential as pt
-from specdecpp.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
-from specdecpp.loading import load_model
-from specdecpp.mixing import lag_free_features, mixed_features, mixing_mask
+from specdecpp.analysis import potential as pt
+from specdecpp.models.loading import load_model
+from specdecpp.stopping.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
+from specdecpp.training.mixing import lag_free_features, mixed_features, mixing_mask
 from train import run
 from train.cache import feature_cache
 
@@ -219,7 +219,7 @@ def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_p
     """generate_batch scores every row's candidates at once: each row's committed candidates get the
     features train computes from that row's output, the position feature included (each row at its
     own index in its own response, rows leaving the batch as they finish)."""
-    import specdecpp.batch as batch_mod
+    import specdecpp.decoders.batch as batch_mod
 
     draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
     features = ALL_NEXT_FEATURES

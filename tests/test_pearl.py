@@ -11,7 +11,8 @@ import torch
 from conftest import tiny_lm
 from test_engine import noisy_copy
 
-from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig, verify
+from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig
+from specdecpp.core import verify
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from infer import potential as cli
-from specdecpp import potential as pt
-from specdecpp.costmodel import Costs, expected_tokens_per_round
-from specdecpp.head import AcceptanceHead
+from specdecpp.analysis import potential as pt
+from specdecpp.analysis.costmodel import Costs, expected_tokens_per_round
+from specdecpp.stopping.head import AcceptanceHead
 from tests.test_train import random_rows, save_dataset
 
 
@@ -161,8 +161,8 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
 
 
 def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines_features(potential_dataset, tmp_path, tiny_pair):
-    from specdecpp.loading import load_model
-    from specdecpp.mixing import draft_features
+    from specdecpp.models.loading import load_model
+    from specdecpp.training.mixing import draft_features
 
     head = AcceptanceHead(32, 0)
     torch.nn.init.normal_(head.out.weight, std=1.0)
@@ -172,7 +172,7 @@ def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines
     assert all(not np.isnan(p).any() and len(p) == len(r["p_acc"]) for p, r in zip(preds, rows, strict=True))
     # at a position that epoch 0's mixing keeps as the draft token, the prediction is the head on
     # the hidden state of x + Z_1..Z_i, recomputed here from scratch
-    from specdecpp.mixing import mixed_example, mixing_mask
+    from specdecpp.training.mixing import mixed_example, mixing_mask
 
     draft = load_model(tiny_pair.draft, "cpu")
     r = raw[0]

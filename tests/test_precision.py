@@ -12,9 +12,9 @@ from test_engine import noisy_copy
 
 from data_gen import run
 from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder
-from specdecpp.dataset import load_labelled
-from specdecpp.loading import cpu_has_native_bf16, load_model, resolve_dtype
-from specdecpp.sampling import warp
+from specdecpp.core.sampling import warp
+from specdecpp.data.dataset import load_labelled
+from specdecpp.models.loading import cpu_has_native_bf16, load_model, resolve_dtype
 
 
 @pytest.mark.parametrize("caps,expected", [({"avx512_bf16": True}, torch.bfloat16),
@@ -126,8 +126,8 @@ def test_potential_scores_heads_on_the_draft_at_the_datasets_precision(monkeypat
         seen.update(ref=ref, dtype=dtype)
         raise RuntimeError("loaded")
 
-    monkeypatch.setattr("specdecpp.loading.load_model", fake_load_model)
-    monkeypatch.setattr("specdecpp.head.load_head", lambda d: None)
+    monkeypatch.setattr("specdecpp.models.loading.load_model", fake_load_model)
+    monkeypatch.setattr("specdecpp.stopping.head.load_head", lambda d: None)
     with pytest.raises(RuntimeError, match="loaded"):
         ip.heads_predictions(["h"], [], {"draft": "somewhere", "dtype": "bfloat16"})
     assert seen == {"ref": "somewhere", "dtype": "bfloat16"}
@@ -137,7 +137,7 @@ def test_potential_scores_heads_on_the_draft_at_the_datasets_precision(monkeypat
 def test_keep_last_gives_the_logits_of_the_plain_slice(dtype):
     """The index form of logits_to_keep (what avoids bf16's slow strided path on CPU) gives the
     same logits as transformers' own int slice, for the last k of n positions."""
-    from specdecpp.hooks import keep_last
+    from specdecpp.core.hooks import keep_last
 
     model = tiny_lm(40, 32, 2, seed=3).to(dtype)
     ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -156,7 +156,7 @@ def test_gather_kept_logits_rewrites_short_keeps_and_leaves_hf_assisted_output_u
     """transformers' assisted generation feeds its draft 2-3 tokens keeping 1 logit; inside
     GatherKeptLogits those int keeps become keep_last's index (the bf16 fast path), every other
     call is left alone, the generated tokens are the same, and the hooks go away on exit."""
-    from specdecpp.hooks import GatherKeptLogits
+    from specdecpp.core.hooks import GatherKeptLogits
 
     draft, target = tiny_lm(40, 16, 1, seed=5), tiny_lm(40, 32, 2, seed=6)
     for m in (draft, target):

@@ -11,8 +11,8 @@ import pytest
 from conftest import build_tokenizer
 from hydra import compose, initialize_config_dir
 
-from specdecpp import prompts as prompts_module
-from specdecpp.prompts import (
+from specdecpp.data import prompts as prompts_module
+from specdecpp.data.prompts import (
     ALPACA_SPLIT_SIZES,
     SOURCES,
     Prompt,

@@ -13,16 +13,16 @@ from stats import chi_square_pvalue, exact_distribution
 from test_engine import noisy_copy
 
 from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, load_pair
-from specdecpp.labels import label_responses
-from specdecpp.loading import load_model
-from specdecpp.reduced_vocab import (
+from specdecpp.core.sampling import entropy, warp
+from specdecpp.data.labels import label_responses
+from specdecpp.models.loading import load_model
+from specdecpp.models.reduced_vocab import (
     OUTPUT_VOCAB_FILE,
     ReducedOutput,
     output_vocab_size,
     restrict_output_vocab,
     write_output_vocab,
 )
-from specdecpp.sampling import entropy, warp
 
 
 def reduced(model, ids):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from stats import chi_square_pvalue
 
-from specdecpp.sampling import SamplingConfig, entropy, sample, warp
-from specdecpp.verify import acceptance_ratio, residual, verify
+from specdecpp.core.sampling import SamplingConfig, entropy, sample, warp
+from specdecpp.core.verify import acceptance_ratio, residual, verify
 
 
 def _logits(v=10, seed=0):

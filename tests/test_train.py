@@ -13,18 +13,18 @@ from datasets import Dataset, DatasetDict
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from specdecpp.dataset import FEATURES
-from specdecpp.head import AcceptanceHead
-from specdecpp.head_metrics import (
+from specdecpp.data.dataset import FEATURES
+from specdecpp.models.loading import load_model
+from specdecpp.stopping.head import AcceptanceHead
+from specdecpp.training.loss import weighted_bce
+from specdecpp.training.metrics import (
     binary_entropy,
     binary_kl,
     calibration_bins,
     expected_calibration_error,
     rejection_auroc,
 )
-from specdecpp.loading import load_model
-from specdecpp.loss import weighted_bce
-from specdecpp.mixing import mixed_example, mixed_features, mixing_mask
+from specdecpp.training.mixing import mixed_example, mixed_features, mixing_mask
 from train import run
 from train.cache import feature_cache
 from train.checks import check_draft_matches, load_dataset_dir
@@ -877,7 +877,7 @@ def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_pat
     for each one that sits on a committed token, train's features for the generated sequence (raw
     rows and the feature cache) hold the same vector at the same position."""
     from specdecpp import SamplingConfig, SpeculativeDecoder, StopPolicy, load_pair
-    from specdecpp.prompts import encode_prompt
+    from specdecpp.data.prompts import encode_prompt
 
     class Spy(StopPolicy):
         name, max_candidates, needs_hidden = "spy", 4, True

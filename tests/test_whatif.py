@@ -1,4 +1,4 @@
-"""The what-if grid over a dataset's acceptance labels: specdecpp.potential.whatif_grid and
+"""The what-if grid over a dataset's acceptance labels: specdecpp.analysis.potential.whatif_grid and
 python -m infer.potential DATA --whatif-gammas ... (was scripts/potential_whatif.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from infer import potential as cli
-from specdecpp import potential as pt
-from specdecpp.costmodel import Costs, expected_tokens_per_round
+from specdecpp.analysis import potential as pt
+from specdecpp.analysis.costmodel import Costs, expected_tokens_per_round
 
 
 def test_constant_acceptance_fixed_k_follows_the_closed_form_and_a_perfect_head_cannot_win():

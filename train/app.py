@@ -13,10 +13,16 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from specdecpp.dataset import dataset_fingerprint
-from specdecpp.head import build_head
-from specdecpp.loading import dtype_name, load_config, load_model, resolve_device, resolve_dtype
-from specdecpp.mixing import check_context
+from specdecpp.data.dataset import dataset_fingerprint
+from specdecpp.models.loading import (
+    dtype_name,
+    load_config,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from specdecpp.stopping.head import build_head
+from specdecpp.training.mixing import check_context
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
 from .module import training_spec

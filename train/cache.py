@@ -30,9 +30,14 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
-from specdecpp.identity import model_identity
-from specdecpp.loading import load_config
-from specdecpp.mixing import FIXED_MIXING_EPOCH, check_context, loss_positions, mixed_features
+from specdecpp.models.identity import model_identity
+from specdecpp.models.loading import load_config
+from specdecpp.training.mixing import (
+    FIXED_MIXING_EPOCH,
+    check_context,
+    loss_positions,
+    mixed_features,
+)
 
 from .checks import arrow_column
 

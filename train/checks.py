@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 
-from specdecpp.dataset import DatasetError, load_labelled
-from specdecpp.identity import same_model
+from specdecpp.data.dataset import DatasetError, load_labelled
+from specdecpp.models.identity import same_model
 
 
 def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, depth: int,

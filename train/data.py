@@ -148,7 +148,7 @@ class HeadDataModule(L.LightningDataModule):
         self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
         self.cache_features, self.cache_dir, self.cache_dtype = cache_features, cache_dir, cache_dtype
         self.feature_batch_size = feature_batch_size
-        self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.head)
+        self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.stopping.head)
         self.draft_precision = draft_precision  # the dtype the draft computes its features in (cache key)
         self._sets: dict[str, Dataset] = {}
 

@@ -1,4 +1,4 @@
-"""torchmetrics wrappers over specdecpp.head_metrics for soft acceptance labels.
+"""torchmetrics wrappers over specdecpp.training.metrics for soft acceptance labels.
 
 Every metric takes ``update(logits, p_acc)``: head logits and soft labels P_i in [0, 1].
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric, MetricCollection
 
-from specdecpp.head_metrics import (
+from specdecpp.training.metrics import (
     binary_entropy,
     binary_kl,
     calibration_bins,
@@ -87,7 +87,7 @@ class SoftCalibrationError(Metric):
 
 class RejectionAUROC(Metric):
     """AUROC of -logit as a score for rejection; each position counts as a rejection with weight
-    1 - P_i and as an acceptance with weight P_i (see specdecpp.head_metrics.rejection_auroc)."""
+    1 - P_i and as an acceptance with weight P_i (see specdecpp.training.metrics.rejection_auroc)."""
 
     full_state_update = False
 

@@ -9,10 +9,10 @@ import lightning as L
 import torch
 from torchmetrics import MinMetric
 
-from specdecpp.head import AcceptanceHead
-from specdecpp.loss import weighted_bce
-from specdecpp.mixing import FIXED_MIXING_EPOCH, mixed_features
-from specdecpp.schedules import warmup_cosine
+from specdecpp.stopping.head import AcceptanceHead
+from specdecpp.training.loss import weighted_bce
+from specdecpp.training.mixing import FIXED_MIXING_EPOCH, mixed_features
+from specdecpp.training.schedules import warmup_cosine
 
 from .metrics import head_metrics
 

@@ -42,12 +42,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import attention
+from ..core.attention import decoding
+from ..core.sampling import SamplingConfig
+from ..core.timing import Clock, time_forward
+from ..models.reduced_vocab import output_vocab_size
+from ..models.runner import ModelRunner
+from ..stopping.policies import StopPolicy, check_count
 from . import rounds
-from .engine import GenerateOutput, RunStats, finish
-from .policies import StopPolicy, check_count
-from .reduced_vocab import output_vocab_size
-from .sampling import SamplingConfig
-from .timing import time_forward
+from .rounds import GenerateOutput, RunStats, finish
 
 MAX_AUTO_GAMMA = 16
 
@@ -76,7 +79,7 @@ class PEARLStats(RunStats):
 def _time_forwards(model, vocab: int, context: torch.Tensor, steps: int) -> float:
     """Median seconds of a cached one-token forward after ``context`` (``torch.utils.benchmark``,
     CUDA synchronised; the cache is rolled back untimed between calls)."""
-    runner = rounds.ModelRunner(model, vocab, want_hidden=False)
+    runner = ModelRunner(model, vocab, want_hidden=False)
     runner.feed(context)
     length = runner.length
     return time_forward(lambda: runner.feed(context[-1:]), reset=lambda: runner.rollback(length),
@@ -90,7 +93,7 @@ def theorem1_gamma(draft, target, context_len: int = 64, steps: int = 8,
     models' device, alone). Returns ``(gamma, t_draft_s, t_target_s)``; gamma in [1, max_gamma]."""
     vocab = min(output_vocab_size(draft), output_vocab_size(target))
     context = torch.arange(context_len, device=target.device) % vocab
-    with rounds.decode_attention(target.device):  # the kernels generate will use
+    with attention.decode_attention(target.device):  # the kernels generate will use
         t_draft = _time_forwards(draft, vocab, context, steps)
         t_target = _time_forwards(target, vocab, context, steps)
     return max(1, min(max_gamma, round(t_target / t_draft))), t_draft, t_target
@@ -207,7 +210,7 @@ class PEARLDecoder:
         return self.gamma
 
     @torch.no_grad()
-    @rounds.decoding
+    @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
                  generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
@@ -218,10 +221,10 @@ class PEARLDecoder:
         seeds = torch.randint(0, 2**62, (2,), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
         draft_gen, verify_gen = (torch.Generator(self.device).manual_seed(s) for s in seeds)
-        clock = rounds.Clock(self.device)  # each thread's reading waits for its own CUDA stream only
-        seq = rounds.Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
+        clock = Clock(self.device)  # each thread's reading waits for its own CUDA stream only
+        seq = rounds.TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
         drafter = rounds.Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock)
-        target, stats = rounds.ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
+        target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
         q_pending, m = [], 0  # pending drafts: seq.tokens[n : n + m] (q_pending empty under greedy)
         t_start = clock.now()
 

@@ -11,6 +11,7 @@ the same length). Several calls are interleaved call by call, so machine load to
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
@@ -96,3 +97,24 @@ def machine_description(device: torch.device | str = "cpu") -> str:
     bf16 = [name for name, key in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16")) if caps.get(key)]
     return (f"{model}, {os.cpu_count()} cores, bf16 in hardware: {' + '.join(bf16) or 'no'}, "
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+
+
+class Clock:
+    """perf_counter, after synchronising the calling thread's CUDA stream so that its queued
+    kernels are counted (a second thread's stream is left alone). ``sync=False`` on CUDA reads the
+    time without waiting (only meaningful around a final synchronised mark); ``exact`` tells
+    whether a reading counts the queued work (always on CPU)."""
+
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.sync = sync
+
+    @property
+    def exact(self) -> bool:
+        return self.sync or not self.cuda
+
+    def now(self) -> float:
+        if self.cuda and self.sync:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()

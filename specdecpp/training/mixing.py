@@ -1,6 +1,6 @@
 """BERT-style token mixing for training the acceptance head (SpecDec++ Section 3.3): the mixed
-sequences Z and the draft's features at their Y-positions (the loss is in specdecpp.loss, the
-metrics in specdecpp.head_metrics).
+sequences Z and the draft's features at their Y-positions (the loss is in specdecpp.training.loss, the
+metrics in specdecpp.training.metrics).
 
 Conventions, per prompt with response length N:
 - ``target_ids`` X_1..X_N (sampled from the target), ``draft_ids`` Y_1..Y_N (Y_i ~ q(.|x, X_<i)),
@@ -13,7 +13,7 @@ Conventions, per prompt with response length N:
   (``hidden_states[-1]``, after the final norm) output at token Z_i, i.e. after reading
   x, Z_1..Z_i: index ``len(prompt) + i - 1`` of the sequence x + Z (1-based i). This is e_i,
   exactly what the engine hands the head at inference.
-- For the lag-free head (kind ``next``): :func:`specdecpp.head.next_token_features` of the state
+- For the lag-free head (kind ``next``): :func:`specdecpp.stopping.head.next_token_features` of the state
   one index earlier (after reading x, Z_<i: the state that produced q_i), of the draft's logits
   there and of the candidate Y_i, exactly what the engine has right after sampling y_k.
 - Labels are probabilities; the head outputs a logit, P_hat = sigmoid(logit).
@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .head import next_token_features
-from .hooks import FinalHidden, keep_last
+from ..core.hooks import FinalHidden, keep_last
+from ..stopping.head import next_token_features
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
 # Where a training feature is computed (``data.feature_context``): ``mixed`` the BERT-style mixed

@@ -7,7 +7,7 @@ For each prompt x:
      top-p support: :func:`sample_responses_with_probs`), or one TARGET forward over the same
      sequence recomputes it; the label is p_acc_i = min(1, p_i(Y_i) / q_i(Y_i))  (:func:`label_responses`).
 
-p and q are the distributions actually sampled from: :func:`specdecpp.sampling.warp` of the
+p and q are the distributions actually sampled from: :func:`specdecpp.core.sampling.warp` of the
 logits over the vocabulary both models score, exactly as the engine computes them.
 ``draft_entropy_i`` is SVIP's entropy of the same draft position: natural log, full (shared)
 vocabulary, softmax of logits / temperature (raw softmax under greedy), so that the column
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import BatchRunner
-from .cascade import Cascade
-from .hooks import FinalHidden, keep_last
-from .loading import token_set
-from .reduced_vocab import output_vocab_size
-from .sampling import SamplingConfig, entropy, sample, warp
-from .verify import acceptance_ratio
+from ..core.hooks import FinalHidden, keep_last
+from ..core.sampling import SamplingConfig, entropy, sample, warp
+from ..core.verify import acceptance_ratio
+from ..decoders.batch import BatchRunner
+from ..decoders.cascade import Cascade
+from ..models.loading import token_set
+from ..models.reduced_vocab import output_vocab_size
 
 
 @dataclass
@@ -113,7 +113,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
     leaves the batch and its KV cache, and the next prompts take the free places (their prompt
     is prefilled, then joined to the batch cache, left-padded): the batched decoder's own KV
-    bookkeeping, :class:`specdecpp.batch.BatchRunner`. ``on_tokens(n)`` is called after each step
+    bookkeeping, :class:`specdecpp.decoders.batch.BatchRunner`. ``on_tokens(n)`` is called after each step
     with the number of tokens just sampled (for progress bars).
     """
     return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
@@ -238,7 +238,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
     """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
 
     ``cascade``: label with the cascade's acceptance min(1, pi_i(Y_i) / q_i(Y_i)) instead, pi_i =
-    ``cascade.target(q_i, p_i)`` (specdecpp/cascade.py); sampled decoding only (temperature > 0).
+    ``cascade.target(q_i, p_i)`` (specdecpp/decoders/cascade.py); sampled decoding only (temperature > 0).
 
     One draft forward and one target forward for the whole batch; no target forward when
     ``target_probs`` (kept while sampling, :func:`sample_responses_with_probs`) gives every p_i.

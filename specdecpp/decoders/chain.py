@@ -1,96 +1,31 @@
 """Speculative decoding with any stop policy: each round drafts candidates, verifies them in one
-target pass and rolls both KV caches back to the accepted prefix (the parts: specdecpp/rounds.py)."""
+target pass and rolls both KV caches back to the accepted prefix (the parts: specdecpp/decoders/rounds.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..core.attention import decoding
+from ..core.sampling import SamplingConfig
+from ..core.timing import Clock
+from ..models.reduced_vocab import output_vocab_size
+from ..models.runner import ModelRunner
+from ..stopping.policies import StopPolicy
 from .batch import BatchDrafter, BatchRunner, check_batch_args
 from .cascade import Cascade, CascadeRule
-from .policies import StopPolicy
-from .reduced_vocab import output_vocab_size
 from .rounds import (
-    Clock,
     Drafter,
     ExactRule,
-    ModelRunner,
-    Sequence,
+    GenerateOutput,
+    RunStats,
+    TokenBuffer,
     check_pair_devices,
-    decoding,
     device_generator,
+    finish,
     start_generate,
 )
-from .sampling import SamplingConfig
-
-
-@dataclass
-class RunStats:
-    """What one ``generate`` call did. ``accept_lengths[r]`` is the number of draft candidates
-    accepted in round r (the round also emits one target token); ``candidate_lengths[r]`` is the
-    number K of candidates drafted in round r. N_draft + N_target = N + N_discarded holds exactly
-    (paper, Section 2): a round that ends on EOS counts the tokens after the EOS as discarded."""
-
-    n_generated: int = 0
-    n_target_calls: int = 0
-    n_draft_calls: int = 0
-    n_discarded: int = 0
-    accept_lengths: list[int] = field(default_factory=list)
-    candidate_lengths: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0
-    target_time_s: float = 0.0
-    wall_time_s: float = 0.0
-
-    @property
-    def discard_rate(self) -> float:
-        return self.n_discarded / max(self.n_generated, 1)
-
-    @property
-    def verification_rate(self) -> float:
-        return self.n_target_calls / max(self.n_generated, 1)
-
-    @property
-    def mean_accept_length(self) -> float:
-        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.n_generated / self.wall_time_s if self.wall_time_s > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def add_round(self, drafted: int, tested: int, accepted: int, discarded: int,
-                  draft_s: float, target_s: float) -> None:
-        """Count one round: ``drafted`` draft forwards, one target forward that tested ``tested``
-        candidates and accepted ``accepted`` of them, ``discarded`` tokens computed but not kept."""
-        self.n_draft_calls += drafted
-        self.n_target_calls += 1
-        self.n_discarded += discarded
-        self.accept_lengths.append(accepted)
-        self.candidate_lengths.append(tested)
-        self.draft_time_s += draft_s
-        self.target_time_s += target_s
-
-
-@dataclass
-class GenerateOutput:
-    tokens: torch.Tensor  # [1, L + n]: the prompt, then the n generated tokens
-    stats: RunStats
-    caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
-    batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
-    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K, draft forwards), shared by its rows
-
-
-def finish(stats: RunStats, seq: Sequence, wall_time_s: float, draft: ModelRunner,
-           target: ModelRunner, return_caches: bool) -> GenerateOutput:
-    """The end of every decoder's ``generate``: the totals and the output."""
-    stats.wall_time_s = wall_time_s
-    stats.n_generated = seq.n_generated
-    caches = {"draft": draft.cache, "target": target.cache} if return_caches else None
-    return GenerateOutput(tokens=seq.output(), stats=stats, caches=caches)
 
 
 class SpeculativeDecoder:
@@ -107,8 +42,8 @@ class SpeculativeDecoder:
         ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
         the wall time and reports those two as NaN (on CPU they are measured either way).
 
-        ``cascade``: None (default) decodes exactly; a :class:`~specdecpp.cascade.Cascade` makes the
-        decoding LOSSY: the output follows the cascade's target ``pi`` (specdecpp/cascade.py), and
+        ``cascade``: None (default) decodes exactly; a :class:`~specdecpp.decoders.cascade.Cascade` makes the
+        decoding LOSSY: the output follows the cascade's target ``pi`` (specdecpp/decoders/cascade.py), and
         a fully accepted round spends one more draft forward for the bonus token's ``pi``."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
@@ -127,7 +62,7 @@ class SpeculativeDecoder:
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
-        seq = Sequence(prompt_ids, max_new_tokens, eos_token_id, self.device)
+        seq = TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
         target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
         t_start = clock.now()
@@ -161,7 +96,7 @@ class SpeculativeDecoder:
         """Decode a batch of prompts (1-D LongTensors of any lengths), each row stopping its draft
         at its own candidate length (the policy's ``stop_rows``; a row that stopped waits for the
         others), the target verifying every row's candidates in one forward and each row accepting,
-        committing and rolling back on its own (:mod:`specdecpp.batch`). ``generators[b]`` draws
+        committing and rolling back on its own (:mod:`specdecpp.decoders.batch`). ``generators[b]`` draws
         row b's samples only, so a row's output does not depend on its batch-mates. At most
         ``batch_size`` rows run at once (None: all); a finished row (EOS, length) leaves the batch
         and the next waiting prompt takes its slot. Returns one :class:`GenerateOutput` per prompt,
@@ -175,7 +110,7 @@ class SpeculativeDecoder:
             raise ValueError(f"fill must be True or False, got {fill!r}")
         gens = [device_generator(g, self.device) for g in (generators or [None] * len(prompts))]
         clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
-        seqs = [Sequence(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
+        seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
         drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks, fill,
                                keep_logits=self.rule.lossy)
         # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates

@@ -1,6 +1,6 @@
 """The acceptance head's training loss (SpecDec++ Section 3.3): the weighted soft-label BCE.
 
-Labels are P_i = min(1, p(Y_i)/q(Y_i)) at the Y-positions of a mixed sequence (specdecpp.mixing);
+Labels are P_i = min(1, p(Y_i)/q(Y_i)) at the Y-positions of a mixed sequence (specdecpp.training.mixing);
 the head outputs a logit, P_hat = sigmoid(logit).
 """
 

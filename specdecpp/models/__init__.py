@@ -2,14 +2,14 @@
 ``eos_token_ids``, ``write_output_vocab``, ... keep working from here. The code lives in modules
 named for what they hold:
 
-- :mod:`specdecpp.loading`: devices, precisions, ``load_config`` / ``load_tokenizer`` /
+- :mod:`specdecpp.models.loading`: devices, precisions, ``load_config`` / ``load_tokenizer`` /
   ``load_model`` / ``load_pair``, the tokenizer and vocabulary checks, EOS ids;
-- :mod:`specdecpp.hooks`: ``keep_last``, ``GatherKeptLogits``, ``FinalHidden``, ``new_cache``;
-- :mod:`specdecpp.reduced_vocab`: ``ReducedOutput`` and the output-vocabulary file;
-- :mod:`specdecpp.identity`: portable model identities and their resolvers.
+- :mod:`specdecpp.core.hooks`: ``keep_last``, ``GatherKeptLogits``, ``FinalHidden``, ``new_cache``;
+- :mod:`specdecpp.models.reduced_vocab`: ``ReducedOutput`` and the output-vocabulary file;
+- :mod:`specdecpp.models.identity`: portable model identities and their resolvers.
 """
 
-from .hooks import FinalHidden, GatherKeptLogits, keep_last, new_cache
+from ..core.hooks import FinalHidden, GatherKeptLogits, keep_last, new_cache
 from .identity import model_identity, portable_name, register_resolver, resolve_model, same_model
 from .loading import (
     check_tokenizers,

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..decoders.tree import TokenTree
 from .costmodel import Costs
-from .tree import TokenTree
 
 
 def check_acceptance(acceptance) -> np.ndarray:

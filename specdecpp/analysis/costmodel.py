@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .jsonfile import read_json
+from ..core.jsonfile import read_json
 
 SCHEMA = "specdecpp.costs/1"
 

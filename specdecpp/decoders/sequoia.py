@@ -1,9 +1,9 @@
 """Sequoia (Chen et al., arXiv 2402.12374): speculative decoding with a token tree, on the round core
-(specdecpp/rounds.py).
+(specdecpp/decoders/rounds.py).
 
 A round, with ``n`` committed tokens (``tokens[n - 1]``, the root, in neither cache):
 
-- :class:`TreeDrafter` grows the :class:`~specdecpp.tree.TokenTree` level by level: one draft
+- :class:`TreeDrafter` grows the :class:`~specdecpp.decoders.tree.TokenTree` level by level: one draft
   forward over the root, then one over each level's nodes that have children (tree attention
   mask, position = the root's + depth). A node's children are drawn **without replacement** from
   its warped draft distribution ``q`` by Gumbel top-k (key order = child order; the draft's top
@@ -31,19 +31,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import GenerateOutput, RunStats, finish
-from .reduced_vocab import output_vocab_size
+from ..core.attention import decoding
+from ..core.sampling import SamplingConfig, sample, warp
+from ..core.timing import Clock
+from ..core.verify import residual
+from ..models.reduced_vocab import output_vocab_size
+from ..models.runner import ModelRunner
 from .rounds import (
-    Clock,
-    ModelRunner,
+    GenerateOutput,
+    RunStats,
+    TokenBuffer,
     check_pair_devices,
-    decoding,
+    finish,
     start_generate,
 )
-from .rounds import Sequence as Committed
-from .sampling import SamplingConfig, sample, warp
 from .tree import TokenTree
-from .verify import residual
 
 TREE_ATTENTION = ("eager", "sdpa")  # attention implementations that take a custom 4-D mask
 
@@ -299,7 +301,7 @@ class SequoiaDecoder:
                  eos_token_id: int | Iterable[int] | None = None,
                  return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
-        seq = Committed(prompt_ids, max_new_tokens, eos_token_id, self.device)
+        seq = TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
         draft = ModelRunner(self.draft, self.vocab, want_hidden=False)
         target = ModelRunner(self.target, self.vocab, want_hidden=False)
         drafter = TreeDrafter(draft, self.sampling, marks)

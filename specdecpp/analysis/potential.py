@@ -29,7 +29,7 @@ Costs: Eq. 2.3 with a cost ratio c = t_draft / t_target gives the speedup over t
 ``1 / (c + c * discard_rate + (1 - c) * verification_rate)``; with a measured width-dependent
 target cost t_target(n) (a verification of K candidates scores K + 1 tokens) the latency is
 ``(t_draft * N_draft + sum_rounds t_target(K_r + 1)) / N`` against target-only's ``t_target(1)``;
-both formulas live in :mod:`specdecpp.costmodel`, the intervals in :mod:`specdecpp.stats`.
+both formulas live in :mod:`specdecpp.analysis.costmodel`, the intervals in :mod:`specdecpp.analysis.stats`.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def greedy_oracle(target_ids: Sequence[int], draft_predictions: Sequence[int]):
     X_s..X_{s+m-1} (capped so the round stays within N tokens), the target accepts all m and emits
     X_{s+m}. Hence N_discarded = 0 and N_target = number of rounds. Times are left at zero.
     """
-    from .engine import RunStats
+    from ..decoders.rounds import RunStats
 
     n = len(target_ids)
     if len(draft_predictions) != n:
@@ -223,7 +223,7 @@ def simulate(rows: Sequence[Mapping[str, np.ndarray]], policies: Sequence[Policy
     return out
 
 
-# -- costs and intervals (Eq. 2.3 and t_target(n) from specdecpp.costmodel) --------------------
+# -- costs and intervals (Eq. 2.3 and t_target(n) from specdecpp.analysis.costmodel) --------------------
 
 def speedup_eq23(counts: Counts, ratio: float) -> float:
     """Eq. 2.3 relative to target-only: 1 / (c + c * discard + (1 - c) * verification)."""
@@ -261,7 +261,7 @@ def _pooled_speedup(costs: Costs, by_width: bool, tokens, rounds, discarded, dra
 def speedup_interval(per_row: Sequence[Counts], costs: Costs, by_width: bool = False, n_boot: int = 1000,
                      seed: int = 0, level: float = 0.95) -> tuple[float, float]:
     """Percentile interval of the pooled speedup over prompts resampled with replacement
-    (``specdecpp.stats``); (nan, nan) with fewer than two prompts."""
+    (``specdecpp.analysis.stats``); (nan, nan) with fewer than two prompts."""
     if sum(c.tokens for c in per_row) == 0:
         return (math.nan, math.nan)
     def stat(*cols, axis=-1):

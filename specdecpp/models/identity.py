@@ -10,7 +10,7 @@ A record must resolve on another machine, so it names a model by one of:
   in the group :data:`ENTRY_POINT_GROUP` (``[project.entry-points."specdecpp.model_resolvers"]``,
   ``<name> = "package.module:function"``), found on first use.
 
-Every loader (:func:`specdecpp.loading.load_pair` and friends) resolves an identity before loading,
+Every loader (:func:`specdecpp.models.loading.load_pair` and friends) resolves an identity before loading,
 so ``load_pair(draft="my-draft@3f2a...", ...)`` works wherever a resolver for ``my-draft`` is
 installed, and says what to pass instead where none is. :func:`portable_name` is what writers
 record: the identity of a stamped directory, a hub id as given; a plain local directory has no

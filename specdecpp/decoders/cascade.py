@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingConfig, sample, warp
-from .verify import verify
+from ..core.sampling import SamplingConfig, sample, warp
+from ..core.verify import verify
 
 RULES = ("chow", "diff", "opt", "token_v1", "token_v2", "token_v3")
 
@@ -87,7 +87,7 @@ class Cascade:
 
 
 class CascadeRule:
-    """The acceptance rule of a cascade, with :class:`~specdecpp.rounds.ExactRule`'s call. It needs
+    """The acceptance rule of a cascade, with :class:`~specdecpp.decoders.rounds.ExactRule`'s call. It needs
     what the exact rule does not: the draft's raw logits of the candidates (greedy confidences) and,
     when every candidate is accepted, the draft's logits at the next position (``peek()``, one more
     draft forward) for the bonus token's ``pi``."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .jsonfile import read_json
+from ..core.jsonfile import read_json
 
 SCHEMA = "specdecpp.tree/1"
 

@@ -1,5 +1,5 @@
 """Reduced output vocabularies: a draft that scores only some tokens (q is exactly zero elsewhere),
-declared by a file in its model directory that :func:`specdecpp.loading.load_model` applies."""
+declared by a file in its model directory that :func:`specdecpp.models.loading.load_model` applies."""
 
 from __future__ import annotations
 

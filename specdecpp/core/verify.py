@@ -1,7 +1,7 @@
 """The verification step of speculative sampling (Leviathan et al.; SpecDec++ Algorithm 1).
 
 Convention, stated once for the whole project: ``p`` is the TARGET's warped distribution and
-``q`` the DRAFT's, both produced by :func:`specdecpp.sampling.warp` from the same prefix.
+``q`` the DRAFT's, both produced by :func:`specdecpp.core.sampling.warp` from the same prefix.
 Candidate ``y_i`` was sampled from ``q_i``; the target scored the same prefixes in one forward
 pass and returned ``p_1 .. p_{K+1}`` (``p_{K+1}`` follows the last candidate).
 

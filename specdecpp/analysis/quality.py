@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .sampling import SamplingConfig, warp
+from ..core.sampling import SamplingConfig, warp
 
 LOG_FLOOR = math.log(1e-9)  # a token outside the target's warped support (top-k / top-p) scores this
 

@@ -1,5 +1,5 @@
 """Loading a draft/target pair: hub ids, local HF directories, GGUF files or portable identities
-(resolved through :mod:`specdecpp.identity`); devices and precisions; one tokenizer for both, and
+(resolved through :mod:`specdecpp.models.identity`); devices and precisions; one tokenizer for both, and
 the end-of-sequence ids every stage stops on."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
 
 def _source(path: str) -> tuple[str, dict]:
     """Map a model reference to from_pretrained arguments; raise if it cannot be a model. A portable
-    identity (``name@digest``, :mod:`specdecpp.identity`) is first resolved to a local directory."""
+    identity (``name@digest``, :mod:`specdecpp.models.identity`) is first resolved to a local directory."""
     p = Path(os.path.expanduser(resolve_model(str(path))))
     if p.suffix == ".gguf":
         if not p.is_file():

@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from ..core.sampling import entropy
 from .head import AcceptanceHead
-from .sampling import entropy
 
 
 def check_threshold(where: str, key: str, value) -> float:

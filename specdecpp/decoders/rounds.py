@@ -1,0 +1,287 @@
+"""The one round core of every decoder: draft a block under a stop policy, verify it with an
+acceptance rule, commit with EOS, roll both caches back, count the stats.
+
+A decoder's ``generate`` is a loop over these parts, so each one reads on one screen and none
+repeats another's bookkeeping:
+
+- :class:`Drafter`: drafts a block of candidates from the draft's
+  :class:`~specdecpp.models.runner.ModelRunner` under a
+  :class:`~specdecpp.stopping.policies.StopPolicy`; the policy always gets ``(k, logits, hidden, token)``.
+- :class:`ExactRule`: the acceptance rule, speculative sampling's ``min(1, p/q)`` test with the
+  ``(p - q)+`` residual (:func:`~specdecpp.core.verify.verify`). A lossy rule (a cascade's target
+  ``pi``) or a tree's node-by-node rule is another object with the same call.
+- :class:`TokenBuffer`: the committed tokens and the drafts after them in one buffer;
+  :meth:`TokenBuffer.commit` writes the verified tokens, cuts at EOS and says what was kept.
+- :class:`RunStats` counts a round (:meth:`RunStats.add_round`); :func:`finish` ends a
+  ``generate`` with its :class:`GenerateOutput`.
+- The round's clocks (:class:`~specdecpp.core.timing.Clock`) and attention kernels
+  (:func:`~specdecpp.core.attention.decoding`) live in ``core``.
+
+Conventions: ``p`` is the TARGET's warped distribution and ``q`` the DRAFT's (see core/verify.py).
+Both caches hold every committed token except the newest one, which the next forward feeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..core.sampling import SamplingConfig, sample, warp
+from ..core.timing import Clock
+from ..core.verify import verify
+from ..models.loading import token_set
+from ..models.runner import ModelRunner
+from ..stopping.policies import StopPolicy
+
+
+class _NeverStop(StopPolicy):
+    """A block runs to its length (PEARL without a policy)."""
+
+    name = "none"
+    max_candidates = 1 << 30
+    needs_hidden = reads_values = False
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return False
+
+
+@dataclass
+class Block:
+    """A drafted block: ``k`` candidates written to the sequence buffer and, unless greedy, the
+    rows ``q`` [k, V] they were sampled from. ``t0``/``t1`` bracket the drafting."""
+
+    k: int
+    q: list
+    t0: float
+    t1: float
+    logits: list = field(default_factory=list)  # the draft's raw logits rows, with keep_logits
+    extra_forwards: int = 0  # draft forwards beyond the k candidates (a cascade's peek)
+
+    @property
+    def draft_logits(self) -> torch.Tensor | None:
+        return torch.stack(self.logits) if self.logits else None
+
+
+class Drafter:
+    """Drafts candidate blocks with the draft model under a stop policy.
+
+    Candidate ``y_k`` is drawn from ``q_k = warp(draft logits)`` (the argmax under greedy
+    decoding), then the policy is asked ``should_stop(k, logits, hidden, y_k)``. EOS among the
+    candidates ends a block only where the policy reads values on the host anyway (a device sync
+    per candidate otherwise); else the verification's commit cuts at EOS.
+    """
+
+    def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
+                 eos: set[int], clock: Clock, keep_logits: bool = False) -> None:
+        self.policy = policy if policy is not None else _NeverStop()
+        self.keep_logits = keep_logits
+        self.sampling, self.eos, self.clock = sampling, eos, clock
+        self.needs_hidden = self.policy.needs_hidden
+        self.stop_at_eos = bool(eos) and self.policy.reads_values
+        self.runner = ModelRunner(model, vocab, want_hidden=self.needs_hidden)
+
+    def __enter__(self) -> Drafter:
+        self.runner.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.__exit__(*exc)
+
+    def block(self, seq: torch.Tensor, start: int, count: int, gen: torch.Generator | None,
+              generated: int | None = None) -> Block:
+        """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``; ``generated``:
+        the response tokens before ``start`` (``StopPolicy.begin_round``)."""
+        t0 = self.clock.now()
+        cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
+        kept_logits = []
+        policy.begin_round(generated)
+        while k < count:
+            logits, hidden = runner.feed(seq[runner.length : start + k])
+            if cfg.greedy:  # the argmax; verification needs no q
+                y = logits[-1].argmax(-1)
+            else:
+                q_k = warp(logits[-1], cfg)
+                y = sample(q_k, gen)
+                q_rows.append(q_k)
+            seq[start + k] = y
+            if self.keep_logits:
+                kept_logits.append(logits[-1])
+            k += 1
+            if policy.should_stop(k, logits[-1], hidden[-1] if self.needs_hidden else None, y) or \
+                    (self.stop_at_eos and int(y) in self.eos):
+                break
+        return Block(k, q_rows, t0, self.clock.now(), kept_logits)
+
+    def peek(self, block: Block, seq: torch.Tensor, end: int) -> torch.Tensor:
+        """The draft's raw logits at position ``end`` (after ``seq[:end]``): one more forward,
+        counted in ``block.extra_forwards`` (a cascade's bonus token needs the draft's q there)."""
+        block.extra_forwards += 1
+        return self.runner.feed(seq[self.runner.length : end])[0][-1]
+
+
+class ExactRule:
+    """Speculative sampling's exact acceptance rule: accept ``y_i`` with ``min(1, p_i(y_i) /
+    q_i(y_i))``, resample a rejection from ``Norm[(p_i - q_i)+]`` (greedy: accept iff ``y_i`` is the
+    target's argmax). The output has exactly the target's warped distribution.
+
+    ``__call__(tokens [K], q rows, target logits [K (+1), V], generator, bonus)`` returns
+    ``(n_accepted, next_token)``; another rule (a cascade's lossy target, a tree's node-by-node
+    test) is an object with the same call and its own ``lossy`` flag."""
+
+    lossy = False
+    name = "exact"
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+
+    def __call__(self, tokens: torch.Tensor, q_rows: list, logits: torch.Tensor,
+                 gen: torch.Generator | None, bonus: bool = True, draft_logits=None,
+                 peek=None) -> tuple[int, int | None]:
+        """``draft_logits`` and ``peek`` (what a lossy rule may need) are not read here."""
+        if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
+            return verify(tokens, None, logits, greedy=True, bonus=bonus)
+        p = warp(logits, self.sampling)
+        q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
+        return verify(tokens, q, p, gen, bonus=bonus)
+
+
+class TokenBuffer:
+    """The committed tokens ``tokens[:n]`` and any drafts after them, in one buffer of room for
+    the prompt plus ``max_new_tokens`` plus one."""
+
+    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int,
+                 eos_token_id: int | Iterable[int] | None, device: torch.device) -> None:
+        self.prompt_len = prompt_ids.shape[-1]
+        self.end = self.prompt_len + max_new_tokens  # no token is committed at or beyond it
+        self.eos = token_set(eos_token_id)
+        self.tokens = torch.empty(self.end + 1, dtype=torch.long, device=device)
+        self.tokens[: self.prompt_len] = prompt_ids.reshape(-1)
+        self.n = self.prompt_len
+        self.finished = False
+
+    @property
+    def n_generated(self) -> int:
+        return self.n - self.prompt_len
+
+    @property
+    def room(self) -> int:
+        """Tokens that may still be committed."""
+        return self.end - self.n
+
+    def commit(self, n_accepted: int, token: int | None) -> int:
+        """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
+        from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS
+        is cut and ends the sequence. Returns how many tokens were kept."""
+        if token is not None:
+            self.tokens[self.n + n_accepted] = token
+        new = self.tokens[self.n : self.n + n_accepted + (token is not None)].tolist()
+        hit = next((i for i, t in enumerate(new) if t in self.eos), None)
+        kept = len(new) if hit is None else hit + 1
+        self.n += kept
+        self.finished = hit is not None or self.n >= self.end
+        return kept
+
+    def output(self) -> torch.Tensor:
+        return self.tokens[: self.n].unsqueeze(0).clone()
+
+
+def check_generate_args(prompt_ids, max_new_tokens) -> None:
+    """The argument checks every decoder's ``generate`` shares."""
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be a LongTensor of shape [1, L], got "
+                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def device_generator(generator: torch.Generator | None, device: torch.device):
+    """Sampling happens on the models' device; derive a generator there deterministically."""
+    if generator is None or generator.device.type == device.type:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
+
+
+def start_generate(prompt_ids, max_new_tokens, generator: torch.Generator | None, device: torch.device,
+                   profile: bool) -> tuple[torch.Generator | None, Clock, Clock]:
+    """The opening of a one-generator ``generate``: the argument checks, the generator on the
+    models' device, the call's clock (synchronised) and the round marks (``sync=profile``)."""
+    check_generate_args(prompt_ids, max_new_tokens)
+    return device_generator(generator, device), Clock(device), Clock(device, sync=profile)
+
+
+def check_pair_devices(draft, target) -> torch.device:
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device} but target on {target.device}; load them on one device")
+    return target.device
+
+
+@dataclass
+class RunStats:
+    """What one ``generate`` call did. ``accept_lengths[r]`` is the number of draft candidates
+    accepted in round r (the round also emits one target token); ``candidate_lengths[r]`` is the
+    number K of candidates drafted in round r. N_draft + N_target = N + N_discarded holds exactly
+    (paper, Section 2): a round that ends on EOS counts the tokens after the EOS as discarded."""
+
+    n_generated: int = 0
+    n_target_calls: int = 0
+    n_draft_calls: int = 0
+    n_discarded: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    candidate_lengths: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    @property
+    def discard_rate(self) -> float:
+        return self.n_discarded / max(self.n_generated, 1)
+
+    @property
+    def verification_rate(self) -> float:
+        return self.n_target_calls / max(self.n_generated, 1)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def add_round(self, drafted: int, tested: int, accepted: int, discarded: int,
+                  draft_s: float, target_s: float) -> None:
+        """Count one round: ``drafted`` draft forwards, one target forward that tested ``tested``
+        candidates and accepted ``accepted`` of them, ``discarded`` tokens computed but not kept."""
+        self.n_draft_calls += drafted
+        self.n_target_calls += 1
+        self.n_discarded += discarded
+        self.accept_lengths.append(accepted)
+        self.candidate_lengths.append(tested)
+        self.draft_time_s += draft_s
+        self.target_time_s += target_s
+
+
+@dataclass
+class GenerateOutput:
+    tokens: torch.Tensor  # [1, L + n]: the prompt, then the n generated tokens
+    stats: RunStats
+    caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
+    batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
+    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K, draft forwards), shared by its rows
+
+
+def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRunner,
+           target: ModelRunner, return_caches: bool) -> GenerateOutput:
+    """The end of every decoder's ``generate``: the totals and the output."""
+    stats.wall_time_s = wall_time_s
+    stats.n_generated = seq.n_generated
+    caches = {"draft": draft.cache, "target": target.cache} if return_caches else None
+    return GenerateOutput(tokens=seq.output(), stats=stats, caches=caches)
