@@ -32,16 +32,9 @@ def smollm_shape(seed: int = 0, layers: int = 30):
     return LlamaForCausalLM(cfg).float().eval().requires_grad_(False)
 
 
-def crop_to(cache, length: int) -> None:
-    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 @torch.no_grad()
 def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
-    from specdecpp.core.hooks import new_cache
+    from specdecpp.core.hooks import crop_to, new_cache
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..core.compat import cache_kwargs
-from ..core.hooks import FinalHidden, keep_last, new_cache
+from ..core.hooks import FinalHidden, crop_to, keep_last, new_cache
 
 # Token counts a CPU forward is padded to (a multiple of; see ModelRunner.feed). 1 turns padding off.
 CPU_TOKEN_MULTIPLE = 4
@@ -104,9 +104,7 @@ class ModelRunner(HiddenHook):
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached)."""
-        extra = self.length - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        crop_to(self.cache, length)
 
 
 def check_plain_layer(layer) -> None:
