@@ -885,7 +885,7 @@ def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_pat
         def __init__(self):
             self.rounds = []
 
-        def new_round(self):
+        def begin_round(self, generated=None):
             self.rounds.append([])
 
         def should_stop(self, k, logits, hidden, token=None):

@@ -61,16 +61,13 @@ class StopPolicy:
     def bind(self, draft_model, temperature: float) -> None:
         """Called once by the decoder: check compatibility with the draft, move state to its device."""
 
-    def new_round(self) -> None:
-        """Called before the first candidate of each round."""
-
     def begin_round(self, generated=None) -> None:
-        """What a decoder calls before the first candidate of each round: ``generated`` is how many
-        response tokens are committed before it (an int, or a LongTensor [B] for a batch's rows; None
-        from a decoder that does not say), so the round's k-th candidate is the response's token
-        ``generated + k - 1`` (0-based). Stores it as ``self.generated`` and calls ``new_round``."""
+        """What every decoder calls before the first candidate of each round: ``generated`` is how
+        many response tokens are committed before it (an int, or a LongTensor [B] for a batch's rows;
+        None from a decoder that does not say), so the round's k-th candidate is the response's token
+        ``generated + k - 1`` (0-based). Stores it as ``self.generated``; a policy with round state
+        resets it here too and calls ``super().begin_round(generated)``."""
         self.generated = generated
-        self.new_round()
 
     def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor,
                     token: torch.Tensor | None = None) -> bool:
@@ -197,7 +194,8 @@ class SpecDecPP(StopPolicy):
     def bind(self, draft_model, temperature: float) -> None:
         self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
 
-    def new_round(self) -> None:
+    def begin_round(self, generated=None) -> None:
+        super().begin_round(generated)
         self._p_all_accepted = None
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
