@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdecpp.decoders.chain import Clock
+from specdecpp.core.timing import Clock
 
 
 class ForwardMeter:

@@ -235,8 +235,8 @@ class PEARLDecoder:
                 block = worker.result() if count else rounds.Block(0, [], t1, t1)
 
                 n_test = m + min(block.k, 1)
-                n_acc, token = self.rule(seq.tokens[n : n + n_test], q_pending + block.q[:1],
-                                         logits[:n_test], verify_gen, bonus=False)
+                tested = rounds.Candidates(seq.tokens[n : n + n_test], q_pending + block.q[:1])
+                n_acc, token = self.rule(tested, logits[:n_test], verify_gen, bonus=False)
                 kept = seq.commit(n_acc, token)
                 stats.n_pre_verify_rounds += m == 0
                 stats.n_post_verify_rounds += m > 0
