@@ -19,7 +19,6 @@ from .rounds import (
     ExactRule,
     GenerateOutput,
     RunStats,
-    TokenBuffer,
     check_pair_devices,
     finish,
     start_generate,
@@ -53,14 +52,11 @@ class SpeculativeDecoder:
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
-    @torch.no_grad()
     @decoding
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
-                 generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None,
-                 return_caches: bool = False) -> GenerateOutput:
-        gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
-        seq = TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
+        gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
+                                                self.profile)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
         target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
         t_start = clock.now()
@@ -84,7 +80,6 @@ class SpeculativeDecoder:
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
 
-    @torch.no_grad()
     @decoding
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                        generators: list[torch.Generator | None] | None = None,

@@ -199,12 +199,9 @@ class PEARLDecoder:
             self.costs = {"t_draft_s": t_draft, "t_target_s": t_target}
         return self.gamma
 
-    @torch.no_grad()
     @decoding
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
-                 generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None,
-                 return_caches: bool = False) -> GenerateOutput:
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         rounds.check_generate_args(prompt_ids, max_new_tokens)
         gamma = self.resolve_gamma()
         # two streams of randomness fixed up front: the draft's samples and the verification's

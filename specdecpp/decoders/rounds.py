@@ -225,12 +225,14 @@ def device_generator(generator: torch.Generator | None, device: torch.device):
     return torch.Generator(device).manual_seed(seed)
 
 
-def start_generate(prompt_ids, max_new_tokens, generator: torch.Generator | None, device: torch.device,
-                   profile: bool) -> tuple[torch.Generator | None, Clock, Clock]:
+def start_generate(prompt_ids, max_new_tokens, eos_token_id, generator: torch.Generator | None,
+                   device: torch.device, profile: bool) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
     """The opening of a one-generator ``generate``: the argument checks, the generator on the
-    models' device, the call's clock (synchronised) and the round marks (``sync=profile``)."""
+    models' device, the call's clock (synchronised), the round marks (``sync=profile``) and the
+    prompt's :class:`TokenBuffer`."""
     check_generate_args(prompt_ids, max_new_tokens)
-    return device_generator(generator, device), Clock(device), Clock(device, sync=profile)
+    return (device_generator(generator, device), Clock(device), Clock(device, sync=profile),
+            TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device))
 
 
 def check_pair_devices(draft, target) -> torch.device:
