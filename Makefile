@@ -28,10 +28,10 @@ DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
 # The reference heads chosen on the dev split by the potential analysis (demo/heads/selection.json):
-# two of the paper's kind and two lag-free ones (scripts/ref_heads.py).
-REF_HEADS := $(shell $(PYTHON) scripts/ref_heads.py dirs all 2>/dev/null)
+# two of the paper's kind and two lag-free ones (specdecpp_demo/ref_heads.py, run as a file: no torch import).
+REF_HEADS := $(shell $(PYTHON) specdecpp_demo/ref_heads.py dirs all 2>/dev/null)
 # Each reference head at its best dev-split threshold, e.g. {head:demo/heads/wrej3_d3,threshold:0.5}
-REF_HEAD_POINTS := $(shell $(PYTHON) scripts/ref_heads.py points 2>/dev/null)
+REF_HEAD_POINTS := $(shell $(PYTHON) specdecpp_demo/ref_heads.py points 2>/dev/null)
 DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.svip.threshold=[0.3,0.5]' \
 	'~comparison.specdecpp' '+comparison.specdecpp=[{head:$(DEMO_HEAD),threshold:[0.5,0.8]},$(REF_HEAD_POINTS)]' \
@@ -104,7 +104,7 @@ BENCH_PROMPTS ?= 20     # per prompt set: bundled test and HumanEval (held out f
 BENCH_TOKENS ?= 96
 BENCH_THREADS ?= 1
 # each kind's two reference heads at that kind's three best dev thresholds
-BENCH_HEAD_GRIDS := $(shell $(PYTHON) scripts/ref_heads.py grids 2>/dev/null)
+BENCH_HEAD_GRIDS := $(shell $(PYTHON) specdecpp_demo/ref_heads.py grids 2>/dev/null)
 BENCH_COMPARISON := 'comparison.fixed_k.k=[1,2,3,4]' 'comparison.svip.threshold=[0.5,0.7]' \
 	'~comparison.specdecpp' '+comparison.specdecpp=[$(BENCH_HEAD_GRIDS)]' \
 	'~comparison.hf_assisted' '+comparison.hf_assisted=[{mode:constant,num_assistant_tokens:[1,2,3,4]},{mode:[heuristic,confidence],num_assistant_tokens:4}]' \
@@ -213,7 +213,7 @@ bench-cascade: demo-pair cascade-head
 	@echo "tables in reports/cascade/tables.md, full report and quality_*.png plots in reports/cascade/"
 
 reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on this 2-core CPU)
-	$(PYTHON) scripts/build_reference_heads.py
+	$(PYTHON) -m specdecpp_demo.reference_heads
 
 test: install
 	$(PYTHON) -m pytest

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 T=${THREADS:-2}
 export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1
-# the reference heads' data (scripts/build_reference_heads.py --stage data) and make potential's held-out sets
+# the reference heads' data (python -m specdecpp_demo.reference_heads --stage data) and make potential's held-out sets
 $PY -m data_gen pair=demo prompts=bundled 'splits=[train,dev]' 'limit={train: 230, dev: 30}' max_new_tokens=192 \
     out=data/demo/reference shard_size=32 num_threads=$T
 $PY -m data_gen pair=demo prompts=bundled 'splits=[test]' 'limit={test: 40}' max_new_tokens=96 \
