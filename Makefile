@@ -143,7 +143,7 @@ HEADS_PROMPTS ?= 40    # per prompt set, for bench-heads
 HEADS_SETS ?= bundled humaneval
 HEADS_POINTS ?= $(REF_HEAD_POINTS)  # the heads and thresholds, e.g. {head:DIR,threshold:0.7}
 HEADS_OUT ?= bench_heads  # results/$(HEADS_OUT), reports/$(HEADS_OUT)
-bench-heads: demo-pair  # issue 24: the reference heads at their dev thresholds against fixed K = 1, 2 and SVIP, 40 + 40 prompts, paired
+bench-heads: demo-pair  # docs/results/heads.md: the reference heads at their dev thresholds against fixed K = 1, 2 and SVIP, 40 + 40 prompts, paired
 	for set in $(HEADS_SETS); do \
 		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(HEADS_PROMPTS)) \
 			max_new_tokens=$(strip $(BENCH_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
