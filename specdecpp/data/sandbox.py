@@ -124,6 +124,7 @@ class Sandbox:
         self.read_only = sorted({str(Path(p).resolve()) for p in (*_python_dirs(), *read_only)})
         self._kind = kind
         self.bwrap_problem: str | None = None  # why bwrap is not used, once probed
+        self.bwrap: str | None = None  # its path, once probed
 
     @functools.cached_property
     def kind(self) -> str:
@@ -143,7 +144,8 @@ class Sandbox:
         return self.kind == "bwrap" and _is_root()
 
     def _probe_bwrap(self) -> str | None:
-        if shutil.which("bwrap") is None:
+        self.bwrap = shutil.which("bwrap")
+        if self.bwrap is None:
             return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
         check = "import os, sys\nfor d in sys.argv[2:]: os.listdir(d)\nprint('ok')\n"
         probe = self._run("bwrap", check, {}, 20.0, args=self.read_only)
@@ -202,7 +204,7 @@ class Sandbox:
             resource.setrlimit(which, (value, value))
 
     def _bwrap_argv(self, root: Path) -> list[str]:
-        argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        argv = [self.bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                 "--die-with-parent", "--new-session", "--dev", "/dev", "--proc", "/proc"]
         # root: no user namespace (the child's setuid to nobody needs these two capabilities, and
         # loses them with it); anyone else: bwrap's user namespace, as that user
