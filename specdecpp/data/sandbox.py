@@ -22,9 +22,9 @@ says so). docs/infer.md, "Running model-written code", states what each blocks a
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -38,16 +38,22 @@ NOBODY = 65534  # the unprivileged user the child becomes when bwrap is started 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 INPUT, WORK = "/input", "/work"  # inside bwrap: the read-only inputs and the working directory
 OUTPUT_TAIL = 65536  # bytes of the child's stdout and stderr read back
-# Runs first in the child: become ``nobody`` where asked (bwrap started by root), then run the
-# script with argv [script, input_dir].
+# Runs first in the child, before any of the script: set the limits (JSON: resource name -> value,
+# never above a hard limit already there), become ``nobody`` where asked (bwrap started by root),
+# then run the script with argv [script, input_dir, *args].
 BOOTSTRAP = """\
-import os, sys
+import json, os, resource, sys
+for name, value in json.loads(sys.argv[2]).items():
+    which = getattr(resource, name)
+    hard = resource.getrlimit(which)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(which, (value, value))
 if sys.argv[1] != "-":
     os.setgroups([])
     os.setgid(int(sys.argv[1]))
     os.setuid(int(sys.argv[1]))
-script = sys.argv[2]
-sys.argv = sys.argv[2:]
+script = sys.argv[3]
+sys.argv = sys.argv[3:]
 exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__", "__file__": script})
 """
 
@@ -170,17 +176,17 @@ class Sandbox:
                 (root / "input" / name).write_text(text)
             inside = Path(INPUT) if kind == "bwrap" else root / "input"
             uid = str(NOBODY) if kind == "bwrap" and _is_root() else "-"
-            python = [sys.executable, "-I", "-B", "-c", BOOTSTRAP, uid, str(inside / "script.py"), str(inside), *args]
+            wall = timeout + self.limits.startup_s
+            limits = json.dumps(self._rlimits(math.ceil(wall), _tasks_of(NOBODY if uid != "-" else os.getuid())))
+            python = [sys.executable, "-I", "-B", "-c", BOOTSTRAP, uid, limits, str(inside / "script.py"), str(inside),
+                      *args]
             argv = self._bwrap_argv(root) + python if kind == "bwrap" else python
             work = WORK if kind == "bwrap" else str(root / "work")
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8",
                    "TMPDIR": "/tmp" if kind == "bwrap" else str(root / "tmp")}
-            wall = timeout + self.limits.startup_s
-            nproc = _tasks_of(NOBODY if uid != "-" else os.getuid()) + self.limits.processes
             with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
                 proc = subprocess.Popen(argv, cwd=None if kind == "bwrap" else work, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=err, start_new_session=True,
-                                        preexec_fn=functools.partial(self._set_limits, math.ceil(wall), nproc))
+                                        stdout=out, stderr=err, start_new_session=True)
                 try:
                     proc.wait(timeout=wall)
                     timed_out = False
@@ -196,12 +202,11 @@ class Sandbox:
         finally:
             _remove_tree(root)
 
-    def _set_limits(self, cpu_s: int, nproc: int) -> None:  # in the child, before exec
+    def _rlimits(self, cpu_s: int, tasks_now: int) -> dict[str, int]:
+        """The child's limits; the process cap counts from the tasks its user runs now."""
         lim = self.limits
-        for which, value in ((resource.RLIMIT_AS, lim.address_space), (resource.RLIMIT_CPU, cpu_s),
-                             (resource.RLIMIT_FSIZE, lim.file_size), (resource.RLIMIT_NPROC, nproc),
-                             (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(which, (value, value))
+        return {"RLIMIT_AS": lim.address_space, "RLIMIT_CPU": cpu_s, "RLIMIT_FSIZE": lim.file_size,
+                "RLIMIT_NPROC": tasks_now + lim.processes, "RLIMIT_CORE": 0}
 
     def _bwrap_argv(self, root: Path) -> list[str]:
         argv = [self.bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -233,7 +238,7 @@ class Sandbox:
         lim = self.limits
         limits = (f"a clean environment, an empty temporary working directory, a wall-clock limit, and per process "
                   f"{lim.address_space / 2**30:g} GiB of address space, CPU time up to the wall limit, files up to "
-                  f"{lim.file_size / 2**20:g} MiB, {lim.processes} processes")
+                  f"{lim.file_size / 2**20:g} MiB, {lim.processes} processes beyond its user's")
         if self.kind == "bwrap":
             who = "as nobody (uid 65534)" if self.drops_to_nobody else f"as uid {os.getuid()} in a user namespace"
             return (f"sandbox: bubblewrap, {who}, with no network, its own PID/IPC/UTS namespaces, only the system "
