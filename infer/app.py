@@ -20,7 +20,7 @@ from specdecpp import StopPolicy
 from specdecpp.analysis.quality import target_quality
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
-from specdecpp.data.tasks import score_output
+from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.models.reduced_vocab import output_vocab_size
 
@@ -45,6 +45,7 @@ class Job:
     profile: bool = False
     batch_size: int = 1
     batch_fill: bool = False
+    allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
 
 
 def sampling_tag(s: SamplingConfig) -> str:
@@ -102,6 +103,8 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     batch_fill = cfg.get("batch_fill", False)
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
+    allow_code_execution = cfg.get("allow_code_execution", False)
+    code_execution_allowed(allow_code_execution)  # a bad value or a bad SPECDECPP_ALLOW_CODE_EXECUTION fails here
     p = cfg.prompts
     prompts = load_prompts(p.source, split=p.get("split"), limit=p.get("limit"), path=p.get("path"))
     run_keys = {
@@ -120,7 +123,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
-               batch_size=batch_size, batch_fill=batch_fill)
+               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution)
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -136,10 +139,10 @@ def load_models(pair: dict):
 
 
 def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> dict:
-    """The output's task score (specdecpp.data.tasks, untimed): HumanEval pass@1 by execution, GSM8K
-    exact match; ``task`` None for prompts without a task."""
+    """The output's task score (specdecpp.data.tasks, untimed): HumanEval pass@1 by execution (only
+    where allowed, confined), GSM8K exact match; ``task`` None for prompts without a task."""
     text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text)
+    return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text, job.allow_code_execution)
 
 
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,

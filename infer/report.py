@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from specdecpp.analysis.costmodel import Costs, load_costs
+from specdecpp.data.tasks import ALLOW_ENV
 
 from .plots import pareto_plot, quality_plot, throughput_plot
 from .results import read_result_dir
@@ -34,9 +35,19 @@ def group_task(group: dict) -> str | None:
 
 def _task_cell(e: dict) -> str:
     if e.get("task_score") is None:
-        return "-"
+        return "not run" if e.get("task_unscored") else "-"
     ci = e.get("task_score_ci95")
     return f"{e['task_score']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def unscored_line(group: dict, results_dir) -> str:
+    """How to score rows whose task score is null (model-written code not allowed to run), or ''."""
+    n = sum(e.get("task_unscored") or 0 for e in group["entries"])
+    if not n:
+        return ""
+    return (f"{TASK_LABELS.get(group_task(group), 'Task score')}: not run for {n} rows: model-written code runs only "
+            f"when allowed. To score them, each check confined (docs/infer.md, 'Running model-written code'): "
+            f"`{ALLOW_ENV}=1 python -m infer.rescore {results_dir} --unscored`, then this report again.")
 
 
 def _f(x, digits: int = 2, suffix: str = "") -> str:
@@ -145,6 +156,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
             f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
         ]
+        if unscored_line(g, results_dir):
+            sections.append(unscored_line(g, results_dir) + "\n")
         if baseline_lines(g):
             sections.append(baseline_lines(g) + "\n")
         if tree_lines(g):
@@ -180,7 +193,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         "softmax), greedy match = share of output tokens equal to the target's argmax at their position "
         "(specdecpp/analysis/quality.py); the exact methods' values are the reference. Task scores (specdecpp/data/tasks.py, "
         "every method): HumanEval pass@1 = share of problems whose output passes the problem's tests when "
-        "executed (one sample each), GSM8K exact match = share of outputs whose last number is the reference "
+        "executed (one sample each; only where code execution was allowed, each check confined), GSM8K "
+        "exact match = share of outputs whose last number is the reference "
         "answer; with a 95% bootstrap interval over prompts.\n")
     report = "\n".join(sections)
     (out / "report.md").write_text(report)

@@ -102,13 +102,17 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
 
 def task_summary(rows: list[dict]) -> dict:
     """The mean task score over prompts (HumanEval: pass@1 with one sample per problem; GSM8K: exact
-    match) with a 95% bootstrap interval over prompts; None where the rows have no task."""
+    match) with a 95% bootstrap interval over prompts; None where the rows have no task.
+    ``task_unscored``: rows with a task but no score (HumanEval where code execution was not allowed)."""
     tasks = sorted({r.get("task") for r in rows} - {None})
     if len(tasks) > 1:
         raise ValueError(f"rows of {rows[0]['method']} {rows[0]['tag']} mix task scores {tasks} in one group")
     scores = np.array([r["task_score"] for r in rows if r.get("task_score") is not None], dtype=float)
-    if not tasks or not len(scores):
+    if not tasks:
         return {"task": None, "task_score": None, "task_score_ci95": None, "task_n": 0}
+    unscored = sum(r.get("task") is not None and r.get("task_score") is None for r in rows)  # code not allowed to run
+    if not len(scores):
+        return {"task": tasks[0], "task_score": None, "task_score_ci95": None, "task_n": 0, "task_unscored": unscored}
     mean = float(scores.mean())
     if len(scores) < 2:
         ci = None
@@ -116,7 +120,8 @@ def task_summary(rows: list[dict]) -> dict:
         ci = (mean, mean)
     else:
         ci = bootstrap_interval(np.mean, scores)
-    return {"task": tasks[0], "task_score": mean, "task_score_ci95": ci, "task_n": len(scores)}
+    return {"task": tasks[0], "task_score": mean, "task_score_ci95": ci, "task_n": len(scores),
+            "task_unscored": unscored}
 
 
 def _mean(values) -> float | None:
