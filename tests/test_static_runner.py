@@ -198,6 +198,7 @@ def test_switch_and_errors(cpu_model):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_steps_compile_each_bucket_once_whole(device):
     """fast='compile': each bucket compiles once (fullgraph: no graph break), then random feeds,
@@ -219,6 +220,7 @@ def test_compiled_steps_compile_each_bucket_once_whole(device):
                        compiled if seed == 0 else
                        StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=buckets, fast="compile")]
             runners[2].rollback(0)
-            run_both(random.Random(seed), model, runners, device, steps=30)
+            with runners[0]:
+                run_both(random.Random(seed), model, runners, device, steps=30)
     assert counters["stats"]["unique_graphs"] - graphs == len(buckets)
     assert sum(counters["graph_break"].values()) == breaks

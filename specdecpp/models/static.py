@@ -257,8 +257,8 @@ class StaticRunner(HiddenHook):
                         "and uncompiled (said once per model)", type(self.model).__name__, n, self.buckets[-1])
         pad = width - n
         slots = torch.arange(start, start + width, device=ids.device)
-        if position_ids is None:
-            position_ids = slots
+        if position_ids is None:  # a tensor of its own: an alias of slots would be another graph (a recompile)
+            position_ids = torch.arange(start, start + width, device=ids.device)
         elif pad:
             position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
         if pad:
