@@ -18,7 +18,6 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,11 +42,14 @@ from specdecpp import (
 from specdecpp.analysis.costmodel import load_costs
 from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.timing import Clock
 from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
 from specdecpp.models.identity import same_model
 
+from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
-from .timing import Clock, ForwardMeter
+from .meters import ForwardMeter
+from .tags import method_tag
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
 LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
@@ -105,10 +107,6 @@ def head_fingerprint(head: AcceptanceHead) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()[:12]
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
 
 
 def draft_hidden_size(draft_ref: str) -> int | None:
@@ -172,36 +170,6 @@ def check_head_labels(head: AcceptanceHead, head_path: str, cascade: dict | None
                      "rule (labels.cascade=...), or pass method.allow_label_mismatch=true to use it anyway")
 
 
-def _tag(name: str, s: dict, m) -> str:
-    """The file-name tag of a method's settings (results/<...>/<tag>__<sampling>__s<seed>.jsonl)."""
-    if name == "target_only":
-        return "base"
-    if name == "fixed_k":
-        return f"k{s['k']}"
-    if name == "svip":
-        return f"h{_num(s['threshold'])}_c{_num(s['c'])}_max{s['max_candidates']}"
-    if name == "specdecpp":
-        head_name = Path(str(m.get("head")).rstrip("/")).name
-        return f"{head_name}_h{_num(s['threshold'])}_min{s['min_candidates']}_max{s['max_candidates']}"
-    if name == "hf_assisted":
-        tag = f"{s['mode']}_n{s['num_assistant_tokens']}"
-        return tag + (f"_c{_num(s['confidence_threshold'])}" if s["mode"] == "confidence" else "")
-    if name == "cascade":
-        policy = s["policy"]
-        stop = {"fixed_k": lambda: f"k{policy['k']}", "svip": lambda: f"svip_h{_num(policy['threshold'])}",
-                "specdecpp": lambda: f"{Path(str(m.get('head')).rstrip('/')).name}_h{_num(policy['threshold'])}"}
-        return f"{s['rule']}_a{_num(s['alpha'])}_{stop[s['stop']]()}"
-    if name == "pearl":
-        tag = f"g{s['gamma']}" + (f"_svip_h{_num(s['threshold'])}_c{_num(s['c'])}" if s["stop"] == "svip" else "")
-        if s["stop"] == "specdecpp":
-            tag += f"_{Path(str(m.get('head')).rstrip('/')).name}_h{_num(s['threshold'])}"
-        return tag + (f"_t{s['num_threads']}" if s["num_threads"] != 1 else "")
-    if name == "sequoia":
-        digest = hashlib.sha256(json.dumps(s["parents"]).encode()).hexdigest()[:8]
-        return f"n{s['tree_size']}_d{s['tree_depth']}_{digest}"
-    return name
-
-
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     """Build the method of a ``method`` config node (no model is loaded; a head is loaded and
     checked against the pair and the sampling first)."""
@@ -219,7 +187,7 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     if hasattr(method, "check_sampling"):
         method.check_sampling(sampling)
     settings.update(method.settings())
-    return MethodSpec(name, settings, _tag(name, settings, m), head, method)
+    return MethodSpec(name, settings, method_tag(name, settings, getattr(method, "tag_keys", None)), head, method)
 
 
 class PEARLMethod:
@@ -229,6 +197,7 @@ class PEARLMethod:
     policy checks its own settings."""
 
     STOPS = (None, "svip", "specdecpp")
+    tag_keys = ("gamma", "stop", "head", "threshold", "c", "num_threads")  # infer.tags: g4_svip_h0.5_c0.15_t2
 
     def __init__(self, gamma: int | str = "auto", stop: str | None = None, threshold: float = 0.5, c: float = 0.15,
                  num_threads: int | None = 1, switch_interval: float | None = 1e-4,
@@ -274,12 +243,7 @@ class SequoiaMethod:
                 raise ValueError("sequoia: set method.tree (a tree JSON file or a list of parents), or both "
                                  "method.acceptance (python -m infer.sequoia measure) and method.costs (python -m "
                                  "infer.costs --max-width 64) for the DP to choose one")
-            from .sequoia import load_acceptance
-
-            try:
-                p = load_acceptance(Path(acceptance))["acceptance"]
-            except SystemExit as exc:
-                raise ValueError(str(exc)) from None
+            p = load_acceptance(acceptance)["acceptance"]
             self.tree, _ = choose_tree(p, load_costs(costs), list(sizes) if sizes else None, max_depth)
             self.source = f"dp({acceptance}, {costs})"
 
@@ -298,6 +262,7 @@ class CascadeMethod:
 
     STOPS = ("fixed_k", "svip", "specdecpp")
     lossy = True
+    tag_keys = ("rule", "alpha", "stop", "policy.k", "head", "policy.threshold")  # infer.tags: opt_a0.1_svip_h0.5
 
     def __init__(self, rule: str = "opt", alpha: float = 0.1, stop: str = "fixed_k", k: int = 4,
                  threshold: float = 0.5, c: float = 0.15, max_candidates: int = 20,
