@@ -44,7 +44,12 @@ from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import Clock
 from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
-from specdecpp.models.identity import same_model
+from specdecpp.models.fit import (
+    check_draft_fit,
+    check_labels_fit,
+    check_sampling_fit,
+    config_hidden_size,
+)
 
 from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
@@ -109,65 +114,25 @@ def head_fingerprint(head: AcceptanceHead) -> str:
     return digest.hexdigest()[:12]
 
 
-def draft_hidden_size(draft_ref: str) -> int | None:
-    """The draft's hidden size from its config alone (no weights are loaded)."""
+def load_checked_head(m, draft_ref: str, sampling: SamplingConfig, cascade: dict | None = None) -> AcceptanceHead:
+    """Load the head of ``method.head`` and check it fits the draft (from its config alone: no
+    weights load), the sampling and the verification rule (``cascade``, None: exact) before the
+    models load (``specdecpp.models.fit``; ``method.allow_*_mismatch`` accept a mismatch)."""
     from specdecpp.models.loading import load_config
 
-    config = load_config(draft_ref)
-    size = getattr(config, "hidden_size", None)
-    return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
-
-
-def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
-    """Load the head of ``method.head`` and check it fits the draft, before the models load."""
     head_path = m.get("head")
     if not head_path:
         raise ValueError(f"method {m.get('name')}: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
     head = load_head(str(head_path))
-    size = draft_hidden_size(draft_ref)
-    if size != head.hidden_size:
-        raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
-                         f"draft {head.draft!r}) but draft {draft_ref!r} has hidden_size {size}: "
-                         "train a head for this draft or use the draft the head was trained on")
-    if head.draft and not same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
-        raise ValueError(f"method.head {str(head_path)!r} was trained on draft {head.draft!r}, but "
-                         f"pair.draft is {draft_ref!r}. Use the matching draft, or pass "
-                         "method.allow_draft_mismatch=true if they are the same model under two names")
+    artifact = f"method.head {str(head_path)!r}"
+    check_draft_fit(artifact, "head", head.draft, head.hidden_size, draft_ref, config_hidden_size(load_config(draft_ref)),
+                    "method.allow_draft_mismatch", bool(m.get("allow_draft_mismatch", False)))
+    check_sampling_fit(artifact, head.dataset_meta.get("sampling"), sampling, "method.allow_sampling_mismatch",
+                       bool(m.get("allow_sampling_mismatch", False)))
+    check_labels_fit(artifact, (head.dataset_meta.get("labels") or {}).get("cascade"), cascade,
+                     "method.allow_label_mismatch", bool(m.get("allow_label_mismatch", False)))
     return head
-
-
-def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: SamplingConfig, allow: bool) -> None:
-    """A head's labels min(1, p/q) were computed under its dataset's sampling (temperature, top-k,
-    top-p warp both p and q): refuse to use it under another setting unless allowed."""
-    recorded = ((head.meta.get("training") or {}).get("dataset_meta") or {}).get("sampling")
-    if not recorded or allow:
-        return
-    trained = SamplingConfig.from_mapping(recorded)
-    if trained.greedy and sampling.greedy:
-        return
-    differ = [f"{k}: {getattr(trained, k)!r} in training, {getattr(sampling, k)!r} now"
-              for k in ("temperature", "top_k", "top_p") if getattr(trained, k) != getattr(sampling, k)]
-    if differ:
-        raise ValueError(f"method.head {head_path!r} was trained on labels sampled under another setting "
-                         f"({'; '.join(differ)}); its acceptance predictions do not hold here. Decode with the "
-                         "head's setting (sampling=...), train a head on data generated under this one, or pass "
-                         "method.allow_sampling_mismatch=true to use it anyway")
-
-
-def check_head_labels(head: AcceptanceHead, head_path: str, cascade: dict | None, allow: bool) -> None:
-    """A head learns the acceptance of the rule its labels were made under (exact min(1, p/q), or a
-    cascade's min(1, pi/q), data_gen's ``labels.cascade``): refuse it under another rule unless
-    allowed (an exact-label head stops too early under a lenient cascade)."""
-    meta = (head.meta.get("training") or {}).get("dataset_meta") or {}
-    trained = (meta.get("labels") or {}).get("cascade")
-    if allow or trained == cascade:
-        return
-    def describe(c):
-        return "exact min(1, p/q)" if c is None else f"cascade {c['rule']} alpha={c['alpha']:g}"
-    raise ValueError(f"method.head {head_path!r} was trained on labels of {describe(trained)}, but this "
-                     f"method verifies with {describe(cascade)}; train a head on data_gen labels of this "
-                     "rule (labels.cascade=...), or pass method.allow_label_mismatch=true to use it anyway")
 
 
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
@@ -177,10 +142,8 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     m = method_config(name, m)
     objects, head, settings = {}, None, {}
     if name == "specdecpp" or (name in ("pearl", "cascade") and m.get("stop") == "specdecpp"):
-        head = load_checked_head(m, draft_ref)
-        check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
-        check_head_labels(head, str(m.get("head")), {"rule": m.get("rule"), "alpha": m.get("alpha")}
-                          if name == "cascade" else None, bool(m.get("allow_label_mismatch", False)))
+        head = load_checked_head(m, draft_ref, sampling,
+                                 {"rule": m.get("rule"), "alpha": m.get("alpha")} if name == "cascade" else None)
         objects["head"] = head
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head)}
     method = instantiate_method(m, **objects)
