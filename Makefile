@@ -71,11 +71,11 @@ demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no de
 	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \
 		--head $(DEMO_HEAD) $(foreach h,$(subst $(comma), ,$(REF_HEADS)),--head $(h)) --out reports/demo/potential
 
-demo-infer: demo-potential
+demo-infer: demo-potential  # interleaved: every method on a prompt before the next (load drift touches all alike)
 	$(PYTHON) -m infer.sweep pair=demo prompts=bundled prompts.limit=$(strip $(DEMO_TEST_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
 	$(PYTHON) -m infer.sweep pair=demo prompts=humaneval prompts.limit=$(strip $(DEMO_HUMANEVAL_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
 
 demo-report: demo-infer  # allowed: first score HumanEval rows decoded before it was (infer.rescore --unscored)
 	$(if $(score_code),$(PYTHON) -m infer.rescore results/demo/humaneval --unscored)

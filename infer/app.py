@@ -26,6 +26,7 @@ from specdecpp.models.reduced_vocab import output_vocab_size
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
+from .tags import result_path
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,6 @@ class Job:
     batch_size: int = 1
     batch_fill: bool = False
     allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
-
-
-def sampling_tag(s: SamplingConfig) -> str:
-    return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
-
-
-def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int, batch_size: int = 1,
-                batch_fill: bool = False) -> Path:
-    tag = spec.tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
-    return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -114,7 +105,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         **({"batch_fill": True} if batch_fill else {}),  # absent when false: older result files resume
     }
-    path = result_path(cfg.out, spec, sampling, seed, batch_size, batch_fill)
+    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}

@@ -280,7 +280,8 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
     entry = report["groups"][0]["entries"][0]
     assert entry["task"] == "humaneval" and entry["task_score"] == 0.5 and entry["task_n"] == 2
     assert entry["task_score_ci95"] == (0.0, 1.0)
-    assert "| 0.500 [0.00, 1.00] |" in report["text"]
+    assert "| 0.500 [0.00, 1.00]† |" in report["text"]  # from two prompts: marked as rough
+    assert "† bootstrapped from fewer than 10 prompts" in report["text"]
     assert "GSM8K exact match [95% CI]" in build_report(tmp_path / "math", tmp_path / "report_math")["text"]
 
 
