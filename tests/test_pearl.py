@@ -12,7 +12,7 @@ from conftest import tiny_lm
 from test_engine import noisy_copy
 
 from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig
-from specdecpp.core import verify
+from specdecpp.core.verify import verify
 
 
 @pytest.fixture(scope="module")
