@@ -34,7 +34,10 @@ from specdecpp import (
     load_head,
     load_pair,
 )
-from specdecpp.data.prompts import encode_prompt, load_prompts
+try:  # the layout since issue 32; before it, specdecpp.prompts
+    from specdecpp.data.prompts import encode_prompt, load_prompts
+except ImportError:
+    from specdecpp.prompts import encode_prompt, load_prompts
 
 draft_dir, target_dir, head_dir, dtype, n_prompts, tokens = sys.argv[1:7]
 torch.set_num_threads(1)
