@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 def test_import_contracts_are_kept():
     exe = shutil.which("lint-imports")
     if exe is None:
         pytest.fail("lint-imports is missing: pip install -e '.[dev]' installs import-linter")
-    run = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": str(Path(sys.executable).parent)})
+    run = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": str(Path(sys.executable).parent)})
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "0 broken" in run.stdout

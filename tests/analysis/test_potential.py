@@ -12,7 +12,7 @@ from infer import potential as cli
 from specdecpp.analysis import potential as pt
 from specdecpp.analysis.costmodel import Costs, expected_tokens_per_round
 from specdecpp.stopping.head import AcceptanceHead
-from tests.test_train import random_rows, save_dataset
+from tests.helpers.train import random_rows, save_dataset
 
 
 def iid_row(n: int, alpha: float) -> dict:

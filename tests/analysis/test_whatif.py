@@ -62,7 +62,7 @@ def test_whatif_matches_infer_potential_at_gamma_one(tmp_path):
 def test_cli_writes_its_files_adds_the_measured_ratio_and_names_bad_input(tiny_pair, tmp_path):
     import json
 
-    from tests.test_train import random_rows, save_dataset
+    from tests.helpers.train import random_rows, save_dataset
 
     data = save_dataset(tmp_path / "data", {"test": random_rows(8, tiny_pair.vocab, 3, max_len=30)},
                         tiny_pair.draft, 32, tiny_pair.vocab)

@@ -5,7 +5,6 @@ import contextlib
 
 import pytest
 import torch
-from conftest import tiny_lm
 
 from infer import hf_assisted
 from specdecpp import (
@@ -20,6 +19,8 @@ from specdecpp import (
 )
 from specdecpp.core import attention
 from specdecpp.core.attention import SDPA_ENV, decode_attention
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import tiny_lm
 
 FLAGS = ("cudnn_sdp_enabled", "flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled")
 
@@ -135,14 +136,13 @@ def test_profile_rounds_compares_methods_that_do_the_same_work(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     from transformers import LlamaConfig
 
     for name, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
         LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                     num_attention_heads=4, num_key_value_heads=2).to_json_file(tmp_path / f"{name}.json")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_rounds.py"
+    script = REPO / "scripts" / "profile_rounds.py"
     out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--configs",
                           str(tmp_path), "--ks", "1,3", "--new", "6", "--repeats", "1", "--prompt-len", "5",
                           "--phases", "--json", str(tmp_path / "rows.json")],

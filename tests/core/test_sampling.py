@@ -3,10 +3,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from stats import chi_square_pvalue
 
 from specdecpp.core.sampling import SamplingConfig, entropy, sample, warp
 from specdecpp.core.verify import acceptance_ratio, residual, verify
+from tests.helpers.stats import chi_square_pvalue
 
 
 def _logits(v=10, seed=0):

@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import build_tokenizer
 from hydra import compose, initialize_config_dir
 
 from specdecpp.data import prompts as prompts_module
@@ -20,8 +19,9 @@ from specdecpp.data.prompts import (
     encode_prompt,
     load_prompts,
 )
+from tests.helpers.paths import CONF
+from tests.helpers.tiny import build_tokenizer
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 SPLITS = ("train", "dev", "test")
 
 

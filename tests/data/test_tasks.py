@@ -150,12 +150,12 @@ def test_prompt_sources_carry_the_reference(tmp_path, monkeypatch):
 def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_path, monkeypatch):
     """Rows written by infer score every method's output (exact and cascade alike), as recomputed
     from the decoded output; the report's column is their mean."""
-    from test_infer import make_cfg
     from transformers import AutoTokenizer
 
     from infer import app
     from infer.report import build_report
     from infer.results import read_rows
+    from tests.helpers.infer import make_cfg
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     prompts = tmp_path / "math.jsonl"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats import chi_square_pvalue, exact_distribution
 from test_exactness import (  # the registry's pairs and heads (fixtures), reused as they are
     DEVICES,
     PROMPT,
@@ -35,6 +34,7 @@ from specdecpp import (
     StopPolicy,
     TargetOnly,
 )
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
 
 POLICIES = {
     "fixed_k3": lambda h: FixedK(3),

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats import chi_square_pvalue, exact_distribution, sequence_distribution
 from test_exactness import DEVICES, _pair6, on
 
 from specdecpp import SVIP, Cascade, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, warp
 from specdecpp.decoders.cascade import RULES
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sequence_distribution
 
 PROMPT = [0, 1]
 
@@ -190,7 +190,7 @@ def greedy_pi_decoding(draft, target, cascade, prompt, n):
 
 @pytest.fixture(scope="module")
 def pair32():
-    from test_exactness import noisy_copy, tiny_lm
+    from tests.helpers.tiny import noisy_copy, tiny_lm
 
     target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
     return noisy_copy(target, 0.3, seed=6), target
@@ -239,13 +239,12 @@ def test_same_seed_same_output(pair32, mode, device):
 
 # -- in the harness: method=cascade, lossy rows, quality, the report ----------------------------------
 def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tiny_pair, tmp_path):
-    from test_infer import make_cfg
-
     from infer import app
     from infer.report import build_report
     from infer.results import read_rows
     from specdecpp import AcceptanceHead, load_pair
     from specdecpp.analysis.quality import target_quality
+    from tests.helpers.infer import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
@@ -293,9 +292,8 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
 
 
 def test_infer_bad_cascade_settings_are_the_constructors_errors():
-    from test_infer import make_cfg
-
     from infer.methods import resolve_method
+    from tests.helpers.infer import make_cfg
 
     for override, match in (("method.rule=nope", "rule"), ("method.alpha=-1", "alpha"),
                             ("method.stop=other", "stop"), ("method.stop=specdecpp", "method.head"),
@@ -306,11 +304,10 @@ def test_infer_bad_cascade_settings_are_the_constructors_errors():
 
 # -- labels under a cascade (data_gen labels.cascade), and heads trained on them -------------------------
 def test_data_gen_labels_under_a_cascade_equal_an_independent_recomputation(tiny_pair, tmp_path):
-    from test_data_gen import PROMPTS, make_cfg, recompute_row
-
     from data_gen import run
     from specdecpp.data.dataset import load_labelled
     from specdecpp.models.loading import load_model
+    from tests.helpers.data_gen import PROMPTS, make_cfg, recompute_row
 
     prompts_file = tmp_path / "prompts.jsonl"
     import json
@@ -344,9 +341,8 @@ def test_data_gen_labels_under_a_cascade_equal_an_independent_recomputation(tiny
 
 
 def test_data_gen_refuses_cascade_labels_under_greedy_and_bad_rules(tiny_pair, tmp_path):
-    from test_data_gen import make_cfg
-
     from data_gen import run
+    from tests.helpers.data_gen import make_cfg
 
     with pytest.raises(ValueError, match="temperature > 0"):
         run(make_cfg(tiny_pair, tmp_path / "p.jsonl", tmp_path / "a", "labels.cascade={rule: opt, alpha: 0.1}",
@@ -357,10 +353,9 @@ def test_data_gen_refuses_cascade_labels_under_greedy_and_bad_rules(tiny_pair, t
 
 
 def test_infer_refuses_a_head_trained_under_another_rule(tiny_pair, tmp_path):
-    from test_infer import make_cfg
-
     from infer.methods import resolve_method
     from specdecpp import AcceptanceHead
+    from tests.helpers.infer import make_cfg
 
     def head_with(labels, name):
         head = AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft)
@@ -385,9 +380,8 @@ def test_a_head_trained_on_cascade_labels_records_the_rule(tiny_pair, tmp_path):
     """train copies the dataset's labels rule into the head's config, which infer's check reads."""
     import json
 
-    from test_train import base_overrides, random_rows, save_dataset, train_cfg
-
     from specdecpp import load_head
+    from tests.helpers.train import base_overrides, random_rows, save_dataset, train_cfg
     from train import run
 
     data = save_dataset(tmp_path / "data", {"train": random_rows(16, tiny_pair.vocab, 1),

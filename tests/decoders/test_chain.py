@@ -5,8 +5,6 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_lm
-from stats import chi_square_pvalue, exact_distribution
 
 from specdecpp import (
     SVIP,
@@ -17,26 +15,8 @@ from specdecpp import (
     SpeculativeDecoder,
     TargetOnly,
 )
-
-
-def noisy_copy(model, noise: float, seed: int):
-    """A draft that agrees with the target often but not always."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
-    return draft
-
-
-class ConstantHead(AcceptanceHead):
-    """A head predicting the same acceptance logit everywhere."""
-
-    def __init__(self, hidden_size, logit):
-        super().__init__(hidden_size, depth=0)
-        with torch.no_grad():
-            self.out.weight.zero_()
-            self.out.bias.fill_(logit)
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.tiny import ConstantHead, noisy_copy, tiny_lm
 
 
 def policies(hidden):

@@ -15,9 +15,6 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_lm
-from stats import chi_square_pvalue, exact_distribution
-from test_engine import noisy_copy
 
 from specdecpp import (
     SVIP,
@@ -33,6 +30,8 @@ from specdecpp import (
 )
 from specdecpp.core.compat import cache_kwargs
 from specdecpp.core.hooks import new_cache
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.tiny import noisy_copy, tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 

@@ -8,11 +8,10 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_lm
-from test_engine import noisy_copy
 
 from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig
 from specdecpp.core import verify
+from tests.helpers.tiny import noisy_copy, tiny_lm
 
 
 @pytest.fixture(scope="module")
@@ -164,11 +163,10 @@ def test_bad_gamma_is_refused(pair32, gamma):
 
 # -- infer: method=pearl in the harness, its rows and the report ----------------------------------
 def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
-    from test_infer import make_cfg
-
     import infer.app as app
     from infer.report import build_report
     from infer.results import read_rows
+    from tests.helpers.infer import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
@@ -212,9 +210,8 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
                                             ("method.stop=specdecpp", "method.head"), ("method.num_threads=0", "num_threads"),
                                             ("method.switch_interval=-1", "switch_interval")])
 def test_infer_pearl_bad_settings_are_refused(override, match):
-    from test_infer import make_cfg
-
     from infer.methods import resolve_method
+    from tests.helpers.infer import make_cfg
 
     cfg = make_cfg("method=pearl", override)
     with pytest.raises(ValueError, match=match):

@@ -12,9 +12,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_lm
-from stats import chi_square_pvalue
-from test_engine import noisy_copy
 
 from specdecpp import SamplingConfig, SequoiaDecoder, TokenTree
 from specdecpp.analysis.costmodel import Costs
@@ -22,6 +19,8 @@ from specdecpp.analysis.tree_search import TreeDP, choose_tree, draft_widths
 from specdecpp.core.timing import Clock
 from specdecpp.decoders.sequoia import TreeDrafter, TreePlan, gumbel_top_k, reject, score_tree
 from specdecpp.models.runner import ModelRunner
+from tests.helpers.stats import chi_square_pvalue
+from tests.helpers.tiny import noisy_copy, tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 

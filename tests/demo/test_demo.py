@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from safetensors.torch import save_file
 import specdecpp_demo.pair as demo
 from specdecpp.models.loading import load_tokenizer
 from specdecpp_demo import projected
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 def load_script(name: str):
@@ -215,7 +213,7 @@ def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(
     """build_demo_draft train on tiny shards with a tiny target: conversations hold out shard 0,
     prompt answers the val_* shards (no training batch comes from them); a run interrupted after a
     checkpoint resumes and ends with the same weights and history as an uninterrupted one."""
-    from conftest import tiny_lm
+    from tests.helpers.tiny import tiny_lm
 
     build = load_script("build_demo_draft")
     target = tiny_lm(400, 24, 1, seed=2)

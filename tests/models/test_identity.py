@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,8 +23,7 @@ from specdecpp.models.identity import (
     write_identity,
 )
 from specdecpp.models.loading import load_config
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 @pytest.fixture

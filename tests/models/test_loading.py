@@ -3,9 +3,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_tokenizer, tiny_lm
 
 from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, load_pair
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import build_tokenizer, tiny_lm
 
 
 def test_load_pair_from_local_directories(tiny_pair):
@@ -76,7 +77,6 @@ TRANSFORMERS_APIS = {"from_pretrained(dtype=)": "4.56.0", "DynamicCache(config=)
 def test_transformers_lower_bound_covers_the_apis_used(tiny_pair):
     import inspect
     import re
-    from pathlib import Path
 
     import transformers
     from packaging.version import Version
@@ -85,7 +85,7 @@ def test_transformers_lower_bound_covers_the_apis_used(tiny_pair):
     from specdecpp.models.loading import load_model
 
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     (spec,) = [d for d in deps["dependencies"] if re.match(r"transformers\b", d)]
     lower = Version(re.search(r">=\s*([\d.]+)", spec).group(1))
     assert lower >= max(Version(v) for v in TRANSFORMERS_APIS.values()), spec

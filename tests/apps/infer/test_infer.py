@@ -29,17 +29,13 @@ from specdecpp.analysis.costmodel import (
     save_costs,
 )
 from specdecpp.analysis.potential import greedy_oracle
+from tests.helpers.infer import make_cfg
+from tests.helpers.paths import CONF, REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"method", "settings", "tag", "pair", "prompts", "sampling", "seed", "prompt_id", "n_generated",
             "n_target", "n_draft", "n_discarded", "accept_lengths", "candidate_lengths", "draft_time_s",
             "target_time_s", "wall_time_s", "tokens_per_s", "output_ids", "max_new_tokens"}
 MAX_NEW = 6
-
-
-def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("infer", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +295,7 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
     from infer.oracle import Oracle
     from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, TargetOnly
 
-    assert sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")) == sorted(METHODS)
+    assert sorted(p.stem for p in (CONF / "method").glob("*.yaml")) == sorted(METHODS)
     cases = {
         "target_only": ([], TargetOnly, {}),
         "fixed_k": (["method.k=7"], FixedK, {"k": 7}),
@@ -340,7 +336,7 @@ def test_a_bad_method_setting_is_the_constructors_error_on_the_command_line(setu
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "infer", *setup.base, "method=svip", "method.threshold=2", f"out={out}",
            f"hydra.run.dir={tmp_path}/hydra"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "SVIP: threshold must be a number in [0, 1], got 2" in done.stderr, done.stderr[-3000:]
     assert not out.exists()
@@ -387,7 +383,7 @@ def test_multirun_two_thresholds_writes_two_files(setup, tmp_path):
            "method.threshold=0.3,0.9",
            "max_new_tokens=3", "warmup_tokens=0", "prompts.limit=1", f"out={out}",
            f"hydra.sweep.dir={tmp_path}/hydra"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     files = sorted(p.name for p in out.glob("*.jsonl"))
     assert files == ["head_h0.3_min1_max20__t1-k50-p1__s0.jsonl", "head_h0.9_min1_max20__t1-k50-p1__s0.jsonl"]
@@ -605,7 +601,7 @@ def test_data_gen_and_infer_end_responses_on_the_same_eos(setup, two_eos_pair, t
 
     prompts = tmp_path / "sea.jsonl"
     prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n')
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("data_gen", overrides=[
             f"pair.draft={setup.pair.draft}", f"pair.target={two_eos_pair.target}", "pair.device=cpu",
             "prompts=jsonl", f"prompts.path={prompts}", "sampling=greedy", f"out={tmp_path / 'data'}",

@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from specdecpp.data.dataset import FEATURES
 from specdecpp.models.loading import load_model
 from specdecpp.stopping.head import AcceptanceHead
 from specdecpp.training.loss import weighted_bce
@@ -25,46 +24,14 @@ from specdecpp.training.metrics import (
     rejection_auroc,
 )
 from specdecpp.training.mixing import mixed_example, mixed_features, mixing_mask
+from tests.helpers.paths import CONF, REPO
+from tests.helpers.train import COLUMNS, base_overrides, random_rows, save_dataset, train_cfg
 from train import run
 from train.cache import feature_cache
 from train.checks import check_draft_matches, load_dataset_dir
 from train.data import HeadDataModule
 from train.metrics import RejectionAUROC, SoftCalibrationError
 from train.module import AcceptanceHeadModule
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-COLUMNS = ("id", "prompt", "prompt_ids", "target_ids", "draft_ids", "p_acc", "draft_entropy")
-
-
-# -- synthetic datasets in the data_gen format ---------------------------------------------------
-def random_rows(n: int, vocab: int, seed: int, max_len: int = 12) -> dict:
-    """Rows with the DESIGN.md columns: random prompts and responses, draft tokens agreeing with
-    the target 60% of the time (label 1 there), other labels uniform."""
-    rng = np.random.default_rng(seed)
-    rows = {c: [] for c in COLUMNS}
-    for j in range(n):
-        length = int(rng.integers(4, max_len + 1))
-        x = rng.integers(3, vocab, length)
-        y = np.where(rng.random(length) < 0.6, x, rng.integers(3, vocab, length))
-        rows["id"].append(f"{seed}-{j}")
-        rows["prompt"].append(f"prompt {j}")
-        rows["prompt_ids"].append(rng.integers(3, vocab, int(rng.integers(3, 7))).tolist())
-        rows["target_ids"].append(x.tolist())
-        rows["draft_ids"].append(y.tolist())
-        rows["p_acc"].append(np.where(x == y, 1.0, rng.random(length)).astype(np.float32).tolist())
-        rows["draft_entropy"].append(rng.random(length).astype(np.float32).tolist())
-    return rows
-
-
-def save_dataset(directory: Path, splits: dict[str, dict], draft: str, hidden: int, vocab: int) -> Path:
-    DatasetDict({name: Dataset.from_dict(rows, features=FEATURES) for name, rows in splits.items()}
-                ).save_to_disk(str(directory))
-    meta = {"complete": True, "draft": draft, "target": "tiny-target", "draft_hidden_size": hidden, "vocab_size": vocab,
-            "sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0}, "seed": 0,
-            "prompts": {"source": "synthetic", "split": "train"}, "max_new_tokens": 12,
-            "code_version": "test", "created": "2026-01-01T00:00:00"}
-    (directory / "specdecpp_meta.json").write_text(json.dumps(meta))
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +45,6 @@ def tiny_dataset(tiny_pair, tmp_path_factory):
 def draft(tiny_pair):
     return load_model(tiny_pair.draft, "cpu")
 
-
-def train_cfg(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=overrides)
-
-
-def base_overrides(tiny_pair, data: Path, tmp: Path, *extra: str) -> list[str]:
-    return [f"pair.draft={tiny_pair.draft}", "pair.target=unused", "pair.device=cpu", f"data.path={data}",
-            f"data.cache_dir={tmp / 'cache'}", f"out={tmp / 'head'}", "logger=none", "data.batch_size=4", *extra]
 
 
 # -- library math -----------------------------------------------------------------------------------
@@ -583,13 +540,13 @@ def test_ddp_on_two_cpu_processes_trains_the_one_process_head_and_resumes(tiny_d
     reference = run(train_cfg(overrides(tmp_path / "one")))
     command = [sys.executable, "-m", "train", *overrides(
         tmp_path / "ddp", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-        "+callbacks.crash._target_=crash_callback.CrashOnce", "+callbacks.crash.step=5",
+        "+callbacks.crash._target_=tests.helpers.crash_callback.CrashOnce", "+callbacks.crash.step=5",
         f"+callbacks.crash.marker={tmp_path / 'crashed'}", f"hydra.run.dir={tmp_path / 'hydra'}")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{CONF.parent}{os.pathsep}{CONF.parent / 'tests'}"}
-    crashed = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    crashed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert crashed.returncode != 0 and "simulated crash at step 5" in crashed.stderr, crashed.stderr[-3000:]
     assert torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 4
-    resumed = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr + resumed.stdout
 
@@ -864,8 +821,8 @@ def test_command_line(tiny_dataset, tiny_pair, tmp_path):
     command = [sys.executable, "-m", "train", "+experiment=wrej6_d3", f"data.path={tiny_dataset}", f"out={out}",
                "trainer=smoke", "logger=csv", f"data.cache_dir={tmp_path / 'cache'}",
                f"hydra.run.dir={tmp_path / 'hydra'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CONF.parent)}
-    done = subprocess.run(command, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     head = AcceptanceHead.from_pretrained(out)
     assert (head.depth, head.meta["training"]["w_rej"], head.draft) == (3, 6.0, tiny_pair.draft)
