@@ -2,10 +2,12 @@
 (from tests/helpers/tiny.py; tests import helpers from tests/helpers/, never from here).
 
 - ``tiny_models``: a (draft, target) pair over an 8-token vocabulary, for exact enumeration.
-- ``prompts_file``: a jsonl of a few prompts in the train and dev splits (tests/helpers/data_gen.py).
 - ``tiny_pair``: draft and target saved as ordinary HF directories with a shared tokenizer
   (chat template, EOS); hidden sizes differ (draft 32, target 48). Use ``tiny_pair.draft`` and
   ``tiny_pair.target`` as paths wherever a model path is expected.
+- ``prompts_file``: a jsonl of a few prompts in the train and dev splits (tests/helpers/data_gen.py).
+- ``tiny_dataset``, ``draft``: a synthetic labelled dataset of ``tiny_pair`` (tests/helpers/train.py)
+  and its draft loaded, for the training tests.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import types
 import pytest
 import torch
 
+from specdecpp.models.loading import load_model
 from tests.helpers.data_gen import PROMPTS
 from tests.helpers.tiny import build_tokenizer, tiny_lm
+from tests.helpers.train import random_rows, save_dataset
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -57,12 +61,25 @@ def tiny_pair(tmp_path_factory):
                                  draft_hidden=32, target_hidden=48, vocab=vocab, root=root)
 
 
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tiny_pair, tmp_path_factory):
+    """A synthetic labelled dataset of the tiny pair (train 24, dev 8, test 8 rows) in the data_gen format."""
+    splits = {"train": random_rows(24, tiny_pair.vocab, 1), "dev": random_rows(8, tiny_pair.vocab, 2),
+              "test": random_rows(8, tiny_pair.vocab, 3)}
+    return save_dataset(tmp_path_factory.mktemp("tiny_data"), splits, tiny_pair.draft, 32, tiny_pair.vocab)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    """The tiny pair's draft, loaded."""
+    return load_model(tiny_pair.draft, "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

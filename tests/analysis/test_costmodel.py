@@ -1,4 +1,4 @@
-"""specdecpp.analysis.costmodel: Eq. 2.3, the width curve t_target(n), and the one costs.json with its loader."""
+"""specdecpp.analysis.costmodel: the Eq. 2.1 fit, Eq. 2.3, the width curve t_target(n), and the one costs.json with its loader."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from specdecpp.analysis.costmodel import (
     SCHEMA,
     Costs,
     expected_tokens_per_round,
+    fit_cost_model,
     fixed_k_speedup,
     latency_by_width,
     load_costs,
@@ -88,3 +89,24 @@ def test_a_malformed_costs_file_is_named(tmp_path, content, message):
 def test_a_missing_costs_file_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.json.*python -m infer\.costs"):
         load_costs(tmp_path / "nope.json")
+
+
+def test_fit_cost_model_recovers_known_costs():
+    rng = np.random.default_rng(0)
+    n_draft, n_target = rng.integers(0, 400, 60), rng.integers(20, 130, 60)
+    wall = 0.0234 * n_draft + 0.112 * n_target
+    fit = fit_cost_model(n_draft, n_target, wall)
+    assert fit.t_draft == pytest.approx(0.0234, rel=1e-9) and fit.t_target == pytest.approx(0.112, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0) and fit.n_rows == 60
+    noisy = fit_cost_model(n_draft, n_target, wall + rng.normal(0, 0.05, 60))
+    assert noisy.t_draft == pytest.approx(0.0234, rel=0.05) and noisy.t_target == pytest.approx(0.112, rel=0.05)
+    assert 0.98 < noisy.r2 < 1.0
+    with pytest.raises(ValueError, match="proportional"):
+        fit_cost_model([1, 2, 3], [2, 4, 6], [1.0, 2.0, 3.0])
+
+
+def test_eq_2_3_equals_eq_2_1_per_token():
+    t_d, t_t, n, n_draft, n_target = 0.02, 0.1, 100, 180, 40
+    n_discarded = n_draft + n_target - n
+    per_token = (t_d * n_draft + t_t * n_target) / n
+    assert predicted_latency_per_token(t_d, t_t, n_discarded / n, n_target / n) == pytest.approx(per_token)

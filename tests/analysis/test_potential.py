@@ -1,4 +1,5 @@
-"""The stop-potential simulator against closed forms and hand-counted rounds, and its CLI."""
+"""The stop-potential simulator against closed forms and hand-counted rounds, the greedy oracle,
+and its CLI."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from infer import potential as cli
 from specdecpp.analysis import potential as pt
 from specdecpp.analysis.costmodel import Costs, expected_tokens_per_round
+from specdecpp.analysis.potential import greedy_oracle
 from specdecpp.stopping.head import AcceptanceHead
 from tests.helpers.train import random_rows, save_dataset
 
@@ -205,3 +207,16 @@ def test_the_verdict_line_points_to_the_whatif_grid_only_below_its_margin(potent
     md = (tmp_path / "p" / "potential.md").read_text()
     command = f"python -m infer.potential {potential_dataset} --split test --cost-ratio 0.100 --whatif-gammas"
     assert ("verdict:" in md and command in md) == shown
+
+
+def test_greedy_oracle_hand_made():
+    target = [5, 6, 7, 8, 9, 10]
+    draft = [5, 6, 0, 8, 0, 10]  # disagreements at positions 2 and 4
+    s = greedy_oracle(target, draft)
+    # rounds: draft 5 6, target emits 7 | draft 8, target emits 9 | target emits 10 (last token)
+    assert (s.accept_lengths, s.candidate_lengths) == ([2, 1, 0], [2, 1, 0])
+    assert (s.n_generated, s.n_target_calls, s.n_draft_calls, s.n_discarded) == (6, 3, 3, 0)
+    assert greedy_oracle([1, 2, 3], [1, 2, 3]).accept_lengths == [2]
+    assert greedy_oracle([1, 2, 3], [0, 0, 0]).n_target_calls == 3
+    with pytest.raises(ValueError, match="draft predictions"):
+        greedy_oracle([1, 2], [1])

@@ -1,13 +1,11 @@
 """The demo pair: the shipped draft artifact, its materialisation, the distillation and measurement
-scripts; on the real pair (slow): the dequantised target, the draft's acceptance, the demo pipeline."""
+scripts, the shipped reference heads. On the real pair (slow): tests/e2e/test_real_pair.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -302,60 +300,6 @@ def test_distillation_schedule_warm_restart_repeats_the_cycle():
     assert restarted[100:] == second  # the continuation is a fresh warm-up + cosine over its own length
 
 
-# ---------------------------------------------------------------- the real pair (CI fetches the target)
-
-@pytest.fixture(scope="module")
-def real_pair():
-    from specdecpp import load_pair
-
-    return load_pair(str(demo.demo_draft_path()), str(demo.demo_target_path()), device="cpu", dtype="float32")
-
-
-@pytest.mark.slow
-def test_dequantised_target_answers_sensibly(real_pair):
-    _, target, tokenizer = real_pair
-    from specdecpp.data.prompts import encode_prompt
-
-    ids = torch.tensor([encode_prompt(tokenizer, "What is the capital of France? Answer briefly.")])
-    out = target.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
-
-
-@pytest.mark.slow
-def test_demo_draft_acceptance_is_above_a_floor(real_pair):
-    """A few held-out positions; the full measurement is python -m infer.costs (docs/demo.md)."""
-    from infer import costs as measure
-    from specdecpp.data.prompts import encode_prompt, load_prompts
-
-    draft, target, tokenizer = real_pair
-    alphas = []
-    for i, prompt in enumerate(load_prompts("bundled", "test", limit=3)):
-        prompt_ids = encode_prompt(tokenizer, prompt.prompt)
-        ids = measure.sample_response(target, prompt_ids, 48, tokenizer.eos_token_id, seed=i)
-        alphas.append(measure.position_acceptance(draft, target, ids, len(prompt_ids))[0])
-    assert torch.cat(alphas).mean() > 0.25  # docs/demo.md: 0.35 on 20 bundled test prompts
-
-
-@pytest.mark.slow
-def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
-    """make demo's stages on the real pair: data_gen, train, infer for every method, report."""
-    env = {**os.environ, "SPECDECPP_CACHE": str(demo.cache_dir().parent)}
-    sizes = ["DEMO_TRAIN_PROMPTS=4", "DEMO_DEV_PROMPTS=2", "DEMO_LABEL_TOKENS=16", "DEMO_TEST_PROMPTS=2",
-             "DEMO_HUMANEVAL_PROMPTS=1", "DEMO_TOKENS=12", "DEMO_THREADS=1"]
-    for name in ("Makefile", "conf", "specdecpp", "specdecpp_demo", "data_gen", "train", "infer", "demo", "scripts"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    subprocess.run(["make", "--no-print-directory", "demo-report", f"PYTHON={sys.executable}", *sizes],
-                   cwd=tmp_path, env=env, check=True)
-    report = (tmp_path / "reports" / "demo" / "report.md").read_text()
-    for method in ("target_only", "fixed_k", "svip", "specdecpp", "hf_assisted"):
-        assert method in report
-    selection = json.loads((REPO / "demo" / "heads" / "selection.json").read_text())
-    for ref in selection["heads"] + selection["lag_free_heads"]:
-        assert ref["name"] in report  # both kinds' reference heads are compared beside the demo's own head
-    assert (tmp_path / "reports" / "demo" / "potential" / "potential.json").is_file()
-    assert len(list((tmp_path / "reports" / "demo").glob("*.png"))) >= 2
 
 
 def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):

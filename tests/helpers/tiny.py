@@ -4,7 +4,8 @@ tests/conftest.py build their pairs from these).
 - ``tiny_lm(vocab, hidden, layers, seed)`` builds one model in memory.
 - ``build_tokenizer()``: a byte-level BPE tokenizer with a chat template and EOS.
 - ``noisy_copy(model, noise, seed)``: a draft that agrees with the target often but not always.
-- ``ConstantHead(hidden, logit)``: an acceptance head predicting the same logit everywhere.
+- ``ConstantHead(hidden, logit)``, ``ConstantNext(hidden, logit)``: a paper head and a lag-free head
+  predicting the same logit everywhere; ``random_next_head(hidden, depth, seed)``: a seeded lag-free head.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import copy
 
 import torch
 
-from specdecpp import AcceptanceHead
+from specdecpp import AcceptanceHead, NextTokenHead
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -77,3 +78,19 @@ class ConstantHead(AcceptanceHead):
         with torch.no_grad():
             self.out.weight.zero_()
             self.out.bias.fill_(logit)
+
+
+class ConstantNext(NextTokenHead):
+    """A lag-free head predicting the same acceptance logit everywhere."""
+
+    def __init__(self, hidden_size, logit):
+        super().__init__(hidden_size, depth=0)
+        with torch.no_grad():
+            self.out.weight.zero_()
+            self.out.bias.fill_(logit)
+
+
+def random_next_head(hidden: int, depth: int, seed: int) -> NextTokenHead:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return NextTokenHead(hidden, depth)

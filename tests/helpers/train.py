@@ -1,5 +1,5 @@
-"""The train app in tests: synthetic datasets in the data_gen format, and train's Hydra config
-composed from overrides."""
+"""The train app in tests: synthetic datasets in the data_gen format, train's Hydra config
+composed from overrides, and a Lightning module around a fresh head."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from datasets import Dataset, DatasetDict
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp.data.dataset import FEATURES
+from specdecpp.stopping.head import AcceptanceHead
 from tests.helpers.paths import CONF
+from train.module import AcceptanceHeadModule
 
 COLUMNS = ("id", "prompt", "prompt_ids", "target_ids", "draft_ids", "p_acc", "draft_entropy")
 
@@ -57,3 +60,9 @@ def train_cfg(overrides: list[str]):
 def base_overrides(tiny_pair, data: Path, tmp: Path, *extra: str) -> list[str]:
     return [f"pair.draft={tiny_pair.draft}", "pair.target=unused", "pair.device=cpu", f"data.path={data}",
             f"data.cache_dir={tmp / 'cache'}", f"out={tmp / 'head'}", "logger=none", "data.batch_size=4", *extra]
+
+
+def head_module(draft, remix: bool = False, depth: int = 2) -> AcceptanceHeadModule:
+    torch.manual_seed(0)
+    return AcceptanceHeadModule(AcceptanceHead(32, depth), optimizer=torch.optim.Adam, w_rej=6.0,
+                                mix_ratio=0.15, mix_seed=7, remix_each_epoch=remix, draft=draft)

@@ -1,60 +1,36 @@
-"""The lag-free head (kind ``next``): lossless decoding, stopping at K = 1, the features the engine
-hands it equal train's, training, save/load and kind checks, the potential analysis."""
+"""The lag-free head (kind ``next``): lossless decoding, stopping at K = 1, its features (top-m,
+position, optional ones), save/load and kind checks. The features the decoders hand it against
+train's: tests/training/test_engine_features.py; its training: tests/apps/train/test_train_next_head.py;
+the potential analysis: tests/analysis/test_potential_next_head.py."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
 
 from specdecpp import (
     AcceptanceHead,
     NextTokenHead,
-    PEARLDecoder,
     SamplingConfig,
     SpecDecPP,
     SpeculativeDecoder,
     load_head,
-    load_pair,
 )
-from specdecpp.analysis import potential as pt
 from specdecpp.models.loading import load_model
-from specdecpp.stopping.head import ALL_NEXT_FEATURES, NEXT_FEATURES, next_token_features
-from specdecpp.training.mixing import lag_free_features, mixed_features, mixing_mask
-from tests.helpers.paths import CONF
+from specdecpp.stopping.head import NEXT_FEATURES, next_token_features
 from tests.helpers.stats import chi_square_pvalue, exact_distribution
-from tests.helpers.tiny import ConstantHead, noisy_copy, tiny_lm
-from tests.helpers.train import base_overrides, random_rows, save_dataset, train_cfg
-from train import run
-from train.cache import feature_cache
-
-
-class ConstantNext(NextTokenHead):
-    """A lag-free head predicting the same acceptance logit everywhere."""
-
-    def __init__(self, hidden_size, logit):
-        super().__init__(hidden_size, depth=0)
-        with torch.no_grad():
-            self.out.weight.zero_()
-            self.out.bias.fill_(logit)
+from tests.helpers.tiny import ConstantHead, ConstantNext, noisy_copy, random_next_head, tiny_lm
 
 
 @pytest.fixture(scope="module")
 def pair32():
     target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
     return noisy_copy(target, 0.4, seed=6), target
-
-
-def random_next_head(hidden: int, depth: int, seed: int) -> NextTokenHead:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return NextTokenHead(hidden, depth)
 
 
 # -- lossless ---------------------------------------------------------------------------------------
@@ -155,190 +131,6 @@ def test_lag_free_head_stops_where_the_rule_says():
         assert out.stats.candidate_lengths[0] == expected_k == out.stats.accept_lengths[0]
 
 
-@pytest.mark.parametrize("features, top_m", [(NEXT_FEATURES, None), (ALL_NEXT_FEATURES, 5)],
-                         ids=["default", "every-feature"])
-def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, tmp_path, features, top_m):
-    """A spy head records the features the engine builds for every candidate; for each candidate
-    that was committed, train's features of the generated sequence (raw rows, the feature cache
-    and the target context) hold the same vector at the same position. Every feature a head can ask for is covered
-    (``every-feature``: the optional ones too)."""
-    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
-
-    class Spy(NextTokenHead):
-        def __init__(self):
-            super().__init__(32, depth=1, features=features, **({"top_m": top_m} if top_m else {}))
-            self.calls = []
-
-        def score(self, hidden, logits, token, positions=None):
-            feats = self.features_of(hidden, logits, token, positions=positions)
-            self.calls.append((int(token), feats.detach().reshape(-1).clone()))  # one row (a batch of 1)
-            return torch.full(token.shape, 2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
-
-    class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
-            self.head.calls = []
-            self.rounds.append(self.head.calls)
-
-    spy = Spy()
-    policy = Recorder(spy, threshold=0.6, max_candidates=6)
-    policy.rounds = []
-    prompt = [5, 9, 13, 2, 7]
-    out = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=1.0)).generate(
-        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(3))
-    response = out.tokens[0, len(prompt):].tolist()
-    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
-           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
-    spec = spy.feature_spec()
-    (raw,), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=spec)  # every position is a Y-position
-    split = Dataset.from_dict({"prompt_ids": [prompt], "target_ids": [response], "draft_ids": [response],
-                               "p_acc": [[1.0] * len(response)]})
-    cached, _ = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.0, 0, spec=spec,
-                              feature_size=spy.feature_size).row(0)
-    (in_target_context,), _ = mixed_features(draft, [row], ratio=0.15, seed=0, spec={**spec, "context": "target"})
-    width = 2 * 32 + 3 + (top_m + 1 if top_m else 0)  # every feature: topm (top_m) and position (1) too
-    assert raw.shape == cached.shape == in_target_context.shape == (len(response), width) and spy.feature_size == width
-
-    checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
-    for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
-        for k, (token, feats) in enumerate(calls, start=1):
-            if k > accepted:
-                continue  # a rejected candidate: not in the final sequence
-            j = n + k - 1 - len(prompt)  # the response index of y_k
-            assert response[j] == token
-            torch.testing.assert_close(feats, raw[j], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(feats, cached[j], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(feats, in_target_context[j], atol=1e-4, rtol=1e-4)  # data.feature_context=target
-            checked["k=1" if k == 1 else "k>=2"] += 1
-        n += accepted + 1
-    assert n == out.tokens.shape[1] and checked["k=1"] >= 5 and checked["k>=2"] >= 5, checked
-
-
-@pytest.mark.parametrize("fill", [False, True], ids=["per-row", "fill"])
-def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, monkeypatch, fill):
-    """generate_batch scores every row's candidates at once: each row's committed candidates get the
-    features train computes from that row's output, the position feature included (each row at its
-    own index in its own response, rows leaving the batch as they finish)."""
-    import specdecpp.decoders.batch as batch_mod
-
-    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
-    features = ALL_NEXT_FEATURES
-
-    class Spy(NextTokenHead):
-        def __init__(self):
-            super().__init__(32, depth=1, features=features, top_m=5)
-
-        def score(self, hidden, logits, token, positions=None):
-            feats = self.features_of(hidden, logits, token, positions=positions)
-            self.round.append((self.k, self.active.clone(), token.clone(), feats.detach().clone()))
-            return torch.full(token.shape, 2.0)
-
-    live = {}
-    original = batch_mod.BatchDrafter.block
-
-    def block(self, seqs, counts, gens):
-        live["seqs"] = list(seqs)  # which prompts the round's rows are, and their committed response lengths
-        live["starts"] = [s.n - s.prompt_len for s in seqs]
-        return original(self, seqs, counts, gens)
-
-    monkeypatch.setattr(batch_mod.BatchDrafter, "block", block)
-
-    class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
-            self.head.round = []
-            self.rounds.append((live["seqs"], live["starts"], self.head.round))
-
-        def stop_rows(self, k, logits, hidden, tokens, active):
-            self.head.k, self.head.active = k, active
-            return super().stop_rows(k, logits, hidden, tokens, active)
-
-    spy = Spy()
-    policy = Recorder(spy, threshold=0.6, max_candidates=6)
-    policy.rounds = []
-    prompts = [[5, 9, 13, 2, 7], [3, 1], [8, 8, 4, 6, 10, 12, 1], [2, 11, 7]]
-    gens = [torch.Generator().manual_seed(10 + j) for j in range(len(prompts))]
-    outs = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=1.0)).generate_batch(
-        [torch.tensor(p) for p in prompts], max_new_tokens=30, generators=gens, batch_size=3,
-        fill=fill)
-    responses = {tuple(p): o.tokens[0, len(p):].tolist() for p, o in zip(prompts, outs, strict=True)}
-    spec = spy.feature_spec()
-    train_features = {}
-    for p, resp in responses.items():
-        row = {"row": 0, "prompt_ids": torch.tensor(p), "target_ids": torch.tensor(resp),
-               "draft_ids": torch.tensor(resp), "p_acc": torch.ones(len(resp))}
-        (train_features[p],), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=spec)
-    checked = 0
-    for seqs, starts, calls in policy.rounds:
-        for b, s in enumerate(seqs):
-            p = tuple(s.tokens[: s.prompt_len].tolist())
-            resp = responses[p]
-            for k, active, tokens, feats in calls:  # k = 1, 2, ...: y_k of every row
-                if not active[b]:
-                    break  # the row stopped drafting (fill: it drafts on, but the test reads the policy's rows)
-                j = starts[b] + k - 1  # y_k's index in the row's response
-                if j >= len(resp) or resp[j] != int(tokens[b]):
-                    break  # rejected (a rejected candidate never equals what replaces it): the rest is discarded
-                torch.testing.assert_close(feats[b], train_features[p][j], atol=1e-4, rtol=1e-4)
-                checked += 1
-    assert checked >= 20, checked
-
-
-def test_pearl_hands_the_lag_free_head_the_features_train_computes(tiny_pair):
-    """PEARL drafts its next block while the target verifies, from a start that already holds the
-    pending drafts: its candidates' features, the position included, equal train's at their index."""
-    draft, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
-
-    class Spy(NextTokenHead):
-        def __init__(self):
-            super().__init__(32, depth=1, features=ALL_NEXT_FEATURES, top_m=5)
-
-        def score(self, hidden, logits, token, positions=None):
-            feats = self.features_of(hidden, logits, token, positions=positions)
-            self.round.append((int(token), feats.detach().reshape(-1).clone()))
-            return torch.full(token.shape, 2.0)
-
-    class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
-            self.head.round = []
-            self.rounds.append((self.generated, self.head.round))
-
-    policy = Recorder(Spy(), threshold=0.6, max_candidates=6)
-    policy.rounds = []
-    prompt = [5, 9, 13, 2, 7]
-    out = PEARLDecoder(draft, target, 3, SamplingConfig(temperature=1.0), policy=policy).generate(
-        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(4))
-    response = out.tokens[0, len(prompt):].tolist()
-    row = {"row": 0, "prompt_ids": torch.tensor(prompt), "target_ids": torch.tensor(response),
-           "draft_ids": torch.tensor(response), "p_acc": torch.ones(len(response))}
-    (train_features,), _ = mixed_features(draft, [row], ratio=0.0, seed=0, spec=policy.head.feature_spec())
-    checked = 0
-    for generated, calls in policy.rounds:
-        for k, (token, feats) in enumerate(calls, start=1):
-            j = generated + k - 1
-            if j >= len(response) or response[j] != token:
-                break  # rejected: this candidate and the rest of its block were discarded
-            torch.testing.assert_close(feats, train_features[j], atol=1e-4, rtol=1e-4)
-            checked += 1
-    assert checked >= 10, checked
-
-
-def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
-    """lag_free_features recomputes q from the hidden state by the output layer: it must equal the
-    q of the draft's own forward at the same position."""
-    draft = load_model(tiny_pair.draft, "cpu")
-    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 4]])
-    with torch.no_grad():
-        out = draft(ids, output_hidden_states=True)
-    hidden, tokens = out.hidden_states[-1][0, :-1], ids[0, 1:]
-    spec = NextTokenHead(32).feature_spec()
-    expected = next_token_features(hidden, out.logits[0, :-1], tokens, draft.get_input_embeddings(), 1.0)
-    torch.testing.assert_close(lag_free_features(draft, hidden, tokens, spec), expected)
-    q = torch.softmax(out.logits[0, :-1], -1).gather(-1, tokens[:, None])
-    torch.testing.assert_close(expected[:, 64:65], q)  # hidden (32) + embedding (32), then prob
-
-
 def test_topm_feature_is_the_sorted_top_probabilities_of_q():
     """``topm``: the m largest probabilities of softmax(logits / T), largest first, recomputed
     here with numpy from the logits."""
@@ -431,176 +223,3 @@ def test_save_load_round_trip_and_kind_checks(tmp_path, tiny_pair):
         head(torch.randn(2, 32))
 
 
-# -- training -----------------------------------------------------------------------------------------
-def test_train_head_next_learns_labels_that_depend_on_q(tiny_pair, tmp_path):
-    """``head=next``: labels P_i = sigmoid(3 z(log q(Y_i | Z_<i))) under the fixed mixing, which the
-    lag-free head sees as a feature and the paper's head (state at Y_i) does not; the trained head
-    ranks them well and saves its kind."""
-    draft = load_model(tiny_pair.draft, "cpu")
-    splits = {"train": random_rows(48, tiny_pair.vocab, 21), "dev": random_rows(16, tiny_pair.vocab, 22)}
-    spec = NextTokenHead(32).feature_spec()
-    for rows in splits.values():
-        batch = [{"row": j, **{c: torch.tensor(rows[c][j]) for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
-                 for j in range(len(rows["id"]))]
-        feats, _ = mixed_features(draft, batch, 0.15, 0, 0, spec)
-        logq = torch.cat(feats)[:, 65]  # hidden (32), embedding (32), prob, logprob, entropy
-        mean, std = logq.mean(), logq.std()
-        for j, f in enumerate(feats):
-            keep = (~mixing_mask(len(rows["target_ids"][j]), 0.15, 0, 0, j)).nonzero().squeeze(-1)
-            labels = torch.tensor(rows["p_acc"][j])
-            labels[keep] = torch.sigmoid(3.0 * (f[:, 65] - mean) / std)
-            rows["p_acc"][j] = labels.tolist()
-    data = save_dataset(tmp_path / "data", splits, tiny_pair.draft, 32, tiny_pair.vocab)
-    cfg = train_cfg([*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"),
-                     "head=next", "+experiment=wrej1_d1", "trainer.max_epochs=20", "data.batch_size=8",
-                     "optimizer.lr=0.01"])
-    assert cfg.experiment_name == "next_wrej1_d1"
-    result = run(cfg)
-    assert result["metrics"]["dev"]["AUROC"] > 0.8, result["metrics"]["dev"]
-    assert result["metrics"]["dev"]["KL"] < 0.5 * result["metrics"]["dev"]["KL_const"]
-    head = load_head(cfg.out)
-    assert isinstance(head, NextTokenHead) and head.depth == 1 and head.temperature == 1.0
-    assert json.loads((Path(cfg.out) / "config.json").read_text())["training"]["head_kind"] == "next"
-
-
-def test_target_context_features_are_the_states_that_drew_each_candidate(tiny_pair, tmp_path):
-    """``data.feature_context=target``: position i's feature comes from the draft's own forward
-    over x, X_<i (recomputed here one prefix at a time) and the candidate Y_i, every position
-    carries a loss, raw and cached features agree, and the paper's head is refused."""
-    draft = load_model(tiny_pair.draft, "cpu")
-    rows = random_rows(3, tiny_pair.vocab, 5)
-    batch = [{"row": j, **{c: torch.tensor(rows[c][j]) for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}}
-             for j in range(3)]
-    spec = {**NextTokenHead(32, features=ALL_NEXT_FEATURES, top_m=4).feature_spec(), "context": "target"}
-    feats, labels = mixed_features(draft, batch, 0.15, 0, 0, spec)
-    emb = draft.get_input_embeddings()
-    for r, f, lab in zip(batch, feats, labels, strict=True):
-        n = len(r["target_ids"])
-        assert f.shape[0] == n and torch.equal(lab, r["p_acc"].float())
-        for i in range(n):
-            ids = torch.cat([r["prompt_ids"], r["target_ids"][:i]])[None]
-            with torch.no_grad():
-                out = draft(ids, output_hidden_states=True)
-            expected = next_token_features(out.hidden_states[-1][0, -1], out.logits[0, -1], r["draft_ids"][i], emb,
-                                           1.0, ALL_NEXT_FEATURES, top_m=4, positions=torch.tensor(i))
-            torch.testing.assert_close(f[i], expected, atol=1e-4, rtol=1e-4)
-    split = Dataset.from_dict({c: rows[c] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")})
-    cache = feature_cache(split, "train", draft, tiny_pair.draft, tmp_path, 0.15, 0, spec=spec,
-                          feature_size=f.shape[1])
-    for j in range(3):
-        cached, cached_labels = cache.row(j)
-        torch.testing.assert_close(cached, feats[j], atol=1e-5, rtol=1e-5)
-        assert torch.equal(cached_labels, labels[j])
-    with pytest.raises(ValueError, match="feature_context=target needs the lag-free head"):
-        mixed_features(draft, batch, 0.15, 0, 0, {"kind": "resnet", "context": "target"})
-    with pytest.raises(ValueError, match="feature_context must be one of"):
-        mixed_features(draft, batch, 0.15, 0, 0, {**spec, "context": "nonsense"})
-
-
-def test_train_in_the_target_context_records_it_and_refuses_the_paper_head(tiny_pair, tmp_path):
-    draft = load_model(tiny_pair.draft, "cpu")
-    splits = {"train": random_rows(24, tiny_pair.vocab, 31), "dev": random_rows(8, tiny_pair.vocab, 32)}
-    data = save_dataset(tmp_path / "data", splits, tiny_pair.draft, 32, tiny_pair.vocab)
-    common = [*base_overrides(tiny_pair, data, tmp_path, "callbacks=none", "trainer=cpu"), "trainer.max_epochs=1",
-              "data.feature_context=target"]
-    with pytest.raises(ValueError, match="needs the lag-free head"):
-        run(train_cfg([*common, "+experiment=wrej1_d1"]))
-    result = run(train_cfg([*common, "head=next", "+experiment=wrej1_d1"]))
-    config = json.loads((Path(result["out"]) / "config.json").read_text())
-    assert config["training"]["feature_context"] == "target"
-    n_tokens = sum(len(t) for t in splits["dev"]["target_ids"])
-    assert result["metrics"]["dev"]["positions"] == n_tokens  # every position, not only the mixing's Y-positions
-    del draft
-
-
-# -- the potential analysis -----------------------------------------------------------------------------
-def test_potential_scores_lag_free_heads_in_the_target_context(tiny_pair, tmp_path):
-    """``infer.potential --head-context target``: a lag-free head's P_hat at position i is the head
-    applied to the features of the draft's forward over x, X_<i (recomputed prefix by prefix)."""
-    from infer.potential import heads_predictions
-
-    draft = load_model(tiny_pair.draft, "cpu")
-    head = random_next_head(32, 1, seed=4)
-    head.save_pretrained(tmp_path / "h")
-    rows = random_rows(2, tiny_pair.vocab, 9)
-    raw = [{"row": j, **{c: rows[c][j] for c in ("prompt_ids", "target_ids", "draft_ids", "p_acc")}} for j in range(2)]
-    (preds,) = heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="target")
-    head.attach(draft)
-    for r, p in zip(raw, preds, strict=True):
-        for i in range(len(r["target_ids"])):
-            with torch.no_grad():
-                out = draft(torch.tensor([r["prompt_ids"] + r["target_ids"][:i]]), output_hidden_states=True)
-                expected = torch.sigmoid(head.score(out.hidden_states[-1][0, -1], out.logits[0, -1],
-                                                    torch.tensor(r["draft_ids"][i])))
-            assert abs(p[i] - float(expected)) < 1e-4
-    with pytest.raises(ValueError, match="head-context"):
-        heads_predictions([str(tmp_path / "h")], raw, {"draft": tiny_pair.draft}, context="elsewhere")
-
-
-
-def test_potential_head_rule_with_lag_zero_is_the_lag_free_rule():
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(6):
-        p = rng.random(40)
-        rows.append({"p_acc": p, "draft_entropy": rng.random(40), "pred:free": p.copy(), "pred:paper": p.copy()})
-    pols = [pt.informed_lag_free(0.4), pt.head_rule("free", 0.4, lag=0), pt.informed(0.4), pt.head_rule("paper", 0.4)]
-    res = pt.simulate(rows, pols, seeds=range(3))
-    records = pt.summarise(res, pols, pt.Costs.from_ratio(0.1), n_boot=50)
-    vals = [(r["verification_rate"], r["discard_rate"]) for r in records]
-    assert vals[0] == pytest.approx(vals[1]) and vals[2] == pytest.approx(vals[3])
-    assert vals[0][0] != pytest.approx(vals[2][0])  # the lag changes the rounds
-
-
-# -- infer: both kinds side by side ---------------------------------------------------------------------
-def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
-    """``infer.sweep`` with a paper head and a lag-free head: greedy output equal to target-only for
-    both, rows record the kind, the lag-free head's rounds may have one candidate, the report names
-    both."""
-    from hydra import compose, initialize_config_dir
-
-    from infer import sweep
-    from infer.report import build_report
-    from infer.results import read_rows
-
-    conf = CONF
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
-                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
-    AcceptanceHead(32, 1, draft=tiny_pair.draft).save_pretrained(tmp_path / "paper")
-    ConstantNext(32, -20.0).save_pretrained(tmp_path / "free")  # forced low: one candidate per round
-    cfg_file = tmp_path / "free" / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["draft"] = tiny_pair.draft
-    cfg_file.write_text(json.dumps(cfg))
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("infer", overrides=[
-            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
-            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=0", "progress=false", "sampling=greedy",
-            f"out={tmp_path}/res/${{method.name}}", "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
-            "~comparison.fixed_k", "~comparison.specdecpp",
-            f"+comparison.specdecpp=[{{head:{tmp_path / 'paper'},threshold:0.5}},{{head:{tmp_path / 'free'},threshold:0.5}}]"])
-    summaries = sweep.run(cfg)
-    rows = {s["method"] + ":" + Path(s["path"]).name: read_rows(Path(s["path"])) for s in summaries}
-    reference = next(r for k, r in rows.items() if k.startswith("target_only"))
-    kinds = {}
-    for key, rs in rows.items():
-        assert [r["output_ids"] for r in rs] == [r["output_ids"] for r in reference], key
-        if key.startswith("specdecpp"):
-            kinds[rs[0]["settings"]["head_kind"]] = rs
-    assert set(kinds) == {"resnet", "next"}
-    assert all(set(r["candidate_lengths"][:-1]) <= {1} for r in kinds["next"])
-    assert any(max(r["candidate_lengths"]) >= 2 for r in kinds["resnet"])
-    build_report(tmp_path / "res", tmp_path / "report")
-    text = (tmp_path / "report" / "report.md").read_text()
-    assert "free_h0.5" in text and "paper_h0.5" in text
-
-
-def test_potential_tells_heads_of_the_same_name_apart(tmp_path):
-    from infer.potential import head_labels
-
-    a, b, c = tmp_path / "x" / "next_wrej1_d1", tmp_path / "y" / "next_wrej1_d1", tmp_path / "y" / "wrej1_d0"
-    assert head_labels([a, b, c]) == ["x/next_wrej1_d1", "y/next_wrej1_d1", "wrej1_d0"]
-    assert head_labels([c]) == ["wrej1_d0"]
-    with pytest.raises(ValueError, match="twice"):
-        head_labels([a, a])

