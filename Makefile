@@ -1,5 +1,6 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
-# make test: the test suite.
+# make test: the tests not marked slow, and how long they took (a few minutes on 2 cores).
+# make test-full: every test, slow ones included (CLIs in subprocesses, DDP, the real pair), the 20 slowest listed; CI runs it.
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
 #   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
@@ -38,7 +39,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
-.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
+.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
 	bench-cascade cascade-head
 
@@ -216,4 +217,9 @@ reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on 
 	$(PYTHON) scripts/build_reference_heads.py
 
 test: install
-	$(PYTHON) -m pytest
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest -m "not slow" || status=$$?; \
+		echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+test-full: install
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest --durations=20 || status=$$?; \
+		echo "make test-full: $$(( $$(date +%s) - start )) s"; exit $$status
