@@ -233,6 +233,7 @@ def test_jsonl_without_splits_is_one_train_split(tiny_pair, tmp_path):
     assert result.rows == {"train": 2}
 
 
+@pytest.mark.slow
 def test_command_line(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run([sys.executable, "-m", "data_gen", f"pair.draft={tiny_pair.draft}",
@@ -262,6 +263,7 @@ def cli_args(tiny_pair, prompts_file, out):
             "max_new_tokens=8", "shard_size=2", "batch_size=2", "progress=false", "num_threads=1"]
 
 
+@pytest.mark.slow
 def test_two_joblib_workers_produce_the_dataset_of_one_process(tiny_pair, prompts_file, baseline, tmp_path):
     """One command, two parallel workers (Hydra's joblib launcher); the last one consolidates."""
     out = tmp_path / "joblib"

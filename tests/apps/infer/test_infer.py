@@ -327,6 +327,7 @@ def test_every_method_config_instantiates_its_class_with_its_settings(setup):
     assert isinstance(pearl.policy, SVIP) and pearl.policy.threshold == 0.6
 
 
+@pytest.mark.slow
 def test_a_bad_method_setting_is_the_constructors_error_on_the_command_line(setup, tmp_path):
     """`python -m infer method=svip method.threshold=2`: the run stops before any model loads with
     the constructor's message, naming the setting; no result file is written."""
@@ -374,6 +375,7 @@ def test_interleaved_sweep_equals_the_sequential_one_and_runs_prompt_by_prompt(s
     assert [s["rows"] for s in again] == [s["rows"] for s in inter]  # resumed: nothing redone
 
 
+@pytest.mark.slow
 def test_multirun_two_thresholds_writes_two_files(setup, tmp_path):
     out = tmp_path / "multirun"
     cmd = [sys.executable, "-m", "infer", "-m", *setup.base, "method=specdecpp", f"method.head={setup.head}",

@@ -126,6 +126,7 @@ def test_ranks_share_every_global_batch_once_even_when_smaller_than_the_world(ti
     assert float(loss.detach()) == 0.0 and loss.requires_grad and logits.shape == labels.shape == (0,)
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_trains_the_one_process_head_and_resumes(tiny_dataset, tiny_pair, tmp_path):
     """trainer=ddp with 2 CPU processes (gloo): the run crashes at step 5 (checkpoint at step 4),
     the same command resumes it; the saved head and its metrics equal those of one process

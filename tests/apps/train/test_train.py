@@ -254,6 +254,7 @@ def test_learning_rate_schedule_is_warmup_then_cosine(draft):
     assert [module.lr_factor(s) for s in range(101)] == pytest.approx([reference(s) for s in range(101)])
 
 
+@pytest.mark.slow
 def test_command_line(tiny_dataset, tiny_pair, tmp_path):
     """`python -m train +experiment=wrej6_d3 data.path=DIR out=DIR` as written in the docs (no pair.*: the
     draft comes from the dataset's meta)."""
