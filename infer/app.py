@@ -20,12 +20,13 @@ from specdecpp import StopPolicy
 from specdecpp.analysis.quality import target_quality
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
-from specdecpp.data.tasks import score_output
+from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.models.reduced_vocab import output_vocab_size
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
+from .tags import result_path
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,7 @@ class Job:
     profile: bool = False
     batch_size: int = 1
     batch_fill: bool = False
-
-
-def sampling_tag(s: SamplingConfig) -> str:
-    return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
-
-
-def result_path(out_dir, spec: MethodSpec, sampling: SamplingConfig, seed: int, batch_size: int = 1,
-                batch_fill: bool = False) -> Path:
-    tag = spec.tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
-    return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"
+    allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -102,6 +94,8 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     batch_fill = cfg.get("batch_fill", False)
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
+    allow_code_execution = cfg.get("allow_code_execution", False)
+    code_execution_allowed(allow_code_execution)  # a bad value or a bad SPECDECPP_ALLOW_CODE_EXECUTION fails here
     p = cfg.prompts
     prompts = load_prompts(p.source, split=p.get("split"), limit=p.get("limit"), path=p.get("path"))
     run_keys = {
@@ -111,7 +105,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         **({"batch_fill": True} if batch_fill else {}),  # absent when false: older result files resume
     }
-    path = result_path(cfg.out, spec, sampling, seed, batch_size, batch_fill)
+    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}
@@ -120,7 +114,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
-               batch_size=batch_size, batch_fill=batch_fill)
+               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution)
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -136,10 +130,10 @@ def load_models(pair: dict):
 
 
 def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> dict:
-    """The output's task score (specdecpp.data.tasks, untimed): HumanEval pass@1 by execution, GSM8K
-    exact match; ``task`` None for prompts without a task."""
+    """The output's task score (specdecpp.data.tasks, untimed): HumanEval pass@1 by execution (only
+    where allowed, confined), GSM8K exact match; ``task`` None for prompts without a task."""
     text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text)
+    return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text, job.allow_code_execution)
 
 
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,

@@ -29,11 +29,12 @@ import torch
 from specdecpp.core.attention import decode_attention
 from specdecpp.core.hooks import GatherKeptLogits
 from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.timing import Clock
 from specdecpp.decoders.rounds import RunStats
 from specdecpp.models.loading import token_set
 from specdecpp.stopping.policies import check_count, check_threshold
 
-from .timing import Clock, ForwardMeter
+from .meters import ForwardMeter
 
 # Logits processors a checkpoint's generation_config.json could switch on (transformers fills
 # every unset key from it): set to their no-op values, so HF samples from the same warped

@@ -18,7 +18,6 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,11 +42,19 @@ from specdecpp import (
 from specdecpp.analysis.costmodel import load_costs
 from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.timing import Clock
 from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
-from specdecpp.models.identity import same_model
+from specdecpp.models.fit import (
+    check_draft_fit,
+    check_labels_fit,
+    check_sampling_fit,
+    config_hidden_size,
+)
 
+from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
-from .timing import Clock, ForwardMeter
+from .meters import ForwardMeter
+from .tags import method_tag
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
 LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
@@ -107,99 +114,25 @@ def head_fingerprint(head: AcceptanceHead) -> str:
     return digest.hexdigest()[:12]
 
 
-def _num(x: float) -> str:
-    return f"{x:g}"
-
-
-def draft_hidden_size(draft_ref: str) -> int | None:
-    """The draft's hidden size from its config alone (no weights are loaded)."""
+def load_checked_head(m, draft_ref: str, sampling: SamplingConfig, cascade: dict | None = None) -> AcceptanceHead:
+    """Load the head of ``method.head`` and check it fits the draft (from its config alone: no
+    weights load), the sampling and the verification rule (``cascade``, None: exact) before the
+    models load (``specdecpp.models.fit``; ``method.allow_*_mismatch`` accept a mismatch)."""
     from specdecpp.models.loading import load_config
 
-    config = load_config(draft_ref)
-    size = getattr(config, "hidden_size", None)
-    return size if size is not None else getattr(config.get_text_config(), "hidden_size", None)
-
-
-def load_checked_head(m, draft_ref: str) -> AcceptanceHead:
-    """Load the head of ``method.head`` and check it fits the draft, before the models load."""
     head_path = m.get("head")
     if not head_path:
         raise ValueError(f"method {m.get('name')}: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
     head = load_head(str(head_path))
-    size = draft_hidden_size(draft_ref)
-    if size != head.hidden_size:
-        raise ValueError(f"method.head {str(head_path)!r} has hidden_size {head.hidden_size} (trained on "
-                         f"draft {head.draft!r}) but draft {draft_ref!r} has hidden_size {size}: "
-                         "train a head for this draft or use the draft the head was trained on")
-    if head.draft and not same_model(str(head.draft), str(draft_ref)) and not m.get("allow_draft_mismatch", False):
-        raise ValueError(f"method.head {str(head_path)!r} was trained on draft {head.draft!r}, but "
-                         f"pair.draft is {draft_ref!r}. Use the matching draft, or pass "
-                         "method.allow_draft_mismatch=true if they are the same model under two names")
+    artifact = f"method.head {str(head_path)!r}"
+    check_draft_fit(artifact, "head", head.draft, head.hidden_size, draft_ref, config_hidden_size(load_config(draft_ref)),
+                    "method.allow_draft_mismatch", bool(m.get("allow_draft_mismatch", False)))
+    check_sampling_fit(artifact, head.dataset_meta.get("sampling"), sampling, "method.allow_sampling_mismatch",
+                       bool(m.get("allow_sampling_mismatch", False)))
+    check_labels_fit(artifact, (head.dataset_meta.get("labels") or {}).get("cascade"), cascade,
+                     "method.allow_label_mismatch", bool(m.get("allow_label_mismatch", False)))
     return head
-
-
-def check_head_sampling(head: AcceptanceHead, head_path: str, sampling: SamplingConfig, allow: bool) -> None:
-    """A head's labels min(1, p/q) were computed under its dataset's sampling (temperature, top-k,
-    top-p warp both p and q): refuse to use it under another setting unless allowed."""
-    recorded = ((head.meta.get("training") or {}).get("dataset_meta") or {}).get("sampling")
-    if not recorded or allow:
-        return
-    trained = SamplingConfig.from_mapping(recorded)
-    if trained.greedy and sampling.greedy:
-        return
-    differ = [f"{k}: {getattr(trained, k)!r} in training, {getattr(sampling, k)!r} now"
-              for k in ("temperature", "top_k", "top_p") if getattr(trained, k) != getattr(sampling, k)]
-    if differ:
-        raise ValueError(f"method.head {head_path!r} was trained on labels sampled under another setting "
-                         f"({'; '.join(differ)}); its acceptance predictions do not hold here. Decode with the "
-                         "head's setting (sampling=...), train a head on data generated under this one, or pass "
-                         "method.allow_sampling_mismatch=true to use it anyway")
-
-
-def check_head_labels(head: AcceptanceHead, head_path: str, cascade: dict | None, allow: bool) -> None:
-    """A head learns the acceptance of the rule its labels were made under (exact min(1, p/q), or a
-    cascade's min(1, pi/q), data_gen's ``labels.cascade``): refuse it under another rule unless
-    allowed (an exact-label head stops too early under a lenient cascade)."""
-    meta = (head.meta.get("training") or {}).get("dataset_meta") or {}
-    trained = (meta.get("labels") or {}).get("cascade")
-    if allow or trained == cascade:
-        return
-    def describe(c):
-        return "exact min(1, p/q)" if c is None else f"cascade {c['rule']} alpha={c['alpha']:g}"
-    raise ValueError(f"method.head {head_path!r} was trained on labels of {describe(trained)}, but this "
-                     f"method verifies with {describe(cascade)}; train a head on data_gen labels of this "
-                     "rule (labels.cascade=...), or pass method.allow_label_mismatch=true to use it anyway")
-
-
-def _tag(name: str, s: dict, m) -> str:
-    """The file-name tag of a method's settings (results/<...>/<tag>__<sampling>__s<seed>.jsonl)."""
-    if name == "target_only":
-        return "base"
-    if name == "fixed_k":
-        return f"k{s['k']}"
-    if name == "svip":
-        return f"h{_num(s['threshold'])}_c{_num(s['c'])}_max{s['max_candidates']}"
-    if name == "specdecpp":
-        head_name = Path(str(m.get("head")).rstrip("/")).name
-        return f"{head_name}_h{_num(s['threshold'])}_min{s['min_candidates']}_max{s['max_candidates']}"
-    if name == "hf_assisted":
-        tag = f"{s['mode']}_n{s['num_assistant_tokens']}"
-        return tag + (f"_c{_num(s['confidence_threshold'])}" if s["mode"] == "confidence" else "")
-    if name == "cascade":
-        policy = s["policy"]
-        stop = {"fixed_k": lambda: f"k{policy['k']}", "svip": lambda: f"svip_h{_num(policy['threshold'])}",
-                "specdecpp": lambda: f"{Path(str(m.get('head')).rstrip('/')).name}_h{_num(policy['threshold'])}"}
-        return f"{s['rule']}_a{_num(s['alpha'])}_{stop[s['stop']]()}"
-    if name == "pearl":
-        tag = f"g{s['gamma']}" + (f"_svip_h{_num(s['threshold'])}_c{_num(s['c'])}" if s["stop"] == "svip" else "")
-        if s["stop"] == "specdecpp":
-            tag += f"_{Path(str(m.get('head')).rstrip('/')).name}_h{_num(s['threshold'])}"
-        return tag + (f"_t{s['num_threads']}" if s["num_threads"] != 1 else "")
-    if name == "sequoia":
-        digest = hashlib.sha256(json.dumps(s["parents"]).encode()).hexdigest()[:8]
-        return f"n{s['tree_size']}_d{s['tree_depth']}_{digest}"
-    return name
 
 
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
@@ -209,17 +142,15 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     m = method_config(name, m)
     objects, head, settings = {}, None, {}
     if name == "specdecpp" or (name in ("pearl", "cascade") and m.get("stop") == "specdecpp"):
-        head = load_checked_head(m, draft_ref)
-        check_head_sampling(head, str(m.get("head")), sampling, bool(m.get("allow_sampling_mismatch", False)))
-        check_head_labels(head, str(m.get("head")), {"rule": m.get("rule"), "alpha": m.get("alpha")}
-                          if name == "cascade" else None, bool(m.get("allow_label_mismatch", False)))
+        head = load_checked_head(m, draft_ref, sampling,
+                                 {"rule": m.get("rule"), "alpha": m.get("alpha")} if name == "cascade" else None)
         objects["head"] = head
         settings = {"head": str(m.get("head")), "head_sha": head_fingerprint(head)}
     method = instantiate_method(m, **objects)
     if hasattr(method, "check_sampling"):
         method.check_sampling(sampling)
     settings.update(method.settings())
-    return MethodSpec(name, settings, _tag(name, settings, m), head, method)
+    return MethodSpec(name, settings, method_tag(name, settings, getattr(method, "tag_keys", None)), head, method)
 
 
 class PEARLMethod:
@@ -229,6 +160,7 @@ class PEARLMethod:
     policy checks its own settings."""
 
     STOPS = (None, "svip", "specdecpp")
+    tag_keys = ("gamma", "stop", "head", "threshold", "c", "num_threads")  # infer.tags: g4_svip_h0.5_c0.15_t2
 
     def __init__(self, gamma: int | str = "auto", stop: str | None = None, threshold: float = 0.5, c: float = 0.15,
                  num_threads: int | None = 1, switch_interval: float | None = 1e-4,
@@ -274,12 +206,7 @@ class SequoiaMethod:
                 raise ValueError("sequoia: set method.tree (a tree JSON file or a list of parents), or both "
                                  "method.acceptance (python -m infer.sequoia measure) and method.costs (python -m "
                                  "infer.costs --max-width 64) for the DP to choose one")
-            from .sequoia import load_acceptance
-
-            try:
-                p = load_acceptance(Path(acceptance))["acceptance"]
-            except SystemExit as exc:
-                raise ValueError(str(exc)) from None
+            p = load_acceptance(acceptance)["acceptance"]
             self.tree, _ = choose_tree(p, load_costs(costs), list(sizes) if sizes else None, max_depth)
             self.source = f"dp({acceptance}, {costs})"
 
@@ -298,6 +225,7 @@ class CascadeMethod:
 
     STOPS = ("fixed_k", "svip", "specdecpp")
     lossy = True
+    tag_keys = ("rule", "alpha", "stop", "policy.k", "head", "policy.threshold")  # infer.tags: opt_a0.1_svip_h0.5
 
     def __init__(self, rule: str = "opt", alpha: float = 0.1, stop: str = "fixed_k", k: int = 4,
                  threshold: float = 0.5, c: float = 0.15, max_candidates: int = 20,

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from specdecpp.analysis.costmodel import Costs, load_costs
+from specdecpp.data.tasks import ALLOW_ENV
 
 from .plots import pareto_plot, quality_plot, throughput_plot
 from .results import read_result_dir
@@ -24,6 +25,12 @@ COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq
 
 
 TASK_LABELS = {"humaneval": "HumanEval pass@1", "gsm8k": "GSM8K exact match"}
+# An interval bootstrapped from fewer prompts (batches: generate_batch calls) is marked with a dagger:
+# 3-6 values resampled give a rough interval.
+FEW_PROMPTS = 10
+FEW_MARK = "†"
+LEGEND = 'Columns and tags: docs/infer.md, "Report columns".'
+FEW_NOTE = f"{FEW_MARK} bootstrapped from fewer than {FEW_PROMPTS} prompts (or batch calls): a rough interval."
 
 
 def group_task(group: dict) -> str | None:
@@ -32,11 +39,33 @@ def group_task(group: dict) -> str | None:
     return tasks.pop() if len(tasks) == 1 else None
 
 
+def _few(ci, n: int) -> bool:
+    """An interval bootstrapped from fewer than FEW_PROMPTS prompts (or batch calls)."""
+    return bool(ci) and n < FEW_PROMPTS
+
+
+def _interval(ci, n: int, digits: int = 2) -> str:
+    """``[lo, hi]``, marked when bootstrapped from few values (:func:`_few`); '' for none."""
+    if not ci:
+        return ""
+    return f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" + (FEW_MARK if _few(ci, n) else "")
+
+
 def _task_cell(e: dict) -> str:
     if e.get("task_score") is None:
-        return "-"
-    ci = e.get("task_score_ci95")
-    return f"{e['task_score']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        return "not run" if e.get("task_unscored") else "-"
+    ci = _interval(e.get("task_score_ci95"), e.get("task_n", 0))
+    return f"{e['task_score']:.3f}" + (f" {ci}" if ci else "")
+
+
+def unscored_line(group: dict, results_dir) -> str:
+    """How to score rows whose task score is null (model-written code not allowed to run), or ''."""
+    n = sum(e.get("task_unscored") or 0 for e in group["entries"])
+    if not n:
+        return ""
+    return (f"{TASK_LABELS.get(group_task(group), 'Task score')}: not run for {n} rows: model-written code runs only "
+            f"when allowed. To score them, each check confined (docs/infer.md, 'Running model-written code'): "
+            f"`{ALLOW_ENV}=1 python -m infer.rescore {results_dir} --unscored`, then this report again.")
 
 
 def _f(x, digits: int = 2, suffix: str = "") -> str:
@@ -50,10 +79,9 @@ def group_table(group: dict) -> str:
     for e in group["entries"]:
         speedup = (_f(e["speedup"], suffix="x") if e["timed"]
                    else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
-        ci = e.get("speedup_ci95")
         lines.append("| " + " | ".join([
             e["method"] + (" (LOSSY)" if e.get("lossy") else ""), e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
-            f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-",
+            _interval(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)) or "-",
             _f(e["speedup_predicted"], suffix="x"), _f(e.get("speedup_width_predicted"), suffix="x"),
             _f(e["measured_over_predicted"]),
             _f(None if e["outside_forward_share"] is None else 100 * e["outside_forward_share"], 1, "%"),
@@ -87,15 +115,14 @@ def baseline_lines(group: dict) -> str:
             ci = v["ci95"]
             verdict = ("" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1
                        else " (not told apart)")
-            cells.append(f"{v['ratio']:.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            cells.append(f"{v['ratio']:.3f}x" + (f" {_interval(ci, v.get('ci_n', 0), 3)}" if ci else "")
                          + f" over {method} {v['tag']}{verdict}")
         if cells and e["method"] not in ("fixed_k", "svip"):
             lines.append(f"- {e['method']} {e['tag'] if e['settings'] else '-'}: " + "; ".join(cells))
     if not lines:
         return ""
-    return ("Against the fastest fixed K and the fastest SVIP in this table (tokens/s ratio, 95% bootstrap "
-            "interval over the same resampled prompts; the fastest setting is picked on these prompts, which "
-            "favours the baseline):\n\n" + "\n".join(lines))
+    return "Against the fastest fixed K and SVIP of this table (tokens/s ratio, paired 95% interval):\n\n" + \
+        "\n".join(lines)
 
 
 def fit_line(group: dict) -> str:
@@ -111,6 +138,14 @@ def fit_line(group: dict) -> str:
                  "explain the measured times (on a CPU a verification of several tokens costs more than one), "
                  "so the Eq. 2.3 columns are rough; trust the measured tokens/s and the width-dependent column.")
     return line
+
+
+def legend_line(group: dict) -> str:
+    """The one line under a group's table (the definitions are in docs/infer.md)."""
+    few = any(_few(ci, n) for e in group["entries"] for ci, n in
+              [(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)), (e.get("task_score_ci95"), e.get("task_n", 0)),
+               *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values())])
+    return LEGEND + (f" {FEW_NOTE}" if few else "")
 
 
 def _slug(*parts: str) -> str:
@@ -144,7 +179,10 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         sections += [
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
             f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
+            legend_line(g) + "\n",
         ]
+        if unscored_line(g, results_dir):
+            sections.append(unscored_line(g, results_dir) + "\n")
         if baseline_lines(g):
             sections.append(baseline_lines(g) + "\n")
         if tree_lines(g):
@@ -153,35 +191,6 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
             sections.append("No oracle rows: add them with `python -m infer method=oracle sampling=greedy` "
                             "and the same pair, prompts and out.\n")
         sections += [f"![{p.stem}]({p.name})\n" for p in pngs]
-    sections.append(
-        "Settings are the result-file tags (k4: K=4; h0.7: threshold 0.7; c: SVIP's c; min/max: "
-        "candidate bounds; n: num_assistant_tokens). tokens/s = total generated tokens / total wall "
-        "time; speedup over target_only in the same table, with a 95% bootstrap interval over prompts "
-        "(the same resampled prompts for both; batches, tag _b<B>: over generate_batch calls, which share "
-        "their wall time; +fill: rows that stopped drafted on while another row drafted); Eq. 2.3 speedup: 1 / (t_draft + "
-        "t_draft*discard + (t_target - t_draft)*verification) with the fitted costs, over target_only's; "
-        "Eq. 2.3 speedup, t_target(n): the same with a verification of K candidates costing the measured "
-        "t_target(K + 1) (`--costs`, from `python -m infer.costs --costs-out`); for batches, per round "
-        "K_max t_draft(B) + t_target(B, K_max + 1) with the curves `python -m infer.costs --batch-sizes` "
-        "measures (K_max: the round's longest row; absent without them); measured/Eq. 2.3 "
-        "< 1: slower than our engine's fitted per-forward costs predict for these counts; outside "
-        "forwards = share of wall time not spent in the two models' forward passes (timed by hooks: "
-        "the decoding loop's own overhead: sampling, verification, cache bookkeeping, Python); both busy "
-        "(PEARL, tag g<gamma>: its draft block length, gauto = Theorem 1) = share of wall time the draft and "
-        "the target computed at once (Eq. 2.3 does not apply to it: its models run concurrently); Sequoia "
-        "(tag n<size>_d<depth>: its token tree, root included): the t_target(n) column prices each round "
-        "at t_target(nodes + 1) plus the draft's measured t_draft(m) for each level of m nodes, and "
-        "constant-cost Eq. 2.3 does not apply (its discard rate counts every unaccepted node); mean "
-        "accepted = accepted candidates per round; discard rate = N_discarded / N; verification "
-        "rate = N_target / N (rates pooled over prompts). The oracle (greedy only) is counted, not "
-        "timed: its speedup is Eq. 2.3's. (LOSSY) marks a speculative cascade: its output does not follow "
-        "the target's distribution, so its speed is only comparable at its quality: target log-lik/token = "
-        "mean log-probability of the output under the target's warped distribution (greedy: its raw "
-        "softmax), greedy match = share of output tokens equal to the target's argmax at their position "
-        "(specdecpp/analysis/quality.py); the exact methods' values are the reference. Task scores (specdecpp/data/tasks.py, "
-        "every method): HumanEval pass@1 = share of problems whose output passes the problem's tests when "
-        "executed (one sample each), GSM8K exact match = share of outputs whose last number is the reference "
-        "answer; with a 95% bootstrap interval over prompts.\n")
     report = "\n".join(sections)
     (out / "report.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")

@@ -34,28 +34,24 @@ from tqdm import tqdm
 
 from specdecpp import SamplingConfig, SequoiaDecoder, TokenTree, load_pair
 from specdecpp.analysis.costmodel import load_costs
-from specdecpp.analysis.tree_search import check_acceptance, choose_tree
+from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.data.prompts import encode_prompt, load_prompts
 from specdecpp.models.loading import dtype_name, eos_token_ids
 
-from .app import sampling_tag
-from .costs import pair_config
-
-SCHEMA = "specdecpp.acceptance/1"
+from .acceptance import SCHEMA, load_acceptance
+from .pairs import command_pair
+from .tags import sampling_tag
 
 
 def decode(args, tree: TokenTree, split: str):
-    """Decode ``args.limit`` prompts of each source's ``split`` with ``tree``; yields RunStats."""
-    pair = {} if args.draft and args.target else pair_config(args.pair)
-    device = args.device or pair.get("device") or "cpu"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    draft, target, tokenizer = load_pair(args.draft or pair["draft"], args.target or pair["target"], device=device,
-                                         dtype=args.dtype or pair.get("dtype") or "fast")
+    """Decode ``args.limit`` prompts of each source's ``split`` with ``tree`` on ``args.models`` (the
+    pair, :func:`infer.pairs.command_pair`); yields RunStats."""
+    pair = args.models
+    draft, target, tokenizer = load_pair(pair["draft"], pair["target"], device=pair["device"], dtype=pair["dtype"])
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     decoder = SequoiaDecoder(draft, target, tree, sampling)
     eos = eos_token_ids(tokenizer, target)
-    meta = {"draft": str(args.draft or pair["draft"]), "target": str(args.target or pair["target"]),
+    meta = {"draft": pair["draft"], "target": pair["target"],
             "device": str(target.device), "dtype": dtype_name(target.dtype), "threads": torch.get_num_threads(),
             "sampling": sampling.to_dict(), "split": split, "sources": args.sources, "limit": args.limit,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed}
@@ -82,19 +78,6 @@ def measure(args) -> dict:
             "counts": counts, **meta, "measured_by": "python -m infer.sequoia measure"}
 
 
-def load_acceptance(path: Path) -> dict:
-    if not path.is_file():
-        raise SystemExit(f"acceptance file {str(path)!r} not found (python -m infer.sequoia measure --out FILE)")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA!r}")
-        check_acceptance(data["acceptance"])
-    except (ValueError, KeyError, AttributeError) as exc:
-        raise SystemExit(f"acceptance file {str(path)!r}: {exc}") from None
-    return data
-
-
 def candidates_table(table) -> str:
     best = {}
     for c in table:  # best first: keep the first of each size
@@ -107,8 +90,8 @@ def candidates_table(table) -> str:
 
 
 def tree(args) -> None:
-    acc = load_acceptance(args.acceptance)
     try:
+        acc = load_acceptance(args.acceptance)
         costs = load_costs(args.costs)
         chosen, table = choose_tree(acc["acceptance"], costs, args.sizes, args.max_depth)
     except (ValueError, FileNotFoundError) as exc:
@@ -180,12 +163,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "measure" and args.width < 1:
         parser.error("--width must be >= 1")
+    try:
+        args.models = command_pair(args.pair, args.draft, args.target, args.device, args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(args.threads)
     if args.command == "measure":
         result = measure(args)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"acceptance vector over {result['rounds']} rounds ({sampling_tag(SamplingConfig(**result['sampling']))}): "
+        print(f"acceptance vector over {result['rounds']} rounds ({sampling_tag(SamplingConfig.from_mapping(result['sampling']))}): "
               + ", ".join(f"p{k + 1}={x:.3f}" for k, x in enumerate(result["acceptance"]))
               + f"; none {result['none']:.3f}\nwritten to {args.out}")
     else:

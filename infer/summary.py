@@ -102,13 +102,17 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
 
 def task_summary(rows: list[dict]) -> dict:
     """The mean task score over prompts (HumanEval: pass@1 with one sample per problem; GSM8K: exact
-    match) with a 95% bootstrap interval over prompts; None where the rows have no task."""
+    match) with a 95% bootstrap interval over prompts; None where the rows have no task.
+    ``task_unscored``: rows with a task but no score (HumanEval where code execution was not allowed)."""
     tasks = sorted({r.get("task") for r in rows} - {None})
     if len(tasks) > 1:
         raise ValueError(f"rows of {rows[0]['method']} {rows[0]['tag']} mix task scores {tasks} in one group")
     scores = np.array([r["task_score"] for r in rows if r.get("task_score") is not None], dtype=float)
-    if not tasks or not len(scores):
+    if not tasks:
         return {"task": None, "task_score": None, "task_score_ci95": None, "task_n": 0}
+    unscored = sum(r.get("task") is not None and r.get("task_score") is None for r in rows)  # code not allowed to run
+    if not len(scores):
+        return {"task": tasks[0], "task_score": None, "task_score_ci95": None, "task_n": 0, "task_unscored": unscored}
     mean = float(scores.mean())
     if len(scores) < 2:
         ci = None
@@ -116,7 +120,8 @@ def task_summary(rows: list[dict]) -> dict:
         ci = (mean, mean)
     else:
         ci = bootstrap_interval(np.mean, scores)
-    return {"task": tasks[0], "task_score": mean, "task_score_ci95": ci, "task_n": len(scores)}
+    return {"task": tasks[0], "task_score": mean, "task_score_ci95": ci, "task_n": len(scores),
+            "task_unscored": unscored}
 
 
 def _mean(values) -> float | None:
@@ -174,12 +179,9 @@ def batch_latency_of(rows: list[dict], costs: Costs) -> float | None:
     return sum(batch_latency(costs, [tuple(r) for r in c["rounds"]]) for c in by_call.values()) / n if n else None
 
 
-def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
-                      level: float = 0.95) -> tuple[float, float] | None:
-    """95% bootstrap interval (``specdecpp.analysis.stats``) of tokens/s(rows) / tokens/s(base_rows) over
-    prompts resampled with replacement, the same prompts for both (pooled: sum of tokens / sum of
-    wall time); None with fewer than two prompts timed in both. Batched rows share their call's
-    time, so there the unit is the call (``batch_id``: the same prompts in both)."""
+def paired_units(rows: list[dict], base_rows: list[dict]) -> list[tuple]:
+    """What :func:`paired_speedup_ci` resamples: (tokens, wall time) of both runs per prompt timed
+    in both, or per ``generate_batch`` call for batched rows (which share their call's time)."""
     if any(r.get("batch_id") is not None for r in rows):
         mine, theirs = calls([r for r in rows if r.get("timed")]), calls([r for r in base_rows if r.get("timed")])
         units = [(mine[c]["tokens"], mine[c]["wall_time_s"], theirs[c]["tokens"], theirs[c]["wall_time_s"])
@@ -189,6 +191,16 @@ def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 100
         base = {r["prompt_id"]: r for r in base_rows if r.get("timed")}
         units = [(by_id[i]["n_generated"], by_id[i]["wall_time_s"], base[i]["n_generated"], base[i]["wall_time_s"])
                  for i in sorted(set(by_id) & set(base))]
+    return units
+
+
+def paired_speedup_ci(rows: list[dict], base_rows: list[dict], n_boot: int = 1000, seed: int = 0,
+                      level: float = 0.95) -> tuple[float, float] | None:
+    """95% bootstrap interval (``specdecpp.analysis.stats``) of tokens/s(rows) / tokens/s(base_rows) over
+    prompts resampled with replacement, the same prompts for both (pooled: sum of tokens / sum of
+    wall time); None with fewer than two prompts timed in both. Batched rows share their call's
+    time, so there the unit is the call (``batch_id``: the same prompts in both)."""
+    units = paired_units(rows, base_rows)
     if len(units) < 2:
         return None
     cols = np.array(units, dtype=float).T
@@ -228,8 +240,9 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                 if e is best or not (e["timed"] and e["tokens_per_s"]) or e["method"] == "target_only" \
                         or batching(e) != layout:
                     continue
+                mine, theirs = by_run[_run_key(e)], by_run[_run_key(best)]
                 e["vs_best"][method] = {"tag": best["tag"], "ratio": e["tokens_per_s"] / best["tokens_per_s"],
-                                        "ci95": paired_speedup_ci(by_run[_run_key(e)], by_run[_run_key(best)])}
+                                        "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
 
 
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
@@ -248,9 +261,11 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     for e in entries:
         e_rows = by_run[_run_key(e)]
         e["speedup"] = e["speedup_predicted"] = e["speedup_ci95"] = e["speedup_width_predicted"] = None
+        e["speedup_ci_n"] = 0  # the prompts (batches: calls) the interval was bootstrapped from
         if base and e["tokens_per_s"] and base["tokens_per_s"]:
             e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
             e["speedup_ci95"] = paired_speedup_ci(e_rows, base_rows)
+            e["speedup_ci_n"] = len(paired_units(e_rows, base_rows))
         if base and e["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
             e["speedup_predicted"] = e["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
         if base_width and e["method"] not in CONCURRENT_METHODS:

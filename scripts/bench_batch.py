@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.costs import batch_times
+from infer.measure import batch_times
 from infer.results import prompt_seed
 from specdecpp import (
     FixedK,

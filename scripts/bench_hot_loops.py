@@ -51,17 +51,10 @@ def decode_speed(draft, target, policy, sampling, device, prompt_len: int, new: 
     return statistics.median(speeds)
 
 
-def crop_to(cache, length: int) -> None:
-    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def draft_step_ms(draft, device, hidden: bool, repeats: int = 30) -> float:
     """One cached single-token draft forward, as the engine makes it (with/without hidden states)."""
     from specdecpp.core.compat import cache_kwargs
-    from specdecpp.core.hooks import new_cache
+    from specdecpp.core.hooks import crop_to, new_cache
     from specdecpp.core.timing import time_forward
 
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(2)).to(device)

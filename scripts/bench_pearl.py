@@ -78,19 +78,12 @@ def build_methods(draft, target, ks, gammas, svip_gamma, svip_threshold, samplin
     return methods
 
 
-def crop_to(cache, length: int) -> None:
-    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: list | None = None,
                   stop: threading.Event | None = None) -> list[float]:
     """Seconds of cached forwards over ``width`` tokens after ``context`` (cropped again each time);
     with ``stop`` it loops until the event is set."""
     from specdecpp.core.compat import cache_kwargs
-    from specdecpp.core.hooks import keep_last, new_cache
+    from specdecpp.core.hooks import crop_to, keep_last, new_cache
     from specdecpp.core.timing import time_forward
 
     cache, times = new_cache(model), out if out is not None else []

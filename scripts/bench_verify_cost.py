@@ -32,16 +32,9 @@ def smollm_shape(seed: int = 0, layers: int = 30):
     return LlamaForCausalLM(cfg).float().eval().requires_grad_(False)
 
 
-def crop_to(cache, length: int) -> None:
-    """Roll a KV cache back to ``length`` tokens (``crop`` takes the number to remove, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 @torch.no_grad()
 def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
-    from specdecpp.core.hooks import new_cache
+    from specdecpp.core.hooks import crop_to, new_cache
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
@@ -52,19 +45,15 @@ def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
     return 1000 * timing.median
 
 
-@torch.no_grad()
-def engine_feed_ms(model, prefix: int, n: int, repeats: int) -> float:
-    """The same call through the engine's runner (``ModelRunner.feed``: what SpeculativeDecoder does)."""
-    from specdecpp.models.runner import ModelRunner
+def engine_feed_ms(model, prefix: int, max_n: int, repeats: int) -> list[float]:
+    """The same calls, n = 1..max_n, through the engine's runner (``ModelRunner.feed``: what
+    SpeculativeDecoder does), timed as decoders' forwards are (``time_cached_forwards``)."""
+    from specdecpp.models.runner import time_cached_forwards
 
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (prefix + n,), generator=torch.Generator().manual_seed(0))
-    runner = ModelRunner(model, vocab, want_hidden=False)
-    runner.feed(ids[:prefix])
-    length = runner.length
-    timing = time_forward(lambda: runner.feed(ids[prefix:], n_logits=n), reset=lambda: runner.rollback(length),
-                          repeats=repeats, warmup=1)
-    return 1000 * timing.median
+    ids = torch.randint(0, model.config.vocab_size, (prefix + max_n,), generator=torch.Generator().manual_seed(0))
+    times = time_cached_forwards({"model": model}, ids[:prefix], ids[prefix:], {"model": range(1, max_n + 1)},
+                                 repeats=repeats, warmup=1)["model"]
+    return [1000 * times[n] for n in range(1, max_n + 1)]
 
 
 @torch.no_grad()
@@ -115,7 +104,7 @@ def main() -> None:
     for name, model in models.items():
         row = [forward_ms(model, args.prefix, n, args.repeats) for n in range(1, args.max_n + 1)]
         print(f"{name:>6} model forward ms, n=1..{args.max_n}: " + " ".join(f"{t:7.2f}" for t in row))
-        row = [engine_feed_ms(model, args.prefix, n, args.repeats) for n in range(1, args.max_n + 1)]
+        row = engine_feed_ms(model, args.prefix, args.max_n, args.repeats)
         print(f"{name:>6} engine feed ms,   n=1..{args.max_n}: " + " ".join(f"{t:7.2f}" for t in row))
         if args.parts:
             for n in range(1, args.max_n + 1):

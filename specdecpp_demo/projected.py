@@ -1,6 +1,6 @@
 """The demo draft's one definition: Llama layers between embeddings ``E @ P_in`` and an output layer
 ``E @ P_out`` (``E`` the target's embedding matrix, frozen; ``P_in``, ``P_out`` learned
-[target width, draft width] projections). scripts/build_demo_draft.py trains it; the shipped
+[target width, draft width] projections). specdecpp_demo/build_draft.py trains it; the shipped
 artifact (``artifact/``) holds only its layers and projections; :meth:`ProjectedDraft.to_causal_lm`
 turns it into the plain ``LlamaForCausalLM`` the rest of the pipeline loads."""
 
@@ -98,7 +98,7 @@ def draft_config(artifact: Path = ARTIFACT_DIR) -> dict:
     path = Path(artifact) / ARTIFACT_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"demo draft artifact {str(path)!r} not found: rebuild it with "
-                                "scripts/build_demo_draft.py, or reinstall specdecpp (the artifact is package data "
+                                "python -m specdecpp_demo.build_draft, or reinstall specdecpp (the artifact is package data "
                                 "of specdecpp_demo)")
     return json.loads(path.read_text())
 

@@ -13,7 +13,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from specdecpp.core.sampling import SamplingConfig
 from specdecpp.data.dataset import dataset_fingerprint
+from specdecpp.models.fit import config_hidden_size
 from specdecpp.models.loading import (
     dtype_name,
     load_config,
@@ -126,7 +128,7 @@ def make_head(head_cfg: DictConfig, hidden_size: int, draft_ref: str, meta: dict
     kind = head_cfg.get("kind", "resnet")
     if kind == "resnet":
         return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref)
-    temperature = float((meta.get("sampling") or {}).get("temperature", 1.0))
+    temperature = SamplingConfig.from_mapping(meta.get("sampling") or {}).temperature
     extra = {"top_m": int(head_cfg.top_m)} if head_cfg.get("top_m") is not None else {}
     return build_head(kind, hidden_size, int(head_cfg.depth), draft=draft_ref,
                       features=tuple(head_cfg.features), temperature=temperature, **extra)
@@ -182,7 +184,7 @@ def run(cfg: DictConfig) -> dict:
     # the weights load only where the draft runs: building a feature cache, or raw batches
     load_draft = functools.cache(lambda: load_model(draft_ref, device=cfg.pair.device, dtype=cfg.pair.dtype))
     draft_config = load_config(draft_ref)
-    hidden_size = int(draft_config.hidden_size)
+    hidden_size = config_hidden_size(draft_config)
     check_draft_matches(meta, draft_ref, hidden_size, str(data.path), data.allow_draft_mismatch)
     vocab = int(draft_config.vocab_size)
     for name in splits:

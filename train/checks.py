@@ -8,7 +8,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 
 from specdecpp.data.dataset import DatasetError, load_labelled
-from specdecpp.models.identity import same_model
+from specdecpp.models.fit import check_draft_fit
 
 
 def check_settings(w_rej: float, w_acc: float, mix_ratio: float, mix_seed: int, depth: int,
@@ -109,14 +109,7 @@ def check_split(split, name: str, path: str, vocab_size: int) -> None:
 
 
 def check_draft_matches(meta: dict, draft_ref: str, hidden_size: int, path: str, allow_mismatch: bool) -> None:
-    """The dataset's labels belong to the draft that made them: refuse another draft unless allowed."""
-    made_with, made_hidden = meta.get("draft"), meta.get("draft_hidden_size")
-    problems = []
-    if made_with is not None and not same_model(made_with, draft_ref):
-        problems.append(f"it was made with draft {made_with!r} but pair.draft is {draft_ref!r}")
-    if made_hidden is not None and int(made_hidden) != hidden_size:
-        problems.append(f"its draft had hidden size {made_hidden} but pair.draft has {hidden_size}")
-    if problems and not allow_mismatch:
-        raise ValueError(f"dataset {path!r} does not match the configured draft: {'; '.join(problems)}. "
-                         "Labels min(1, p/q) depend on the draft: train with the same draft (pair=...), or set "
-                         "data.allow_draft_mismatch=true if it is the same model under another name")
+    """The dataset's labels belong to the draft that made them: refuse another draft
+    (``specdecpp.models.fit``, the check a head gets in infer), another name for it only unless allowed."""
+    check_draft_fit(f"dataset {path!r}", "dataset", meta.get("draft"), meta.get("draft_hidden_size"), draft_ref,
+                    hidden_size, "data.allow_draft_mismatch", allow_mismatch)

@@ -12,7 +12,8 @@ module replays speculative-decoding rounds along each response without running e
   (as the engine caps it at max_new_tokens).
 
 Stop rules are functions ``rule(s, k, ctx) -> bool`` asked after candidate k (1-based) of a round
-that started at s; ``ctx`` holds the row's arrays. Built in:
+that started at s; ``ctx`` holds the row's arrays. Built in, each the decision of a stop policy of
+:mod:`specdecpp.stopping.policies` (with its setting checks) on the labels:
 
 - :func:`fixed_k`: K candidates;
 - :func:`informed`: Algorithm 2 with a perfect head: stop when 1 - prod_{i<k} P_{s+i-1} > h, the
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..stopping.policies import SVIP, FixedK, algorithm2_stops, check_candidates, check_threshold
 from .costmodel import Costs, latency_by_width, speedup_over_target_only
 from .stats import bootstrap_interval
 
@@ -93,52 +95,52 @@ class Policy:
 
 
 def fixed_k(k: int) -> Policy:
-    if k < 1:
-        raise ValueError(f"fixed_k: k must be >= 1, got {k}")
-    return Policy("fixed_k", {"k": k}, lambda s, j, ctx: j >= k, k)
+    """:class:`~specdecpp.stopping.policies.FixedK`: K candidates."""
+    policy = FixedK(k)
+    return Policy(policy.name, policy.settings(), lambda s, j, ctx: policy.should_stop(j, None, None),
+                  policy.max_candidates)
 
 
-def _threshold(name: str, h: float) -> float:
-    if not (0.0 <= float(h) <= 1.0) or math.isnan(h):
-        raise ValueError(f"{name}: threshold must be in [0, 1], got {h!r}")
-    return float(h)
+def _algorithm2(name: str, column: str, threshold: float, min_candidates: int, max_candidates: int,
+                lag: int) -> Policy:
+    """:class:`~specdecpp.stopping.policies.SpecDecPP`'s Algorithm 2 with the head's estimates read
+    from ``ctx[column]``: after candidate k the product covers P_s .. P_{s+k-1-lag}."""
+    h = check_threshold(name, "threshold", threshold)
+    low, high = check_candidates(name, min_candidates, max_candidates)
 
-
-def _algorithm2(column: str, h: float, min_candidates: int, lag: int = 1) -> StopRule:
     def rule(s: int, k: int, ctx: dict) -> bool:
-        if k - lag < 1 or k < min_candidates:  # the product over i <= k - lag is empty
+        if k - lag < 1:  # the product over i <= k - lag is empty: nothing scored yet
             return False
-        return 1.0 - float(np.prod(ctx[column][s : s + k - lag])) > h
-    return rule
+        return algorithm2_stops(float(np.prod(ctx[column][s : s + k - lag])), k, h, low)
+
+    return Policy(name, {"threshold": h}, rule, high)
 
 
 def informed(threshold: float, min_candidates: int = 1, max_candidates: int = 20) -> Policy:
     """Algorithm 2 with a perfect head: it knows every P_i (with the real head's lag)."""
-    h = _threshold("informed", threshold)
-    return Policy("informed", {"threshold": h}, _algorithm2("p_acc", h, min_candidates), max_candidates)
+    return _algorithm2("informed", "p_acc", threshold, min_candidates, max_candidates, lag=1)
 
 
 def informed_lag_free(threshold: float, min_candidates: int = 1, max_candidates: int = 20) -> Policy:
     """A perfect head without the lag: after drafting y_k it already knows P_k (what a head that
     scores y_k from the state right after sampling it could learn), so it may stop at K = 1."""
-    h = _threshold("informed_lag_free", threshold)
-    return Policy("informed_lag_free", {"threshold": h}, _algorithm2("p_acc", h, min_candidates, lag=0), max_candidates)
+    return _algorithm2("informed_lag_free", "p_acc", threshold, min_candidates, max_candidates, lag=0)
 
 
 def head_rule(name: str, threshold: float, min_candidates: int = 1, max_candidates: int = 20,
               lag: int = 1) -> Policy:
     """Algorithm 2 with a trained head's predictions (``ctx['pred:' + name]``); ``lag`` is the
     head's (1: the paper's head, 0: the lag-free head)."""
-    h = _threshold("head", threshold)
-    return Policy(f"head:{name}", {"threshold": h}, _algorithm2("pred:" + name, h, min_candidates, lag=lag),
-                  max_candidates)
+    return _algorithm2(f"head:{name}", "pred:" + name, threshold, min_candidates, max_candidates, lag=lag)
 
 
 def svip(threshold: float, c: float = 0.15, max_candidates: int = 40) -> Policy:
-    """SVIP: stop after the candidate whose draft distribution has sqrt(c * H) > threshold."""
-    h = _threshold("svip", threshold)
-    return Policy("svip", {"threshold": h},
-                  lambda s, k, ctx: math.sqrt(c * float(ctx["draft_entropy"][s + k - 1])) > h, max_candidates)
+    """:class:`~specdecpp.stopping.policies.SVIP`: stop after the candidate whose draft
+    distribution has sqrt(c * H) > threshold, H read from ``ctx['draft_entropy']`` (float64)."""
+    policy = SVIP(threshold, c, max_candidates)
+    c, h = policy.c, policy.threshold
+    return Policy(policy.name, {"threshold": h},
+                  lambda s, k, ctx: math.sqrt(c * float(ctx["draft_entropy"][s + k - 1])) > h, policy.max_candidates)
 
 
 def oracle(max_candidates: int = 10_000) -> Policy:

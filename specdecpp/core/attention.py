@@ -1,5 +1,6 @@
 """The attention kernels a decoder's forwards use on CUDA (not cuDNN's, which builds a plan for
-every new query/key length): :func:`decode_attention`, and :func:`decoding` for a ``generate``."""
+every new query/key length): :func:`decode_attention`, and :func:`decoding` for a ``generate``
+(which also turns autograd off)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ def decode_attention(device) -> contextlib.AbstractContextManager:
 
 
 def decoding(method):
-    """Decorator for a decoder's ``generate``: runs it under :func:`decode_attention` of the
-    decoder's ``self.device``."""
+    """Decorator for a decoder's ``generate``: runs it without autograd and under
+    :func:`decode_attention` of the decoder's ``self.device``."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with decode_attention(self.device):
+        with torch.no_grad(), decode_attention(self.device):
             return method(self, *args, **kwargs)
 
     return run

@@ -1,5 +1,5 @@
 """What a forward pass needs around the model: the logits kept (gathered, not sliced), the final
-hidden state captured by a hook, an empty KV cache."""
+hidden state captured by a hook, an empty KV cache and its rollback."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ def new_cache(model):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)  # transformers >= 4.56 (pyproject.toml)
+
+
+def crop_to(cache, length: int) -> None:
+    """Roll a KV cache back to its first ``length`` tokens (no-op if fewer are cached; ``crop``
+    takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
 
 
 def keep_last(total: int, k: int, device) -> int | torch.Tensor:

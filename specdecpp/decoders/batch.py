@@ -1,9 +1,9 @@
-"""The batch-specific parts of the round core: a KV cache over rows of different lengths and a
-drafter that drafts every still-drafting row in one forward, each row stopping on its own.
-
-``SpeculativeDecoder.generate_batch`` is the chain's loop over these parts and the shared ones of
-:mod:`specdecpp.decoders.rounds` (one :class:`~specdecpp.decoders.rounds.TokenBuffer`, one
-:class:`~specdecpp.decoders.rounds.RunStats` and one generator per row; :class:`~specdecpp.decoders.rounds.ExactRule`
+"""Batch decoding: a KV cache over rows of different lengths (:class:`BatchRunner`), a drafter that
+drafts every still-drafting row in one forward, each row stopping on its own (:class:`BatchDrafter`),
+and the loop over them (:func:`generate_batch`, behind ``SpeculativeDecoder.generate_batch``): rows
+join, draft, verify, commit and retire as named steps of one :class:`BatchRun`, with the shared parts
+of :mod:`specdecpp.decoders.rounds` (one :class:`~specdecpp.decoders.rounds.TokenBuffer`, one
+:class:`~specdecpp.decoders.rounds.RunStats` and one generator per row; the decoder's acceptance rule
 per row; :class:`~specdecpp.core.timing.Clock`).
 
 KV bookkeeping (:class:`BatchRunner`): one transformers cache of shape [B, heads, T, d] and an
@@ -23,7 +23,9 @@ hole while the others draft on).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -33,7 +35,15 @@ from ..core.sampling import SamplingConfig, sample, warp
 from ..core.timing import Clock
 from ..models.runner import HiddenHook
 from ..stopping.policies import StopPolicy
-from .rounds import check_generate_args
+from .rounds import (
+    Candidates,
+    GenerateOutput,
+    RunStats,
+    TokenBuffer,
+    check_generate_args,
+    device_generator,
+    finish,
+)
 
 # Removable hole columns (the cache width beyond the longest row) that trigger a compaction.
 COMPACT_AT = 32
@@ -198,7 +208,8 @@ class BatchBlock:
     unless greedy, ``q[j][b]`` is the row the j-th was sampled from; with ``keep_logits`` (a
     cascade) ``logits[j][b]`` are the draft's raw logits there. ``t0``/``t1`` bracket it.
     ``peeked``: the draft's raw logits [B, V] after every row's last candidate, once
-    :meth:`BatchDrafter.peek` ran for this block (one forward for all rows)."""
+    :meth:`BatchDrafter.peek` ran for this block (one forward for all rows); ``extra_forwards[b]``:
+    1 if row b asked for them (a cascade's bonus token), counted in the row's draft forwards."""
 
     ks: list[int]
     q: list[torch.Tensor]
@@ -206,6 +217,10 @@ class BatchBlock:
     t1: float
     logits: list[torch.Tensor] | None = None
     peeked: torch.Tensor | None = None
+    extra_forwards: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.extra_forwards = [0] * len(self.ks)
 
     def q_rows(self, b: int) -> list[torch.Tensor]:
         return [q[b] for q in self.q[: self.ks[b]]]
@@ -284,10 +299,17 @@ class BatchDrafter:
             drafting = (bounded & active.any() if self.fill else active).tolist()  # the one host read of this step
         return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
 
+    def candidates(self, block: BatchBlock, seqs: list, b: int) -> Candidates:
+        """Row b's candidates as a rule reads them."""
+        s = seqs[b]
+        return Candidates(s.tokens[s.n : s.n + block.ks[b]], block.q_rows(b), block.draft_logits(b),
+                          partial(self.peek, block, seqs, b))
+
     def peek(self, block: BatchBlock, seqs: list, b: int) -> torch.Tensor:
         """Row b's raw draft logits after its last candidate (a cascade's bonus token needs the
         draft's q there). The first call of a block feeds every row its pending tokens in one
         forward (the tokens the next round would feed anyway) and keeps all rows' logits."""
+        block.extra_forwards[b] = 1
         if block.peeked is None:
             runner = self.runner
             chunks = [s.tokens[runner.lengths[r] : s.n + block.ks[r]] for r, s in enumerate(seqs)]
@@ -315,3 +337,119 @@ def check_batch_args(prompts, max_new_tokens, generators, batch_size) -> None:
                          f"{len(generators) if isinstance(generators, (list, tuple)) else type(generators).__name__}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 (None: every prompt at once), got {batch_size!r}")
+
+
+class BatchRun:
+    """One ``generate_batch`` call: every prompt's buffer, generator and stats, the two models'
+    :class:`BatchRunner` (the draft's inside :class:`BatchDrafter`), the prompts waiting for a slot
+    and the rows decoding now (``rows[b]``: the prompt in slot b). Each step of the loop is a method.
+
+    ``decoder``: a :class:`~specdecpp.decoders.chain.SpeculativeDecoder` (its models, vocabulary,
+    device, policy, sampling, acceptance rule and ``profile``)."""
+
+    def __init__(self, decoder, prompts: list[torch.Tensor], max_new_tokens: int, generators, eos_token_id,
+                 batch_size: int | None, fill: bool, return_caches: bool) -> None:
+        self.policy, self.rule, self.return_caches = decoder.policy, decoder.rule, return_caches
+        self.gens = [device_generator(g, decoder.device) for g in (generators or [None] * len(prompts))]
+        self.clock, self.marks = Clock(decoder.device), Clock(decoder.device, sync=decoder.profile)
+        self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device) for p in prompts]
+        self.drafter = BatchDrafter(decoder.draft, decoder.vocab, decoder.policy, decoder.sampling, self.seqs[0].eos,
+                                    self.marks, fill, keep_logits=decoder.rule.lossy)
+        self.target = BatchRunner(decoder.target, decoder.vocab, want_hidden=False)
+        # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
+        self.drafting = decoder.policy.max_candidates > 0 or decoder.rule.lossy
+        self.runners = [self.target, self.drafter.runner] if self.drafting else [self.target]
+        self.stats, self.joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
+        self.outputs: list[GenerateOutput | None] = [None] * len(prompts)
+        self.slots = batch_size or len(prompts)
+        self.queue, self.rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt
+        self.rounds: list[tuple[int, int, int]] = []  # (rows, longest K, draft forwards) per round: costmodel.batch_latency
+
+    @property
+    def live(self) -> list[TokenBuffer]:
+        return [self.seqs[i] for i in self.rows]
+
+    def join_rows(self) -> None:
+        """Waiting prompts take the free slots, their prefixes prefilled in a forward of their own."""
+        new = [self.queue.pop() for _ in range(min(self.slots - len(self.rows), len(self.queue)))]
+        if new:
+            prefixes = [self.seqs[i].tokens[: self.seqs[i].n - 1] for i in new]
+            for runner in self.runners:
+                runner.add_rows(prefixes)
+            self.rows += new
+            for i in new:
+                self.joined[i] = self.clock.now()
+
+    def draft(self) -> BatchBlock:
+        """Every row drafts up to its policy's stop, never past its length limit."""
+        live = self.live
+        return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
+                                  [self.gens[i] for i in self.rows])
+
+    def verify(self, block: BatchBlock) -> tuple[list[tuple[int, int | None]], float]:
+        """One target forward over every row's candidates (p_1..p_{K_b+1} per row), then each row's
+        ``(n_accepted, token)`` from the rule with the row's generator; and when they were known."""
+        live, ks = self.live, block.ks
+        chunks = [s.tokens[self.target.lengths[b] : s.n + k] for b, (s, k) in enumerate(zip(live, ks, strict=True))]
+        logits = self.target.feed(chunks)[0]
+        verdicts = [self.rule(self.drafter.candidates(block, live, b), logits[b, : k + 1], self.gens[i])
+                    for b, (i, k) in enumerate(zip(self.rows, ks, strict=True))]
+        return verdicts, self.marks.now()
+
+    def commit(self, block: BatchBlock, verdicts: list[tuple[int, int | None]], t_verified: float) -> None:
+        """Each row commits its verdict and counts its round; both caches roll back to the commits."""
+        k_max = max(block.ks)
+        self.rounds.append((len(self.rows), k_max, k_max + (block.peeked is not None)))
+        for i, k, (n_acc, token), extra in zip(self.rows, block.ks, verdicts, block.extra_forwards, strict=True):
+            kept = self.seqs[i].commit(n_acc, token)
+            self.stats[i].add_round(k + extra, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
+        for runner in self.runners:
+            runner.rollback([s.n - 1 for s in self.live])
+
+    def retire_finished(self) -> None:
+        """Rows that finished (EOS, length) leave the batch with their output."""
+        done = [b for b, s in enumerate(self.live) if s.finished]
+        if done:
+            now = self.clock.now()
+            for b in done:
+                self.outputs[self.rows[b]] = self.output(b, now)
+            keep = [b for b in range(len(self.rows)) if b not in done]
+            for runner in self.runners:
+                runner.select(keep)
+            self.rows = [self.rows[b] for b in keep]
+
+    def output(self, b: int, now: float) -> GenerateOutput:
+        """Row b's output; its wall time runs from its joining to ``now``."""
+        i = self.rows[b]
+        out = finish(self.stats[i], self.seqs[i], now - self.joined[i], None, None, False)
+        out.batch_size, out.batch_rounds = self.slots, self.rounds
+        if self.return_caches:
+            out.caches = {"draft": self.drafter.runner.row_cache(b) if self.drafting else None,
+                          "target": self.target.row_cache(b)}
+        return out
+
+    def results(self) -> list[GenerateOutput]:
+        if not self.marks.exact:
+            for s in self.stats:
+                s.draft_time_s = s.target_time_s = float("nan")
+        return self.outputs
+
+
+def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 128,
+                   generators: list[torch.Generator | None] | None = None,
+                   eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
+                   return_caches: bool = False, fill: bool = False) -> list[GenerateOutput]:
+    """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
+    says what it returns)."""
+    check_batch_args(prompts, max_new_tokens, generators, batch_size)
+    if not isinstance(fill, bool):
+        raise ValueError(f"fill must be True or False, got {fill!r}")
+    run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches)
+    with run.drafter:
+        while run.queue or run.rows:
+            run.join_rows()
+            block = run.draft()
+            verdicts, t_verified = run.verify(block)
+            run.commit(block, verdicts, t_verified)
+            run.retire_finished()
+    return run.results()

@@ -37,6 +37,7 @@ import torch
 
 from ..core.sampling import SamplingConfig, sample, warp
 from ..core.verify import verify
+from .rounds import Candidates
 
 RULES = ("chow", "diff", "opt", "token_v1", "token_v2", "token_v3")
 
@@ -87,10 +88,10 @@ class Cascade:
 
 
 class CascadeRule:
-    """The acceptance rule of a cascade, with :class:`~specdecpp.decoders.rounds.ExactRule`'s call. It needs
-    what the exact rule does not: the draft's raw logits of the candidates (greedy confidences) and,
-    when every candidate is accepted, the draft's logits at the next position (``peek()``, one more
-    draft forward) for the bonus token's ``pi``."""
+    """The acceptance rule of a cascade, with :class:`~specdecpp.decoders.rounds.ExactRule`'s call. It reads
+    what the exact rule does not of the :class:`~specdecpp.decoders.rounds.Candidates`: the draft's raw
+    logits of the candidates (greedy confidences) and, when every candidate is accepted, the draft's
+    logits at the next position (``peek()``, one more draft forward) for the bonus token's ``pi``."""
 
     lossy = True
 
@@ -109,9 +110,9 @@ class CascadeRule:
                                        torch.softmax(target_logits.float(), -1))
         return self.cascade.target(warp(draft_logits, cfg), warp(target_logits, cfg))
 
-    def __call__(self, tokens: torch.Tensor, q_rows: list, logits: torch.Tensor,
-                 gen: torch.Generator | None, bonus: bool = True, draft_logits: torch.Tensor | None = None,
-                 peek=None) -> tuple[int, int | None]:
+    def __call__(self, drafted: Candidates, logits: torch.Tensor, gen: torch.Generator | None,
+                 bonus: bool = True) -> tuple[int, int | None]:
+        tokens, draft_logits, peek = drafted.tokens, drafted.logits, drafted.peek
         k = tokens.shape[0]
         if not bonus:
             raise ValueError("a cascade verifies with a bonus token (PEARL's bonus-free rounds are not supported)")
@@ -126,7 +127,7 @@ class CascadeRule:
                     return n, int(pi[n].argmax(-1))
             return k, int(self._pi(peek().unsqueeze(0), logits[k : k + 1])[0].argmax(-1))
         if k:
-            q = torch.stack(q_rows)
+            q = torch.stack(drafted.q)
             pi = self.cascade.target(q, warp(logits[:k], self.sampling))
             n, token = verify(tokens, q, pi, gen, bonus=False)
             if token is not None:

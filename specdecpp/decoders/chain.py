@@ -9,20 +9,17 @@ import torch
 
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
-from ..core.timing import Clock
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
 from ..stopping.policies import StopPolicy
-from .batch import BatchDrafter, BatchRunner, check_batch_args
+from .batch import generate_batch
 from .cascade import Cascade, CascadeRule
 from .rounds import (
     Drafter,
     ExactRule,
     GenerateOutput,
     RunStats,
-    TokenBuffer,
     check_pair_devices,
-    device_generator,
     finish,
     start_generate,
 )
@@ -55,14 +52,11 @@ class SpeculativeDecoder:
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
-    @torch.no_grad()
     @decoding
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
-                 generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None,
-                 return_caches: bool = False) -> GenerateOutput:
-        gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
-        seq = TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
+        gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
+                                                self.profile)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
         target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
         t_start = clock.now()
@@ -74,8 +68,7 @@ class SpeculativeDecoder:
                                       generated=n - seq.prompt_len)
                 k = block.k
                 logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
-                n_acc, token = self.rule(seq.tokens[n : n + k], block.q, logits, gen, draft_logits=block.draft_logits,
-                                         peek=lambda b=block, end=n + k: drafter.peek(b, seq.tokens, end))
+                n_acc, token = self.rule(drafter.candidates(block, seq.tokens, n), logits, gen)
                 t_verified = marks.now()
                 kept = seq.commit(n_acc, token)
                 target.rollback(seq.n - 1)
@@ -87,7 +80,6 @@ class SpeculativeDecoder:
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
 
-    @torch.no_grad()
     @decoding
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                        generators: list[torch.Generator | None] | None = None,
@@ -105,74 +97,4 @@ class SpeculativeDecoder:
         ``fill=True``: a row whose policy stopped keeps drafting while another row's policy still
         drafts, since in this layout its hole would be computed anyway (docs/batch.md); the round
         ends when every row's policy has stopped. Exact either way."""
-        check_batch_args(prompts, max_new_tokens, generators, batch_size)
-        if not isinstance(fill, bool):
-            raise ValueError(f"fill must be True or False, got {fill!r}")
-        gens = [device_generator(g, self.device) for g in (generators or [None] * len(prompts))]
-        clock, marks = Clock(self.device), Clock(self.device, sync=self.profile)
-        seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, self.device) for p in prompts]
-        drafter = BatchDrafter(self.draft, self.vocab, self.policy, self.sampling, seqs[0].eos, marks, fill,
-                               keep_logits=self.rule.lossy)
-        # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
-        target = BatchRunner(self.target, self.vocab, want_hidden=False)
-        drafting = self.policy.max_candidates > 0 or self.rule.lossy
-        stats, joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
-        outputs: list[GenerateOutput | None] = [None] * len(prompts)
-        slots = batch_size or len(prompts)
-        queue, rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt; rows: slot -> prompt
-        rounds: list[tuple[int, int, int]] = []  # (rows, longest K, draft forwards) per round: costmodel.batch_latency
-        with drafter:
-            while queue or rows:
-                if queue and len(rows) < slots:  # waiting prompts take the free slots
-                    new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]
-                    prefixes = [seqs[i].tokens[: seqs[i].n - 1] for i in new]
-                    target.add_rows(prefixes)
-                    if drafting:
-                        drafter.runner.add_rows(prefixes)
-                    rows += new
-                    for i in new:
-                        joined[i] = clock.now()
-                live = [seqs[i] for i in rows]
-                block = drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
-                                      [gens[i] for i in rows])
-                logits = target.feed([s.tokens[target.lengths[b] : s.n + k]  # p_1..p_{K_b+1} per row
-                                      for b, (s, k) in enumerate(zip(live, block.ks, strict=True))])[0]
-                peeks = [0] * len(rows)  # draft forwards a cascade's bonus token cost this row (0 or 1)
-
-                def peek(b, block=block, live=live, peeks=peeks):
-                    peeks[b] = 1
-                    return drafter.peek(block, live, b)
-
-                verdicts = [self.rule(s.tokens[s.n : s.n + k], block.q_rows(b), logits[b, : k + 1], gens[i],
-                                      **({"draft_logits": block.draft_logits(b), "peek": lambda b=b: peek(b)}
-                                         if self.rule.lossy else {}))
-                            for b, (i, s, k) in enumerate(zip(rows, live, block.ks, strict=True))]
-                t_verified = marks.now()
-                k_max = max(block.ks)
-                rounds.append((len(rows), k_max, k_max + (block.peeked is not None)))
-                for i, s, k, (n_acc, token), extra in zip(rows, live, block.ks, verdicts, peeks, strict=True):
-                    kept = s.commit(n_acc, token)
-                    stats[i].add_round(k + extra, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
-                target.rollback([s.n - 1 for s in live])
-                if drafting:
-                    drafter.runner.rollback([s.n - 1 for s in live])
-                done = [b for b, s in enumerate(live) if s.finished]
-                if done:
-                    now = clock.now()
-                    for b in done:
-                        i = rows[b]
-                        out = finish(stats[i], seqs[i], now - joined[i], None, None, False)
-                        out.batch_size, out.batch_rounds = slots, rounds
-                        if return_caches:
-                            out.caches = {"draft": drafter.runner.row_cache(b) if drafting else None,
-                                          "target": target.row_cache(b)}
-                        outputs[i] = out
-                    keep = [b for b in range(len(rows)) if b not in done]
-                    target.select(keep)
-                    if drafting:
-                        drafter.runner.select(keep)
-                    rows = [rows[b] for b in keep]
-        if not marks.exact:
-            for s in stats:
-                s.draft_time_s = s.target_time_s = float("nan")
-        return outputs
+        return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill)

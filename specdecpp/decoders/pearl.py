@@ -42,12 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import attention
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
-from ..core.timing import Clock, time_forward
+from ..core.timing import Clock
 from ..models.reduced_vocab import output_vocab_size
-from ..models.runner import ModelRunner
+from ..models.runner import ModelRunner, time_cached_forwards
 from ..stopping.policies import StopPolicy, check_count
 from . import rounds
 from .rounds import GenerateOutput, RunStats, finish
@@ -76,26 +75,17 @@ class PEARLStats(RunStats):
         return self.overlap_time_s / shorter if shorter > 0 else float("nan")
 
 
-def _time_forwards(model, vocab: int, context: torch.Tensor, steps: int) -> float:
-    """Median seconds of a cached one-token forward after ``context`` (``torch.utils.benchmark``,
-    CUDA synchronised; the cache is rolled back untimed between calls)."""
-    runner = ModelRunner(model, vocab, want_hidden=False)
-    runner.feed(context)
-    length = runner.length
-    return time_forward(lambda: runner.feed(context[-1:]), reset=lambda: runner.rollback(length),
-                        repeats=steps, warmup=2).median
-
-
-@torch.no_grad()
 def theorem1_gamma(draft, target, context_len: int = 64, steps: int = 8,
                    max_gamma: int = MAX_AUTO_GAMMA) -> tuple[int, float, float]:
-    """PEARL's Theorem 1: gamma = t_target / t_draft (one cached token each, measured here, on the
-    models' device, alone). Returns ``(gamma, t_draft_s, t_target_s)``; gamma in [1, max_gamma]."""
+    """PEARL's Theorem 1: gamma = t_target / t_draft, each the median seconds of one cached token
+    after ``context_len`` tokens, measured here on the models' device with nothing else running
+    (:func:`~specdecpp.models.runner.time_cached_forwards`: the draft's and the target's calls
+    interleaved).
+    Returns ``(gamma, t_draft_s, t_target_s)``; gamma in [1, max_gamma]."""
     vocab = min(output_vocab_size(draft), output_vocab_size(target))
     context = torch.arange(context_len, device=target.device) % vocab
-    with attention.decode_attention(target.device):  # the kernels generate will use
-        t_draft = _time_forwards(draft, vocab, context, steps)
-        t_target = _time_forwards(target, vocab, context, steps)
+    t = time_cached_forwards({"draft": draft, "target": target}, context, context[-1:], repeats=steps, warmup=2)
+    t_draft, t_target = t["draft"][1], t["target"][1]
     return max(1, min(max_gamma, round(t_target / t_draft))), t_draft, t_target
 
 
@@ -209,12 +199,9 @@ class PEARLDecoder:
             self.costs = {"t_draft_s": t_draft, "t_target_s": t_target}
         return self.gamma
 
-    @torch.no_grad()
     @decoding
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
-                 generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None,
-                 return_caches: bool = False) -> GenerateOutput:
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         rounds.check_generate_args(prompt_ids, max_new_tokens)
         gamma = self.resolve_gamma()
         # two streams of randomness fixed up front: the draft's samples and the verification's
@@ -245,8 +232,8 @@ class PEARLDecoder:
                 block = worker.result() if count else rounds.Block(0, [], t1, t1)
 
                 n_test = m + min(block.k, 1)
-                n_acc, token = self.rule(seq.tokens[n : n + n_test], q_pending + block.q[:1],
-                                         logits[:n_test], verify_gen, bonus=False)
+                tested = rounds.Candidates(seq.tokens[n : n + n_test], q_pending + block.q[:1])
+                n_acc, token = self.rule(tested, logits[:n_test], verify_gen, bonus=False)
                 kept = seq.commit(n_acc, token)
                 stats.n_pre_verify_rounds += m == 0
                 stats.n_post_verify_rounds += m > 0

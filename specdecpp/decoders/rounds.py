@@ -8,8 +8,9 @@ repeats another's bookkeeping:
   :class:`~specdecpp.models.runner.ModelRunner` under a
   :class:`~specdecpp.stopping.policies.StopPolicy`; the policy always gets ``(k, logits, hidden, token)``.
 - :class:`ExactRule`: the acceptance rule, speculative sampling's ``min(1, p/q)`` test with the
-  ``(p - q)+`` residual (:func:`~specdecpp.core.verify.verify`). A lossy rule (a cascade's target
-  ``pi``) or a tree's node-by-node rule is another object with the same call.
+  ``(p - q)+`` residual (:func:`~specdecpp.core.verify.verify`), of the round's
+  :class:`Candidates`. A lossy rule (a cascade's target ``pi``) is another object with the same
+  call; a tree's node-by-node rule has its own (specdecpp/decoders/sequoia.py).
 - :class:`TokenBuffer`: the committed tokens and the drafts after them in one buffer;
   :meth:`TokenBuffer.commit` writes the verified tokens, cuts at EOS and says what was kept.
 - :class:`RunStats` counts a round (:meth:`RunStats.add_round`); :func:`finish` ends a
@@ -23,8 +24,9 @@ Both caches hold every committed token except the newest one, which the next for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -62,6 +64,19 @@ class Block:
     @property
     def draft_logits(self) -> torch.Tensor | None:
         return torch.stack(self.logits) if self.logits else None
+
+
+@dataclass
+class Candidates:
+    """What an acceptance rule tests: the drafted ``tokens`` [K] and, unless greedy, the draft's
+    rows ``q`` [K, V] they were sampled from. What only a lossy rule (a cascade) reads: the draft's
+    raw ``logits`` [K, V] of the candidates (None unless the drafter kept them) and ``peek()``, the
+    draft's raw logits [V] after the last candidate (one more draft forward, made only if called)."""
+
+    tokens: torch.Tensor
+    q: list
+    logits: torch.Tensor | None = None
+    peek: Callable[[], torch.Tensor] | None = None
 
 
 class Drafter:
@@ -114,6 +129,11 @@ class Drafter:
                 break
         return Block(k, q_rows, t0, self.clock.now(), kept_logits)
 
+    def candidates(self, block: Block, seq: torch.Tensor, start: int) -> Candidates:
+        """The block's candidates ``seq[start : start + k]`` as a rule reads them."""
+        end = start + block.k
+        return Candidates(seq[start:end], block.q, block.draft_logits, partial(self.peek, block, seq, end))
+
     def peek(self, block: Block, seq: torch.Tensor, end: int) -> torch.Tensor:
         """The draft's raw logits at position ``end`` (after ``seq[:end]``): one more forward,
         counted in ``block.extra_forwards`` (a cascade's bonus token needs the draft's q there)."""
@@ -126,9 +146,10 @@ class ExactRule:
     q_i(y_i))``, resample a rejection from ``Norm[(p_i - q_i)+]`` (greedy: accept iff ``y_i`` is the
     target's argmax). The output has exactly the target's warped distribution.
 
-    ``__call__(tokens [K], q rows, target logits [K (+1), V], generator, bonus)`` returns
-    ``(n_accepted, next_token)``; another rule (a cascade's lossy target, a tree's node-by-node
-    test) is an object with the same call and its own ``lossy`` flag."""
+    ``__call__(candidates, target logits [K (+1), V], generator, bonus)`` returns
+    ``(n_accepted, next_token)`` (``next_token`` None when every candidate is accepted and
+    ``bonus=False``); another rule (a cascade's lossy target) is an object with the same call and
+    its own ``lossy`` flag (True: the drafter keeps the raw logits a :class:`Candidates` carries)."""
 
     lossy = False
     name = "exact"
@@ -136,15 +157,13 @@ class ExactRule:
     def __init__(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling
 
-    def __call__(self, tokens: torch.Tensor, q_rows: list, logits: torch.Tensor,
-                 gen: torch.Generator | None, bonus: bool = True, draft_logits=None,
-                 peek=None) -> tuple[int, int | None]:
-        """``draft_logits`` and ``peek`` (what a lossy rule may need) are not read here."""
+    def __call__(self, drafted: Candidates, logits: torch.Tensor, gen: torch.Generator | None,
+                 bonus: bool = True) -> tuple[int, int | None]:
         if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
-            return verify(tokens, None, logits, greedy=True, bonus=bonus)
+            return verify(drafted.tokens, None, logits, greedy=True, bonus=bonus)
         p = warp(logits, self.sampling)
-        q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-        return verify(tokens, q, p, gen, bonus=bonus)
+        q = torch.stack(drafted.q) if drafted.q else p.new_zeros((0, p.shape[-1]))
+        return verify(drafted.tokens, q, p, gen, bonus=bonus)
 
 
 class TokenBuffer:
@@ -206,12 +225,14 @@ def device_generator(generator: torch.Generator | None, device: torch.device):
     return torch.Generator(device).manual_seed(seed)
 
 
-def start_generate(prompt_ids, max_new_tokens, generator: torch.Generator | None, device: torch.device,
-                   profile: bool) -> tuple[torch.Generator | None, Clock, Clock]:
+def start_generate(prompt_ids, max_new_tokens, eos_token_id, generator: torch.Generator | None,
+                   device: torch.device, profile: bool) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
     """The opening of a one-generator ``generate``: the argument checks, the generator on the
-    models' device, the call's clock (synchronised) and the round marks (``sync=profile``)."""
+    models' device, the call's clock (synchronised), the round marks (``sync=profile``) and the
+    prompt's :class:`TokenBuffer`."""
     check_generate_args(prompt_ids, max_new_tokens)
-    return device_generator(generator, device), Clock(device), Clock(device, sync=profile)
+    return (device_generator(generator, device), Clock(device), Clock(device, sync=profile),
+            TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device))
 
 
 def check_pair_devices(draft, target) -> torch.device:

@@ -40,7 +40,6 @@ from ..models.runner import ModelRunner
 from .rounds import (
     GenerateOutput,
     RunStats,
-    TokenBuffer,
     check_pair_devices,
     finish,
     start_generate,
@@ -294,14 +293,11 @@ class SequoiaDecoder:
             self._plans[tree.n_nodes] = TreePlan.build(tree, self.device)
         return self._plans[tree.n_nodes]
 
-    @torch.no_grad()
     @decoding
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128,
-                 generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None,
-                 return_caches: bool = False) -> GenerateOutput:
-        gen, clock, marks = start_generate(prompt_ids, max_new_tokens, generator, self.device, self.profile)
-        seq = TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
+        gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
+                                                self.profile)
         draft = ModelRunner(self.draft, self.vocab, want_hidden=False)
         target = ModelRunner(self.target, self.vocab, want_hidden=False)
         drafter = TreeDrafter(draft, self.sampling, marks)

@@ -1,12 +1,18 @@
 """One model and its KV cache: feed tokens, roll back by cropping, compact a tree's accepted path,
-read the final hidden state. Every decoder drives its models through a runner."""
+read the final hidden state. Every decoder drives its models through a runner, so what a decoding
+forward costs is timed through one too (:func:`time_cached_forwards`)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
+
 import torch
 
+from ..core.attention import decode_attention
 from ..core.compat import cache_kwargs
-from ..core.hooks import FinalHidden, keep_last, new_cache
+from ..core.hooks import FinalHidden, crop_to, keep_last, new_cache
+from ..core.timing import time_forwards
+from .reduced_vocab import output_vocab_size
 
 # Token counts a CPU forward is padded to (a multiple of; see ModelRunner.feed). 1 turns padding off.
 CPU_TOKEN_MULTIPLE = 4
@@ -104,9 +110,7 @@ class ModelRunner(HiddenHook):
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached)."""
-        extra = self.length - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        crop_to(self.cache, length)
 
 
 def check_plain_layer(layer) -> None:
@@ -119,3 +123,39 @@ def check_plain_layer(layer) -> None:
     if not plain:
         raise ValueError(f"this model's KV cache has {type(layer).__name__} layers; a token tree needs transformers' "
                          "plain DynamicLayer (no sliding window, no hybrid or indexed layers)")
+
+
+def time_cached_forwards(models: Mapping[Hashable, torch.nn.Module], prefix: torch.Tensor, tail: torch.Tensor,
+                         widths: Mapping[Hashable, Sequence[int]] | None = None, *, repeats: int = 20,
+                         warmup: int = 3) -> dict[Hashable, dict[int, float]]:
+    """Median seconds of one cached forward of n tokens, batch 1, per model: ``tail[:n]`` fed after
+    ``prefix`` (1-D token ids) through the decoders' own call (:meth:`ModelRunner.feed`, which pads
+    2-3 tokens to 4 on a CPU as decoding does), for n = 1 and ``widths[key]``. The cache is rolled
+    back (untimed) after each call; every (model, n) is timed in turn in each step
+    (:func:`~specdecpp.core.timing.time_forwards`: CUDA-synchronised, interleaved so that machine
+    load touches all alike), under the attention kernels decoding uses. Returns ``{key: {n: s}}``."""
+    widths = widths or {}
+    unknown = set(widths) - set(models)
+    if unknown:
+        raise ValueError(f"time_cached_forwards: widths for unknown models {sorted(map(str, unknown))}")
+    if prefix.dim() != 1 or tail.dim() != 1 or prefix.shape[0] == 0:
+        raise ValueError(f"time_cached_forwards: prefix and tail must be 1-D token ids, the prefix not empty; got "
+                         f"{tuple(prefix.shape)} and {tuple(tail.shape)}")
+    widest = max([1, *(n for ns in widths.values() for n in ns)])
+    if widest > tail.shape[0]:
+        raise ValueError(f"time_cached_forwards: a tail of {tail.shape[0]} tokens cannot feed {widest} at once")
+    calls, resets = {}, {}
+    with torch.no_grad():
+        for key, model in models.items():
+            runner = ModelRunner(model, output_vocab_size(model), want_hidden=False)
+            runner.feed(prefix.to(model.device))
+            length, tokens = runner.length, tail.to(model.device)
+            for n in dict.fromkeys([1, *widths.get(key, ())]):
+                calls[(key, n)] = lambda r=runner, t=tokens[:n], n=n: r.feed(t, n_logits=n)
+                resets[(key, n)] = lambda r=runner, length=length: r.rollback(length)
+        with decode_attention(next(iter(models.values())).device):
+            timed = time_forwards(calls, repeats=repeats, warmup=warmup, resets=resets)
+    out: dict[Hashable, dict[int, float]] = {}
+    for (key, n), timing in timed.items():
+        out.setdefault(key, {})[n] = timing.median
+    return out

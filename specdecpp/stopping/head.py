@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.fit import check_draft_fit, config_hidden_size
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -100,13 +102,16 @@ class AcceptanceHead(nn.Module):
         self.to(draft_model.device)
 
     def check_draft(self, draft_model) -> None:
-        """Raise a clear error if ``draft_model`` cannot feed this head."""
-        size = getattr(draft_model.config, "hidden_size", None)
-        if size != self.hidden_size:
-            raise ValueError(
-                f"acceptance head has hidden_size {self.hidden_size} (trained on draft "
-                f"{self.draft or 'unknown'!r}) but the draft model {_model_name(draft_model)!r} has "
-                f"hidden_size {size}: train a head for this draft (python -m train) or load the matching draft")
+        """Raise a clear error if ``draft_model`` cannot feed this head (its hidden size; the draft's
+        name is checked by the apps, which know the configured name: ``specdecpp.models.fit``)."""
+        check_draft_fit("acceptance head", "head", self.draft, self.hidden_size, _model_name(draft_model),
+                        config_hidden_size(draft_model.config), compare_names=False)
+
+    @property
+    def dataset_meta(self) -> dict:
+        """What the head's training data recorded (``training.dataset_meta`` of config.json: its
+        draft, target, sampling and labels), read by the fit checks; empty if not recorded."""
+        return (self.meta.get("training") or {}).get("dataset_meta") or {}
 
     # -- persistence -----------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike, *, training: dict | None = None,

@@ -40,6 +40,22 @@ def check_count(where: str, key: str, value, minimum: int = 1) -> int:
     return value
 
 
+def check_candidates(where: str, min_candidates, max_candidates) -> tuple[int, int]:
+    """Bounds on a round's candidates: integers >= 1, ``min_candidates <= max_candidates``."""
+    low = check_count(where, "min_candidates", min_candidates)
+    high = check_count(where, "max_candidates", max_candidates)
+    if low > high:
+        raise ValueError(f"{where}: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
+    return low, high
+
+
+def algorithm2_stops(p_all_accepted, k: int, threshold: float, min_candidates: int):
+    """SpecDec++'s Algorithm 2: stop after candidate k once the chance that a scored candidate is
+    rejected, 1 - prod P, passes ``threshold``, and k >= ``min_candidates``. For a float (the
+    stop-potential replay, specdecpp/analysis/potential.py) or a tensor of rows (:class:`SpecDecPP`)."""
+    return (1.0 - p_all_accepted > threshold) & (k >= min_candidates)
+
+
 class StopPolicy:
     """Base class. Subclasses set ``max_candidates`` and implement ``should_stop``.
 
@@ -61,16 +77,13 @@ class StopPolicy:
     def bind(self, draft_model, temperature: float) -> None:
         """Called once by the decoder: check compatibility with the draft, move state to its device."""
 
-    def new_round(self) -> None:
-        """Called before the first candidate of each round."""
-
     def begin_round(self, generated=None) -> None:
-        """What a decoder calls before the first candidate of each round: ``generated`` is how many
-        response tokens are committed before it (an int, or a LongTensor [B] for a batch's rows; None
-        from a decoder that does not say), so the round's k-th candidate is the response's token
-        ``generated + k - 1`` (0-based). Stores it as ``self.generated`` and calls ``new_round``."""
+        """What every decoder calls before the first candidate of each round: ``generated`` is how
+        many response tokens are committed before it (an int, or a LongTensor [B] for a batch's rows;
+        None from a decoder that does not say), so the round's k-th candidate is the response's token
+        ``generated + k - 1`` (0-based). Stores it as ``self.generated``; a policy with round state
+        resets it here too and calls ``super().begin_round(generated)``."""
         self.generated = generated
-        self.new_round()
 
     def should_stop(self, k: int, logits: torch.Tensor, hidden: torch.Tensor,
                     token: torch.Tensor | None = None) -> bool:
@@ -178,10 +191,7 @@ class SpecDecPP(StopPolicy):
             raise TypeError(f"SpecDecPP: head must be an AcceptanceHead or NextTokenHead, got {type(head).__name__}")
         self.head = head.eval()
         self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
-        self.min_candidates = check_count("SpecDecPP", "min_candidates", min_candidates)
-        self.max_candidates = check_count("SpecDecPP", "max_candidates", max_candidates)
-        if self.min_candidates > self.max_candidates:
-            raise ValueError(f"SpecDecPP: min_candidates ({min_candidates}) > max_candidates ({max_candidates})")
+        self.min_candidates, self.max_candidates = check_candidates("SpecDecPP", min_candidates, max_candidates)
         self._p_all_accepted: torch.Tensor | None = None  # [B] float64, per row, this round
 
     @property
@@ -197,7 +207,8 @@ class SpecDecPP(StopPolicy):
     def bind(self, draft_model, temperature: float) -> None:
         self.head.attach(draft_model)  # a lag-free head's q features use its training temperature
 
-    def new_round(self) -> None:
+    def begin_round(self, generated=None) -> None:
+        super().begin_round(generated)
         self._p_all_accepted = None
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
@@ -211,7 +222,7 @@ class SpecDecPP(StopPolicy):
         if k > self.head.lag:
             self._p_all_accepted *= torch.sigmoid(self.head.score(hidden, logits, tokens,
                                                                   self._positions(k, tokens))).double()
-        return (1.0 - self._p_all_accepted > self.threshold) & (k >= self.min_candidates)
+        return algorithm2_stops(self._p_all_accepted, k, self.threshold, self.min_candidates)
 
     def _positions(self, k: int, tokens: torch.Tensor) -> torch.Tensor | None:
         """The response index of each row's candidate y_k (the ``position`` feature), else None."""

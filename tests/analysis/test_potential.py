@@ -93,7 +93,7 @@ def test_eq23_speedup_and_width_costs():
     assert pt.speedup_by_width(c, flat) == pytest.approx(pt.speedup_eq23(c, 0.1))
     with pytest.raises(ValueError, match="cost ratio"):
         Costs.from_ratio(1.5)
-    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"informed: threshold must be a number in \[0, 1\]"):
         pt.informed(1.2)
 
 

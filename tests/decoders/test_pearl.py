@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecpp import SVIP, AcceptanceHead, NextTokenHead, PEARLDecoder, SamplingConfig
-from specdecpp.core import verify
+from specdecpp.core.verify import verify
 from tests.helpers.tiny import noisy_copy, tiny_lm
 
 

@@ -3,7 +3,7 @@ scripts, the shipped reference heads. On the real pair (slow): tests/e2e/test_re
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import shutil
 import sys
@@ -19,10 +19,8 @@ from tests.helpers.paths import REPO
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A builder of specdecpp_demo (``python -m specdecpp_demo.<name>``)."""
+    return importlib.import_module(f"specdecpp_demo.{name}")
 
 
 def tiny_projected_draft(build, vocab: int):
@@ -82,7 +80,7 @@ def test_artifact_for_another_target_width_is_refused(tmp_path, fake_target):
 
 
 def test_missing_artifact_names_the_file_and_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match="build_demo_draft.py"):
+    with pytest.raises(FileNotFoundError, match="specdecpp_demo.build_draft"):
         projected.draft_config(tmp_path / "nowhere")
 
 
@@ -148,9 +146,9 @@ def test_draft_is_rematerialised_only_when_the_artifact_changes(demo_cache, tmp_
 
 
 def test_distillation_draft_exports_to_the_same_model(tmp_path):
-    """The class build_demo_draft trains is the one the materialiser rebuilds: its artifact tensors
+    """The class specdecpp_demo.build_draft trains is the one the materialiser rebuilds: its artifact tensors
     come back as a LlamaForCausalLM with the same logits (up to the float16 layers)."""
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     assert build.ProjectedDraft is projected.ProjectedDraft
     llama = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 64}
@@ -173,7 +171,7 @@ def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair):
 
     from specdecpp.data.prompts import encode_prompt, load_prompts
 
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     recipe = yaml.safe_load((REPO / "conf" / "distill" / "continue_bundled.yaml").read_text())
     recipe["generate"]["shards"] = 235  # past the end of the train split: it wraps around
     plan = build.prompt_shard_plan(recipe, tiny_pair.tokenizer)
@@ -190,7 +188,7 @@ def test_prompt_shards_answer_the_train_split_and_validate_on_dev(tiny_pair):
 
 
 def test_held_out_acceptance_weighs_every_position_of_every_shard():
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     draft = tiny_projected_draft(build, 80)
 
     def shard(rows, prompt_len, new):
@@ -208,12 +206,12 @@ def test_held_out_acceptance_weighs_every_position_of_every_shard():
 
 @pytest.mark.parametrize("answers", [False, True], ids=["conversations", "prompt_answers"])
 def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(tmp_path, monkeypatch, answers):
-    """build_demo_draft train on tiny shards with a tiny target: conversations hold out shard 0,
+    """specdecpp_demo.build_draft train on tiny shards with a tiny target: conversations hold out shard 0,
     prompt answers the val_* shards (no training batch comes from them); a run interrupted after a
     checkpoint resumes and ends with the same weights and history as an uninterrupted one."""
     from tests.helpers.tiny import tiny_lm
 
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     target = tiny_lm(400, 24, 1, seed=2)
     monkeypatch.setattr(build, "load_target", lambda *a: (target, None))
     recipe = {"seed": 0, "draft": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -273,7 +271,7 @@ def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(
 
 
 def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     draft = tiny_projected_draft(build, 30)
     hidden = torch.randn(5, 16)
     teacher_ids = torch.stack([torch.randperm(30)[:4] for _ in range(5)])
@@ -283,14 +281,14 @@ def test_sampled_softmax_matches_the_full_softmax_when_every_token_is_drawn():
 
 
 def test_kl_loss_is_zero_only_for_the_teacher():
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
     assert build.kl_loss(p, torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]]))).abs() < 1e-6
     assert build.kl_loss(p, torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25]]))) > 0.05
 
 
 def test_distillation_schedule_warm_restart_repeats_the_cycle():
-    build = load_script("build_demo_draft")
+    build = load_script("build_draft")
     one = [build.lr_factor(s, 10, 100) for s in range(100)]
     assert one[0] == pytest.approx(0.1) and one[9] == 1.0 and one[99] == pytest.approx(0.1, abs=1e-3)
     assert all(a >= b for a, b in zip(one[9:], one[10:], strict=False))  # cosine decays monotonically
@@ -341,7 +339,7 @@ def test_shipped_reference_heads_name_the_shipped_draft_and_fit_it(demo_cache):
 
 @pytest.mark.parametrize("part", ["2/2", "1", "0/0", "a/b"])
 def test_generate_part_must_name_one_of_n_parts(monkeypatch, part):
-    build = load_script("build_demo_draft")
-    monkeypatch.setattr(sys, "argv", ["build_demo_draft.py", "generate", "--part", part])
+    build = load_script("build_draft")
+    monkeypatch.setattr(sys, "argv", ["build_draft.py", "generate", "--part", part])
     with pytest.raises(SystemExit, match="--part must be K/N"):
         build.main()

@@ -57,7 +57,7 @@ def test_dequantised_target_answers_sensibly(real_pair):
 @pytest.mark.slow
 def test_demo_draft_acceptance_is_above_a_floor(real_pair):
     """A few held-out positions; the full measurement is python -m infer.costs (docs/demo.md)."""
-    from infer import costs as measure
+    from infer import measure
     from specdecpp.data.prompts import load_prompts
 
     draft, target, tokenizer = real_pair

@@ -88,19 +88,20 @@ def test_policies_and_infer_configs_share_one_settings_check(bad):
 
 def test_one_same_model_rule_for_train_and_infer(tmp_path):
     """A dataset's draft and a head's draft are matched against pair.draft by one rule."""
-    from infer.methods import same_model as infer_rule
+    from specdecpp.models.fit import check_draft_fit  # infer's check of a head
     from train.checks import check_draft_matches
 
     (tmp_path / "draft").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "draft")
     for a, b, same in ((f"{tmp_path}/draft/", str(tmp_path / "link"), True), ("org/model/", "org/model", True),
                        ("org/model", "org/other", False)):
-        assert infer_rule(a, b) is same
-        if same:
-            check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)
-        else:
-            with pytest.raises(ValueError, match="does not match the configured draft"):
-                check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)
+        for check in (lambda a=a, b=b: check_draft_fit("method.head 'H'", "head", a, 32, b, 32, "method.allow_draft_mismatch"),
+                      lambda a=a, b=b: check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)):
+            if same:
+                check()
+            else:
+                with pytest.raises(ValueError, match="does not match the configured draft"):
+                    check()
 
 
 @pytest.mark.parametrize("make,match", [

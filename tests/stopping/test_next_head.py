@@ -59,7 +59,7 @@ def pair6():
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=2)])
 def test_sampled_output_has_target_distribution_with_the_lag_free_head(pair6, sampling):
-    """As tests/test_engine.py for the other policies: the first 3 of 4 generated tokens follow the
+    """As tests/decoders/test_chain.py for the other policies: the first 3 of 4 generated tokens follow the
     target's exact warped distribution, with a lag-free head whose stop after the first candidate
     depends on which y_1 was drafted."""
     draft, target = pair6

@@ -34,7 +34,7 @@ def test_engine_hands_the_head_the_features_train_learns_from(tiny_pair, tmp_pat
         def __init__(self):
             self.rounds = []
 
-        def new_round(self):
+        def begin_round(self, generated=None):
             self.rounds.append([])
 
         def should_stop(self, k, logits, hidden, token=None):
@@ -90,8 +90,8 @@ def test_engine_hands_the_lag_free_head_the_features_train_computes(tiny_pair, t
             return torch.full(token.shape, 2.0)  # sigmoid(2) = 0.88: rounds of a few candidates
 
     class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
+        def begin_round(self, generated=None):
+            super().begin_round(generated)
             self.head.calls = []
             self.rounds.append(self.head.calls)
 
@@ -159,8 +159,8 @@ def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_p
     monkeypatch.setattr(batch_mod.BatchDrafter, "block", block)
 
     class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
+        def begin_round(self, generated=None):
+            super().begin_round(generated)
             self.head.round = []
             self.rounds.append((live["seqs"], live["starts"], self.head.round))
 
@@ -214,8 +214,8 @@ def test_pearl_hands_the_lag_free_head_the_features_train_computes(tiny_pair):
             return torch.full(token.shape, 2.0)
 
     class Recorder(SpecDecPP):
-        def new_round(self):
-            super().new_round()
+        def begin_round(self, generated=None):
+            super().begin_round(generated)
             self.head.round = []
             self.rounds.append((self.generated, self.head.round))
 

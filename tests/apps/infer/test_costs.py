@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from infer import costs as measure
+from infer import costs as cli
+from infer import measure
 from specdecpp.analysis.costmodel import SCHEMA, load_costs
 from specdecpp.core.timing import time_forward, time_forwards
 
@@ -71,7 +72,7 @@ def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny
 
 def test_cli_writes_costs_json_in_the_one_schema(tiny_pair, tmp_path, capsys):
     costs_path, out = tmp_path / "c" / "costs.json", tmp_path / "pair.json"
-    measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
                   "--max-new-tokens", "6", "--timing-steps", "3", "--dtype", "float32", "--costs-out", str(costs_path),
                   "--out", str(out)])
     assert "cost ratio" in capsys.readouterr().out
@@ -89,7 +90,7 @@ def test_cli_batch_sizes_write_the_batched_curves(tiny_pair, tmp_path, capsys):
     """--batch-sizes: t_draft(B) and t_target(B, n) for B = 1 and each size, n = 1..8, in costs.json,
     read back by the cost model (the batched Eq. 2.3 of infer.report and scripts/bench_batch.py)."""
     costs_path = tmp_path / "costs.json"
-    measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
                   "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--batch-sizes", "3",
                   "--costs-out", str(costs_path)])
     assert "batch 3: draft step" in capsys.readouterr().out
@@ -99,21 +100,21 @@ def test_cli_batch_sizes_write_the_batched_curves(tiny_pair, tmp_path, capsys):
     assert all(t > 0 for curve in costs.target_by_batch.values() for t in curve.values())
     assert costs.batch_target_cost(3, 2) == costs.target_by_batch[3][2]
     with pytest.raises(SystemExit):
-        measure.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--batch-sizes", "0",
+        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--batch-sizes", "0",
                       "--costs-out", str(costs_path)])
     assert "--batch-sizes must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_bad_input_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        measure.main(["--draft", "a", "--target", "b"])
+        cli.main(["--draft", "a", "--target", "b"])
     assert "nothing to write" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        measure.main(["--pair", "nope", "--costs-out", str(tmp_path / "c.json")])
+        cli.main(["--pair", "nope", "--costs-out", str(tmp_path / "c.json")])
     assert "no conf/pair/nope.yaml" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        measure.main(["--pair", "custom", "--costs-out", str(tmp_path / "c.json")])
+        cli.main(["--pair", "custom", "--costs-out", str(tmp_path / "c.json")])
     assert "sets no draft model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        measure.main(["--draft", str(tmp_path / "missing"), "--target", str(tmp_path), "--costs-out", "c.json"])
+        cli.main(["--draft", str(tmp_path / "missing"), "--target", str(tmp_path), "--costs-out", "c.json"])
     assert "missing' does not exist" in capsys.readouterr().err

@@ -499,7 +499,7 @@ def test_pair_comes_from_the_heads_config(setup, tmp_path):
 
     summaries = sweep.run(make_cfg(*base, "sampling=greedy", f"out={tmp_path}/sweep/${{method.name}}",
                                    "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
-                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.stopping.head={head}",
+                                   "comparison.fixed_k.k=[2]", f"comparison.specdecpp.head={head}",
                                    "comparison.specdecpp.threshold=[0.5]"))
     assert [s["method"] for s in summaries] == ["target_only", "fixed_k", "specdecpp"]
     for s in summaries:

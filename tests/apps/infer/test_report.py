@@ -5,6 +5,7 @@ fastest fixed K and SVIP. (The report on a real tiny run: tests/apps/infer/test_
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -95,7 +96,13 @@ def test_report_intervals_width_costs_and_fit_warning(tmp_path):
     assert entries["k2"]["speedup_ci95"] == pytest.approx((lo, hi))
     assert group["fit"]["r2"] < 0.9 and group["fit_warning"]  # noisy walls: the warning is printed
     text = report["report"].read_text()
-    assert "Warning: R^2" in text and f"[{lo:.2f}, {hi:.2f}]" in text
+    assert "Warning: R^2" in text and f"[{lo:.2f}, {hi:.2f}] |" in text  # 30 prompts: not marked
+    assert entries["k2"]["speedup_ci_n"] == 30 and "†" not in text
+    few = tmp_path / "few" / "run.jsonl"  # 6 prompts: the interval is marked, with the note under the table
+    few.parent.mkdir()
+    few.write_text("".join(json.dumps(r) + "\n" for r in rows[:12]))
+    text = build_report(few.parent, tmp_path / "report_few")["text"]
+    assert re.search(r"\| \[\d\.\d\d, \d\.\d\d\]† \|", text) and "† bootstrapped from fewer than 10 prompts" in text
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"t_draft": 0.01, "t_target": 0.05}))  # no width curve: the column needs one
     with pytest.raises(ValueError, match=r"bad\.json.*target_by_width"):

@@ -1,6 +1,6 @@
-# Shared steps of scripts/data_curve.sh and scripts/domain_data.sh (source it; needs PY set).
+# Shared steps of research/head_gap/data_curve.sh and research/head_gap/domain_data.sh (source it; needs PY set).
 # target_head OUT DATA...: the lag-free head of the issue-24 experiments (w_rej = 1, D = 1, the labels' own
-#   context, lr 3e-3, batches of 8 prompts, 12 epochs, best-on-dev weights; scripts/position_ablation.sh's
+#   context, lr 3e-3, batches of 8 prompts, 12 epochs, best-on-dev weights; research/head_gap/position_ablation.sh's
 #   target_default recipe) trained on the datasets DATA joined (train's data.path=[A,B,...]) -> OUT, unless
 #   OUT already holds one.
 target_head() {

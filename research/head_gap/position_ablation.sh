@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 24: does the candidate's position in the response help a lag-free head? (docs/train.md)
+# Issue 24: does the candidate's position in the response help a lag-free head? (research/head_gap/README.md)
 # Resumable: every step skips what is already there; rerun after an interruption.
-#   scripts/position_ablation.sh            # data (reference + held-out), costs, heads, potential, probe
+#   research/head_gap/position_ablation.sh            # data (reference + held-out), costs, heads, potential, probe
 # THREADS=1 while another benchmark runs beside it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 PY=${PYTHON:-python}
 T=${THREADS:-2}
 export SPECDECPP_CACHE=${SPECDECPP_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1
-# the reference heads' data (scripts/build_reference_heads.py --stage data) and make potential's held-out sets
+# the reference heads' data (python -m specdecpp_demo.reference_heads --stage data) and make potential's held-out sets
 $PY -m data_gen pair=demo prompts=bundled 'splits=[train,dev]' 'limit={train: 230, dev: 30}' max_new_tokens=192 \
     out=data/demo/reference shard_size=32 num_threads=$T
 $PY -m data_gen pair=demo prompts=bundled 'splits=[test]' 'limit={test: 40}' max_new_tokens=96 \
@@ -40,8 +40,8 @@ for set in bundled humaneval; do
             --out reports/ablation_position/$set-$ctx
     done
 done
-$PY scripts/ablation_table.py heads/ablation/*/* > reports/ablation_position/dev_table.md
-test -f reports/probe_position/probe.json || $PY scripts/probe_features.py data/demo/reference \
+$PY research/head_gap/ablation_table.py heads/ablation/*/* > reports/ablation_position/dev_table.md
+test -f reports/probe_position/probe.json || $PY research/head_gap/probe_features.py data/demo/reference \
     --eval data/demo/heldout_bundled:test --eval data/demo/heldout_humaneval:test --costs reports/bench/costs.json \
     --sets "q numbers (" "q numbers + position" "today's lag-free" "today's + topm + position" --out reports/probe_position
 echo "position ablation: done"

@@ -1,12 +1,16 @@
 """Print the reference heads of demo/heads/selection.json in the forms the Makefile passes on.
 
-    python scripts/ref_heads.py dirs [resnet|next|all]   demo/heads/wrej3_d3,demo/heads/wrej1_d0
-    python scripts/ref_heads.py points                   {head:demo/heads/wrej3_d3,threshold:0.5},...
-                                                         (every selected head at its best dev threshold)
-    python scripts/ref_heads.py grids                    {head:[A,B],threshold:[0.1,0.2,0.5]},{head:[C,D],...}
-                                                         (each kind's two heads at that kind's three thresholds)
+    python -m specdecpp_demo.ref_heads dirs [resnet|next|all]
+        demo/heads/wrej3_d3,demo/heads/wrej1_d0
+    python -m specdecpp_demo.ref_heads points
+        {head:demo/heads/wrej3_d3,threshold:0.5},...  (every selected head at its best dev threshold)
+    python -m specdecpp_demo.ref_heads grids
+        {head:[A,B],threshold:[0.1,0.2,0.5]},{head:[C,D],...}  (each kind's two heads at that kind's
+        three thresholds)
 
 Prints nothing (exit 0) when selection.json is missing, so a Makefile that reads it still parses.
+The standard library only: the Makefile runs it as a file (``python specdecpp_demo/ref_heads.py``),
+which skips the package's torch import on every ``make``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Collect the dev (and validation) metrics of trained heads into a markdown table.
 
-    python scripts/ablation_table.py heads/ablation/*/*     # one row per head directory
+    python research/head_gap/ablation_table.py heads/ablation/*/*     # one row per head directory
 """
 
 from __future__ import annotations

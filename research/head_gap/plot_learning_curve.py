@@ -1,6 +1,6 @@
-"""The learning curve of scripts/probe_features.py runs, as a table and a PNG.
+"""The learning curve of research/head_gap/probe_features.py runs, as a table and a PNG.
 
-    python scripts/plot_learning_curve.py reports/probe_data_curve/probe.json \
+    python research/head_gap/plot_learning_curve.py reports/probe_data_curve/probe.json \
         reports/probe_data_curve920/probe.json --out reports/data_curve/learning_curve.png
 
 Every result row of the given probe.json files is placed by its feature set (the set's name
@@ -88,7 +88,7 @@ def plot(points: dict[str, dict[int, dict]], out: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probe_json", nargs="+", help="probe.json files of scripts/probe_features.py")
+    ap.add_argument("probe_json", nargs="+", help="probe.json files of research/head_gap/probe_features.py")
     ap.add_argument("--out", default="reports/data_curve/learning_curve.png")
     args = ap.parse_args(argv)
     points = curve_points(args.probe_json)

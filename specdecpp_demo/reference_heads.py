@@ -1,7 +1,7 @@
 """Build the demo's reference acceptance heads (demo/heads/): data, the 20-head sweeps, selection.
 
-    python scripts/build_reference_heads.py            # every stage, both head kinds; rerun to resume
-    python scripts/build_reference_heads.py --stage data|train|select|ship [--kind resnet|next|both]
+    python -m specdecpp_demo.reference_heads            # every stage, both head kinds; rerun to resume
+    python -m specdecpp_demo.reference_heads --stage data|train|select|ship [--kind resnet|next|both]
 
 Two head kinds (docs/train.md): the paper's (``resnet``, heads/reference/wrej*) and the lag-free
 one (``next``, heads/reference_next/next_wrej*). Each kind runs the same 20-experiment sweep on the
@@ -40,10 +40,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from specdecpp.stopping.head import portable_config  # noqa: E402
-from specdecpp_demo import draft_identity, target_identity  # noqa: E402
+from specdecpp.stopping.head import portable_config
+
+from .pair import draft_identity, target_identity
+
+REPO = Path(__file__).resolve().parents[1]  # this builder runs from a checkout (conf/, demo/heads/)
 
 EXPERIMENTS = [f"wrej{w}_d{d}" for w in (1, 3, 6, 12) for d in range(5)]
 PREFIX = {"resnet": "", "next": "next_"}  # conf/head/<kind>.yaml name_prefix
@@ -154,7 +155,7 @@ def stage_ship(args) -> None:
         tables[kind] = rows
     header = ["| head | dev KL | dev KL of a constant | dev AUROC | optimiser steps |", "|---|---|---|---|---|"]
     text = ["# Reference acceptance heads for the demo draft", "",
-            "Built by `python scripts/build_reference_heads.py` (docs/demo.md); `make bench` uses the two",
+            "Built by `python -m specdecpp_demo.reference_heads` (docs/demo.md); `make bench` uses the two",
             "heads of each kind in `selection.json`, chosen by `python -m infer.potential` on the dev split.", "",
             "## The paper's heads (kind `resnet`, all 20 shipped)", "", *header, *tables["resnet"]]
     if tables["next"]:

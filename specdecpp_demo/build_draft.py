@@ -1,10 +1,10 @@
 """Build the demo draft (specdecpp_demo/artifact/) by distilling SmolLM2-135M-Instruct into a small Llama.
 
-    python scripts/build_demo_draft.py generate [--config conf/distill/default.yaml]
-    python scripts/build_demo_draft.py label
-    python scripts/build_demo_draft.py train
-    python scripts/build_demo_draft.py export
-    python scripts/build_demo_draft.py vocab
+    python -m specdecpp_demo.build_draft generate [--config conf/distill/default.yaml]
+    python -m specdecpp_demo.build_draft label
+    python -m specdecpp_demo.build_draft train
+    python -m specdecpp_demo.build_draft export
+    python -m specdecpp_demo.build_draft vocab
 
 vocab: ranks the vocabulary by the target's expected token counts on the generated conversations
     (the sum of the teacher's temperature-1, top-k-50 probabilities over every position of every
@@ -72,7 +72,7 @@ from specdecpp_demo.projected import (
     ProjectedDraft,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # this script runs from a checkout (git, conf/distill)
+REPO_ROOT = Path(__file__).resolve().parents[1]  # this builder runs from a checkout (git, conf/distill)
 
 TEACHER = SamplingConfig(temperature=1.0, top_k=50)
 

@@ -1,6 +1,6 @@
 """How much could a stop predictor learn from each kind of information? A probe on a data_gen dataset.
 
-    python scripts/probe_features.py data/demo/reference --eval data/demo/heldout_bundled:test \
+    python research/head_gap/probe_features.py data/demo/reference --eval data/demo/heldout_bundled:test \
         --eval data/demo/heldout_humaneval:test --cost-ratio 0.137 --out reports/probe
 
 A diagnostic beside `python -m train`, not a way to ship heads: it trains the same kind of network
@@ -32,7 +32,7 @@ the context the label P_i was computed in), for the candidate Y_i. Features:
 ``--train-fractions 0.25 0.5 1`` fits every set on the first quarter, half and all of the train
 prompts (a learning curve: would more labelled data help?); ``--widths 256 1024`` fits networks of these widths.
 ``--extra-train DIR:SPLIT[:N]`` adds the first N responses (all without N) of another dataset of the same
-pair to the train split (another data_gen seed: scripts/data_curve.sh; other prompts: scripts/domain_data.sh).
+pair to the train split (another data_gen seed: data_curve.sh; other prompts: domain_data.sh, both beside this file).
 ``--bilinear R`` also fits each set that holds the candidate's embedding and the draft's hidden state with a
 rank-R term (U emb)·(V hidden) added to the network's output: the shape of a correction to the draft's
 logit of the candidate, E[y]·A·h, which the MLP on the concatenated features learns only slowly.
@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from specdecpp.analysis import potential as pt  # noqa: E402
 from specdecpp.analysis.costmodel import Costs, load_costs  # noqa: E402

@@ -1,8 +1,10 @@
-"""Forward-pass meters shared by the runners (the clock is the engine's own)."""
+"""The runners' forward-pass meter: how long each model spent in its forward passes during one
+decode (``forward_time_s`` of a row), read on the library's clock (``specdecpp.core.timing.Clock``)
+through forward hooks, the same for every runner."""
 
 from __future__ import annotations
 
-from specdecpp.decoders.chain import Clock
+from specdecpp.core.timing import Clock
 
 
 class ForwardMeter:

@@ -1,12 +1,11 @@
-"""scripts/probe_features.py's command line: what --extra-train accepts and refuses."""
+"""research/head_gap/probe_features.py's command line: what --extra-train accepts and refuses."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
-from tests.helpers.paths import REPO
-
-SCRIPT = REPO / "scripts" / "probe_features.py"
+SCRIPT = Path(__file__).resolve().parent / "probe_features.py"
 
 
 @pytest.fixture(scope="module")

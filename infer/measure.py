@@ -1,0 +1,183 @@
+"""Measurements of a draft/target pair, what ``python -m infer.costs`` runs (docs there): per-forward
+costs through the decoding engine's own model calls (``specdecpp.core.timing.time_forwards``), the
+per-token acceptance alpha and the fixed-K speedup of Eq. 2.3."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from specdecpp import SamplingConfig, load_pair, warp
+from specdecpp.analysis.costmodel import Costs, fixed_k_speedup
+from specdecpp.core.attention import decode_attention
+from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.timing import time_forwards
+from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.models.loading import dtype_name, load_model, resolve_dtype
+from specdecpp.models.reduced_vocab import ReducedOutput, output_vocab_size
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=50)
+
+
+def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id, seed: int) -> torch.Tensor:
+    """prompt + a response sampled from the target's warped distribution: LongTensor [1, L + n]."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    with torch.no_grad():
+        out = target(ids, use_cache=True)
+        cache = out.past_key_values
+        for _ in range(max_new_tokens):
+            probs = warp(out.logits[:, -1].float(), SAMPLING).cpu()  # drawn on the CPU: one generator anywhere
+            token = torch.multinomial(probs, 1, generator=generator).to(ids.device)
+            ids = torch.cat([ids, token], dim=1)
+            if eos_token_id is not None and token.item() == eos_token_id:
+                break
+            out = target(token, use_cache=True, **cache_kwargs(target, cache))
+    return ids
+
+
+def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha_i = sum_v min(p_i(v), q_i(v)) at each response position i, and the target's mass
+    p_i(S) on the draft's output set S (1 for a full-vocabulary draft)."""
+    with torch.no_grad():
+        p = warp(target(ids[:, :-1]).logits[0, prompt_len - 1:], SAMPLING)
+        q = warp(draft(ids[:, :-1]).logits[0, prompt_len - 1:, : p.shape[-1]], SAMPLING)
+    layer = draft.get_output_embeddings()
+    covered = (p[:, layer.token_ids].sum(-1) if isinstance(layer, ReducedOutput)
+               else torch.ones(p.shape[0], device=p.device))
+    return torch.minimum(p, q).sum(-1), covered
+
+
+def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
+               ) -> dict[str, dict[int, float]]:
+    """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
+    batch 1, through the decoding engine's own model call (``specdecpp.models.runner.ModelRunner.feed``: on a
+    CPU it pads 2-3 tokens to 4, as decoding does), the cache rolled back after each (untimed);
+    every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so machine load
+    affects all alike."""
+    from specdecpp.models.runner import ModelRunner
+
+    widths = widths or {}
+    calls, resets = {}, {}
+    with torch.no_grad():
+        for name, model in models.items():
+            runner = ModelRunner(model, output_vocab_size(model), want_hidden=False)
+            tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
+            runner.feed(context[0, :-tail_len].to(model.device))
+            length, tail = runner.length, context[0, -tail_len:].to(model.device)
+            for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
+                calls[(name, n)] = (lambda r=runner, t=tail[:n], n=n: r.feed(t, n_logits=n))
+                resets[(name, n)] = (lambda r=runner, length=length: r.rollback(length))
+        with decode_attention(next(iter(models.values())).device):  # the kernels decoding uses
+            timed = time_forwards(calls, repeats=steps, warmup=3, resets=resets)
+    out: dict[str, dict[int, float]] = {}
+    for (name, n), t in timed.items():
+        out.setdefault(name, {})[n] = t.median
+    return out
+
+
+def batch_times(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int
+                ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """t_draft(B) (one token per row) and t_target(B, n) (n tokens per row): medians of the batched
+    engine's forwards (``specdecpp.decoders.batch.BatchRunner.feed``) after ``context`` cached in every row,
+    the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in each
+    step (``specdecpp.core.timing.time_forwards``), so machine load affects all alike."""
+    from specdecpp.decoders.batch import BatchRunner
+
+    tail_len = max(widths) + 1
+    if len(context) <= tail_len:
+        raise ValueError(f"batch_times: a context of {len(context)} tokens is too short for widths up to {max(widths)}")
+    calls, resets = {}, {}
+    for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
+        for b in sizes:
+            runner = BatchRunner(model, output_vocab_size(model), want_hidden=False)
+            with torch.no_grad():
+                runner.add_rows([torch.tensor(context[:-tail_len], device=model.device)] * b)
+            tail, length = torch.tensor(context[-tail_len:], device=model.device), runner.lengths[0]
+            for n in ws:
+                calls[(name, b, n)] = (lambda r=runner, t=tail[:n], b=b: r.feed([t] * b, n_logits=t.shape[0]))
+                resets[(name, b, n)] = (lambda r=runner, length=length, b=b: (r.rollback([length] * b), r.compact()))
+    with torch.no_grad(), decode_attention(target.device):  # the kernels decoding uses
+        timed = time_forwards(calls, repeats=repeats, warmup=2, resets=resets)
+    return ({b: timed[("draft", b, 1)].median for b in sizes},
+            {b: {n: timed[("target", b, n)].median for n in widths} for b in sizes})
+
+
+def measured_widths(max_width: int) -> list[int]:
+    """The widths the cost curves are timed at: 1..8, then 12, 16, 24, 32, 48, 64, 96, ... up to
+    ``max_width``."""
+    out, n = list(range(1, min(max_width, 8) + 1)), 8
+    while True:
+        for m in (n * 3 // 2, n * 2):
+            if m > max_width:
+                return out
+            out.append(m)
+        n *= 2
+
+
+def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
+            timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
+            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = ()) -> dict:
+    draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
+    per_source = {}
+    for source in sources:
+        split = "test"
+        prompts = load_prompts(source, split=split, limit=limit)
+        alphas, covers, n_tokens = [], [], 0
+        for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance on {source}/{split}")):
+            prompt_ids = encode_prompt(tokenizer, prompt.prompt)
+            ids = sample_response(target, prompt_ids, max_new_tokens, tokenizer.eos_token_id, seed + i)
+            alpha, covered = position_acceptance(draft, target, ids, len(prompt_ids))
+            alphas.append(alpha)
+            covers.append(covered)
+            n_tokens += alpha.numel()
+        alpha = torch.cat(alphas)
+        per_source[source] = {"split": split, "prompts": len(prompts), "positions": n_tokens,
+                              "acceptance": alpha.mean().item(), "target_mass_covered": torch.cat(covers).mean().item(),
+                              "acceptance_per_prompt_std": (torch.stack([a.mean() for a in alphas]).std().item()
+                                                             if len(alphas) > 1 else float("nan"))}
+    context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
+                              64 + max(0, max_width - 8), None, seed)  # a mid-generation cache, 64 tokens in
+    models = {"draft": draft, "target": target}
+    others = {dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)} - {dtype_name(target.dtype)}
+    for name in sorted(others):  # the same pair at another precision, timed in the same loop
+        models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
+        models[f"target@{name}"] = load_model(target_path, str(target.device), name)
+    widths = measured_widths(max_width)
+    timed = step_times(models, context, timing_steps, {name: widths for name in models})
+    times = {name: t[1] for name, t in timed.items()}
+    compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
+                      "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
+                      "target_by_width_s": timed[f"target@{name}"]} for name in sorted(others)}
+    batched = {}
+    if batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
+        bw = [n for n in widths if n <= 21]
+        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw, timing_steps)
+        batched = {"draft_by_batch_s": by_draft, "target_by_batch_s": by_target}
+    ratio = times["draft"] / times["target"]
+    overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
+        s["positions"] for s in per_source.values())
+    speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
+    best_k = max(speedups, key=speedups.get)
+    return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype), "device": str(target.device),
+            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(),
+            "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
+            "per_source": per_source, "acceptance": overall,
+            "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
+            "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"], "draft_output_vocab": output_vocab_info(draft),
+            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k], **batched}
+
+
+def output_vocab_info(draft) -> dict:
+    layer = draft.get_output_embeddings()
+    scored = int(layer.token_ids.numel()) if isinstance(layer, ReducedOutput) else int(layer.weight.shape[0])
+    return {"scored_tokens": scored, "vocab_size": output_vocab_size(draft)}
+
+
+def pair_costs(result: dict) -> Costs:
+    """The cost model's view of a measurement: what ``--costs-out`` writes."""
+    meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
+    return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
+                 {**meta, "measured_by": "python -m infer.costs"},
+                 draft_by_width=dict(result.get("draft_by_width_s") or {}) or None,
+                 target_by_batch=result.get("target_by_batch_s"), draft_by_batch=result.get("draft_by_batch_s"))
