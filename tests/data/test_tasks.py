@@ -1,7 +1,7 @@
 """Task scores (specdecpp/data/tasks.py): HumanEval pass@1 by execution against the problem's tests,
 recomputed independently, only where code execution is allowed; GSM8K exact match of the last
 number; references from the prompt sources; infer rows and the report carry them. The confinement
-of the checks: tests/test_sandbox.py."""
+of the checks: tests/data/test_sandbox.py."""
 
 from __future__ import annotations
 

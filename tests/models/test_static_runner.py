@@ -12,11 +12,11 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_lm
 from torch._dynamo.utils import counters
 
 from specdecpp.models.runner import ModelRunner
 from specdecpp.models.static import StaticRunner, model_steps, new_runner
+from tests.helpers.tiny import tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 VOCAB = 16
