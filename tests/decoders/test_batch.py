@@ -34,7 +34,7 @@ from specdecpp import (
     StopPolicy,
     TargetOnly,
 )
-from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 
 POLICIES = {
     "fixed_k3": lambda h: FixedK(3),
@@ -99,9 +99,9 @@ def test_greedy_rows_equal_target_greedy(cpu_pair32, policy, batch_size, device)
         assert max(lengths) > 1
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampling,eos", SAMPLINGS)
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
+    [pytest.param(p, id=p) for p in POLICIES], SAMPLINGS, DEVICES,
+    fast={"paper_head+fill-T1", "lag_free_head-T0.8-top3-eos2"}))  # on the CPU, the rest: make test-full
 def test_sampled_rows_have_target_distribution(cpu_pair6, policy, sampling, eos, device):
     """Each call decodes a batch of mixed prompts: four rows of the test prompt (each its own
     generator) between rows of other lengths; every test-prompt row is one sample of its first 3

@@ -13,7 +13,12 @@ from test_exactness import DEVICES, _pair6, on
 
 from specdecpp import SVIP, Cascade, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, warp
 from specdecpp.decoders.cascade import RULES
-from tests.helpers.stats import chi_square_pvalue, exact_distribution, sequence_distribution
+from tests.helpers.stats import (
+    chi_square_pvalue,
+    exact_distribution,
+    sampled_grid,
+    sequence_distribution,
+)
 
 PROMPT = [0, 1]
 
@@ -118,9 +123,9 @@ CASES = [  # alphas where the rule both defers and keeps q on this pair's first 
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rule,alpha,policy,sampling", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("rule,alpha,policy,sampling,mode,device", sampled_grid(
+    [pytest.param(*c, id=c[0]) for c in CASES], [pytest.param(m, id=m) for m in MODES], DEVICES,
+    fast={"opt-chain", "token_v2-batch"}))  # on the CPU, the other rules and modes: make test-full
 def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampling, mode, device):
     draft, target = pair6
     cascade = Cascade(rule, alpha)
@@ -135,8 +140,8 @@ def test_samples_follow_the_cascade_target_pi(pair6, rule, alpha, policy, sampli
         assert accepted > 300
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,device", sampled_grid([pytest.param(m, id=m) for m in MODES], DEVICES,
+                                                     fast={"batch"}))  # chain on the CPU: make test-full
 def test_the_exact_end_is_exact_decoding_and_the_other_end_is_the_draft(pair6, mode, device):
     """chow with alpha = 0 defers wherever q is not one-hot: the target's own distribution; opt with
     a huge alpha never defers: the draft's own distribution (the bonus token included)."""

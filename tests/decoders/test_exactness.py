@@ -30,7 +30,7 @@ from specdecpp import (
 )
 from specdecpp.core.compat import cache_kwargs
 from specdecpp.core.hooks import new_cache
-from tests.helpers.stats import chi_square_pvalue, exact_distribution
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 from tests.helpers.tiny import noisy_copy, tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -169,10 +169,12 @@ SAMPLINGS = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampling,eos", SAMPLINGS)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("batch") else n
-                                  for n in DECODERS])  # batches: one row per call is slow; test_batch.py
+# batches one row per call are slow everywhere (test_batch.py samples whole batches); on the CPU,
+# make test samples the paper head and one decoder of each other kind, make test-full all of them
+@pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
+    [pytest.param(n, id=n, marks=pytest.mark.slow if n.startswith("batch") else ()) for n in DECODERS],
+    SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
+                              "sequoia-two_level-T0.8-top3-eos2"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
     """The first 3 generated tokens (fewer when EOS ends a sequence) follow the target's exact
     warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
@@ -235,6 +237,7 @@ def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling
         assert_cache_is_fresh_prefill(model, cache, tokens, length)
 
 
+@pytest.mark.slow  # make test runs test_chain.py's negative control of the same test
 def test_the_distribution_test_rejects_the_draft_alone(cpu_pair6):
     """Negative control for the chi-square test above: the draft in the target's seat fails it."""
     draft, target, heads = cpu_pair6

@@ -1,11 +1,14 @@
-"""The distribution tests' shared helpers: a chi-square goodness-of-fit test and the exact
-distribution of generated sequences by enumeration."""
+"""The distribution tests' shared helpers: a chi-square goodness-of-fit test, the exact
+distribution of generated sequences by enumeration, and the grids of cases those tests run
+(``make test`` a few of them, ``make test-full`` all)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 
@@ -61,3 +64,22 @@ def exact_distribution(target, prompt, n_tokens, sampling, eos=None):
     """P(generated sequence) with the target alone: n_tokens, or fewer ending at EOS."""
     return sequence_distribution(lambda ids: warp(target(torch.tensor([ids])).logits[0, -1], sampling),
                                  prompt, n_tokens, eos)
+
+
+def sampled_grid(*axes, fast: set[str]) -> list:
+    """One parametrization over the product of ``axes`` (lists of ``pytest.param``, each with an
+    id; a device axis has the ids ``cpu`` and ``cuda``). A chi-square test samples 1,200 decodes,
+    10-30 s on the CPU: ``make test`` runs the cases named in ``fast`` (ids without the device),
+    every other CPU case is marked slow for ``make test-full``. CUDA cases keep their own marks."""
+    params, names = [], set()
+    for combo in itertools.product(*axes):
+        ids = [p.id for p in combo]
+        case = "-".join(i for i in ids if i not in ("cpu", "cuda"))
+        names.add(case)
+        marks = [m for p in combo for m in p.marks]
+        if "cuda" not in ids and case not in fast:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(*(v for p in combo for v in p.values), id="-".join(ids), marks=marks))
+    if fast - names:
+        raise ValueError(f"fast cases {sorted(fast - names)} are not in the grid (its cases: {sorted(names)})")
+    return params

@@ -47,8 +47,8 @@ def pair6_bf16():
     return draft.to(torch.bfloat16), target.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("policy,sampling", [
-    (FixedK(3), SamplingConfig(temperature=1.0)),
+@pytest.mark.parametrize("policy,sampling", [  # 1,200 bf16 decodes each: make test runs the second
+    pytest.param(FixedK(3), SamplingConfig(temperature=1.0), marks=pytest.mark.slow),
     (SVIP(threshold=0.33, max_candidates=4), SamplingConfig(temperature=1.0, top_k=3)),
 ])
 def test_bf16_pair_samples_the_bf16_targets_distribution(pair6_bf16, policy, sampling):
@@ -69,6 +69,7 @@ def test_bf16_pair_samples_the_bf16_targets_distribution(pair6_bf16, policy, sam
     assert accepted > 300  # candidates are accepted, not only resampled
 
 
+@pytest.mark.slow  # a negative control of the chi-square test, as test_chain.py's (which make test runs)
 def test_bf16_test_rejects_the_float32_draft_alone(pair6_bf16):
     """Negative control for the test above at bf16: the draft's own samples fail it."""
     draft, target = pair6_bf16
