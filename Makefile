@@ -1,5 +1,6 @@
 # make demo: the whole pipeline on the demo pair (docs/demo.md), CPU, no hub, about 20 minutes on 2 cores.
-# make test: the test suite.
+# make test: the tests not marked slow, and how long they took (a few minutes on 2 cores).
+# make test-full: every test, slow ones included (CLIs in subprocesses, DDP, the real pair), the 20 slowest listed; CI runs it.
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
 #   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
@@ -43,7 +44,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
-.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test \
+.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
 	bench-cascade cascade-head
 
@@ -223,4 +224,9 @@ reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on 
 	$(PYTHON) -m specdecpp_demo.reference_heads
 
 test: install
-	$(PYTHON) -m pytest
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest -m "not slow" || status=$$?; \
+		echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+test-full: install
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest --durations=20 || status=$$?; \
+		echo "make test-full: $$(( $$(date +%s) - start )) s"; exit $$status

@@ -49,7 +49,7 @@ for stage in "$@"; do
         workers=()
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         run core $PY -m pytest -m "gpu and not slow" -k "greedy or same_seed or T1 or attention" -q \
-            -p no:cacheprovider "${workers[@]}" --durations=10 tests/test_exactness.py tests/test_attention.py ;;
+            -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py tests/core/test_attention.py ;;
     pair)
         if [ -n "${GGUF_PARTS:-}" ]; then
             GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -1,18 +1,27 @@
-"""Shared fixtures: tiny random Llama models and a tiny byte-level tokenizer, all built offline.
+"""Shared fixtures: tiny random Llama models and a tiny byte-level tokenizer, all built offline
+(from tests/helpers/tiny.py; tests import helpers from tests/helpers/, never from here).
 
-- ``tiny_lm(vocab, hidden, layers, seed)`` builds one model in memory.
 - ``tiny_models``: a (draft, target) pair over an 8-token vocabulary, for exact enumeration.
 - ``tiny_pair``: draft and target saved as ordinary HF directories with a shared tokenizer
   (chat template, EOS); hidden sizes differ (draft 32, target 48). Use ``tiny_pair.draft`` and
   ``tiny_pair.target`` as paths wherever a model path is expected.
+- ``prompts_file``: a jsonl of a few prompts in the train and dev splits (tests/helpers/data_gen.py).
+- ``tiny_dataset``, ``draft``: a synthetic labelled dataset of ``tiny_pair`` (tests/helpers/train.py)
+  and its draft loaded, for the training tests.
 """
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
 import torch
+
+from specdecpp.models.loading import load_model
+from tests.helpers.data_gen import PROMPTS
+from tests.helpers.tiny import build_tokenizer, tiny_lm
+from tests.helpers.train import random_rows, save_dataset
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,49 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-_CORPUS = [
-    "Write a short poem about the sea.", "Explain how a binary search works.",
-    "def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
-    "What is 12 times 7? Let us think step by step.", "Give three tips for staying healthy.",
-    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
-] * 20
-
-
-def tiny_lm(vocab: int, hidden: int = 32, layers: int = 1, seed: int = 0, scale: float = 0.3,
-            heads: int = 4):
-    """A random LlamaForCausalLM. ``scale`` sets the init std: larger gives peakier, more varied
-    next-token distributions, which makes draft/target disagreement interesting."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
-                      max_position_embeddings=512, initializer_range=scale, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg)
-    return model.float().eval().requires_grad_(False)
-
-
-def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +59,27 @@ def tiny_pair(tmp_path_factory):
         paths[name] = str(d)
     return types.SimpleNamespace(draft=paths["draft"], target=paths["target"], tokenizer=tok,
                                  draft_hidden=32, target_hidden=48, vocab=vocab, root=root)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "split": s, "prompt": p}) + "\n" for i, s, p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tiny_pair, tmp_path_factory):
+    """A synthetic labelled dataset of the tiny pair (train 24, dev 8, test 8 rows) in the data_gen format."""
+    splits = {"train": random_rows(24, tiny_pair.vocab, 1), "dev": random_rows(8, tiny_pair.vocab, 2),
+              "test": random_rows(8, tiny_pair.vocab, 3)}
+    return save_dataset(tmp_path_factory.mktemp("tiny_data"), splits, tiny_pair.draft, 32, tiny_pair.vocab)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    """The tiny pair's draft, loaded."""
+    return load_model(tiny_pair.draft, "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
+
 APPS = ("infer", "train", "data_gen", "specdecpp_demo")
 CLI_CONTRACT = "no module imports a command-line module"
 
@@ -17,8 +18,8 @@ def test_import_contracts_are_kept():
     exe = shutil.which("lint-imports")
     if exe is None:
         pytest.fail("lint-imports is missing: pip install -e '.[dev]' installs import-linter")
-    run = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": str(Path(sys.executable).parent)})
+    run = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": str(Path(sys.executable).parent)})
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "0 broken" in run.stdout
 
@@ -35,8 +36,8 @@ def is_cli(path: Path) -> bool:
 
 
 def cli_modules() -> set[str]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts) for app in APPS
-            for p in (ROOT / app).rglob("*.py") if is_cli(p)}
+    return {".".join(p.relative_to(REPO).with_suffix("").parts) for app in APPS
+            for p in (REPO / app).rglob("*.py") if is_cli(p)}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -55,7 +56,7 @@ def test_the_contract_forbids_every_command_line_module():
     """The forbidden contract's list is the command-line modules found on disk, so a new CLI is
     covered the day it is added."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     (contract,) = [c for c in contracts if c["name"].startswith(CLI_CONTRACT)]
     clis = cli_modules()
     assert {"infer.__main__", "infer.costs", "train.__main__"} <= clis  # the detection finds CLIs
@@ -66,7 +67,7 @@ def test_scripts_import_no_command_line_module():
     """Tools in scripts/ (and a study's in research/) use the apps' plain modules, never a CLI:
     a CLI's helpers belong in a plain module that the CLI imports too."""
     clis = cli_modules()
-    files = sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "research").rglob("*.py"))
+    files = sorted((REPO / "scripts").glob("*.py")) + sorted((REPO / "research").rglob("*.py"))
     assert files
-    offending = {str(f.relative_to(ROOT)): sorted(imported_modules(f) & clis) for f in files}
+    offending = {str(f.relative_to(REPO)): sorted(imported_modules(f) & clis) for f in files}
     assert {f: m for f, m in offending.items() if m} == {}

@@ -1,0 +1,300 @@
+"""data_gen: labels against an independent recomputation, resume, sharding, batching, bad input,
+the command line and Hydra's launchers. The labelling library: tests/data/test_labels.py; the
+dataset on disk: tests/data/test_dataset.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data_gen.app
+from data_gen import run
+from specdecpp.core.sampling import SamplingConfig
+from specdecpp.data.dataset import DatasetError, load_labelled
+from specdecpp.data.prompts import encode_prompt
+from specdecpp.models.loading import load_model
+from tests.helpers.data_gen import make_cfg, recompute_row
+from tests.helpers.paths import REPO
+
+TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
+@pytest.fixture(scope="module")
+def baseline(tiny_pair, prompts_file, tmp_path_factory):
+    """One uninterrupted run: shards train 0,1,2 and dev 0, two prompts per batch."""
+    out = tmp_path_factory.mktemp("baseline") / "data"
+    result = run(make_cfg(tiny_pair, prompts_file, out))
+    assert result.complete and result.rows == {"train": 5, "dev": 2}
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    return load_model(tiny_pair.draft, "cpu"), load_model(tiny_pair.target, "cpu")
+
+
+def assert_same_data(a, b, exact=True):
+    (da, ma), (db, mb) = load_labelled(a), load_labelled(b)
+    assert set(da) == set(db)
+    for split in da:
+        ra, rb = da[split].to_list(), db[split].to_list()
+        assert [r["id"] for r in ra] == [r["id"] for r in rb]
+        for x, y in zip(ra, rb, strict=True):
+            for col in ("id", "prompt", "prompt_ids", "target_ids", "draft_ids"):
+                assert x[col] == y[col], (split, x["id"], col)
+            for col in ("p_acc", "draft_entropy"):
+                if exact:
+                    assert x[col] == y[col], (split, x["id"], col)
+                else:
+                    torch.testing.assert_close(torch.tensor(x[col]), torch.tensor(y[col]), atol=1e-5, rtol=1e-5)
+    assert ma["rows"] == mb["rows"]
+
+
+def check_against_reference(out, models, tiny_pair, sampling):
+    splits, meta = load_labelled(out)
+    draft, target = models
+    assert meta["sampling"] == sampling.to_dict()
+    n = 0
+    for split in splits:
+        for row in splits[split]:
+            assert row["prompt_ids"] == encode_prompt(tiny_pair.tokenizer, row["prompt"])
+            ref = recompute_row(row, draft, target, sampling, meta["seed"], meta["max_new_tokens"],
+                                tiny_pair.tokenizer.eos_token_id)
+            assert row["target_ids"] == ref["target_ids"]
+            assert row["draft_ids"] == ref["draft_ids"]
+            torch.testing.assert_close(torch.tensor(row["p_acc"]), ref["p_acc"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.tensor(row["draft_entropy"]), ref["draft_entropy"], atol=1e-4, rtol=1e-5)
+            n += len(row["p_acc"])
+    return splits, n
+
+
+def test_labels_equal_an_independent_recomputation(baseline, models, tiny_pair):
+    splits, n = check_against_reference(baseline, models, tiny_pair, SamplingConfig(1.0, 50, 1.0))
+    assert [r["id"] for r in splits["train"]] == ["t0", "t1", "t2", "t3", "t4"]
+    assert [r["id"] for r in splits["dev"]] == ["d0", "d1"]
+    assert n == 7 * 8  # no EOS sampled by these random models at this length
+    p_acc = torch.tensor([v for r in splits["train"] for v in r["p_acc"]])
+    assert p_acc.min() >= 0 and p_acc.max() <= 1 and p_acc.std() > 0
+
+
+def test_meta_describes_the_run(baseline, tiny_pair, prompts_file):
+    _, meta = load_labelled(baseline)
+    assert meta["draft"] == tiny_pair.draft and meta["target"] == tiny_pair.target
+    assert meta["draft_hidden_size"] == tiny_pair.draft_hidden and meta["vocab_size"] == tiny_pair.vocab
+    assert meta["prompts"]["source"] == "jsonl" and meta["prompts"]["path"] == str(prompts_file)
+    assert meta["prompts"]["splits"] == ["train", "dev"]
+    assert meta["seed"] == 0 and meta["max_new_tokens"] == 8 and meta["complete"] is True
+    assert meta["code_version"].startswith("0.") and meta["created"]
+    assert not (baseline / "shards").exists()
+
+
+def test_summary_of_the_labels(baseline):
+    splits, _ = load_labelled(baseline)
+    summary = json.loads((baseline / "summary.json").read_text())
+    for split, ds in splits.items():
+        p_acc = [v for row in ds for v in row["p_acc"]]
+        entropy = [v for row in ds for v in row["draft_entropy"]]
+        s = summary[split]
+        assert (s["rows"], s["tokens"]) == (len(ds), len(p_acc))
+        assert s["mean_p_acc"] == pytest.approx(sum(p_acc) / len(p_acc))
+        assert s["share_p_acc_1"] == pytest.approx(sum(v == 1.0 for v in p_acc) / len(p_acc))
+        assert s["share_p_acc_0"] == pytest.approx(sum(v == 0.0 for v in p_acc) / len(p_acc))
+        assert s["mean_draft_entropy"] == pytest.approx(sum(entropy) / len(entropy))
+    assert (baseline / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_greedy_labels_are_zero_or_one(tiny_pair, prompts_file, models, tmp_path):
+    out = tmp_path / "greedy"
+    run(make_cfg(tiny_pair, prompts_file, out, "sampling=greedy", "limit={train:3,dev:1}"))
+    splits, n = check_against_reference(out, models, tiny_pair, SamplingConfig(0.0))
+    assert n == 4 * 8
+    p_acc = {v for s in splits.values() for r in s for v in r["p_acc"]}
+    assert p_acc <= {0.0, 1.0}
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_pair, prompts_file, baseline, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    calls = []
+    real = data_gen.app.label_responses
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # shard train/0 is saved, shard train/1 dies before it is
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_gen.app, "label_responses", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(tiny_pair, prompts_file, out))
+    with pytest.raises(DatasetError, match="did not finish: rerun the same command to resume"):
+        load_labelled(out)
+
+    half_written = out / "shards" / "train" / "00001"  # as if the crash hit while saving train/1
+    half_written.mkdir(parents=True)
+    (half_written / "data-00000-of-00001.arrow").write_bytes(b"truncated")
+
+    calls.clear()
+    monkeypatch.setattr(data_gen.app, "label_responses", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    result = run(make_cfg(tiny_pair, prompts_file, out))
+    assert result.complete and result.n_prompts == 5  # shard train/0 (2 prompts) was not redone
+    assert len(calls) == 3
+    assert_same_data(baseline, out)
+    assert run(make_cfg(tiny_pair, prompts_file, out)).n_prompts == 0  # a finished run is not redone
+
+
+def test_two_shard_processes_equal_a_single_run(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "sharded"
+    first = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    assert not first.complete and first.n_prompts == 4  # shards train/1 and dev/0
+    with pytest.raises(DatasetError, match="did not finish"):
+        load_labelled(out)
+    second = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    assert second.complete and second.n_prompts == 3  # shards train/0 and train/2
+    assert_same_data(baseline, out)
+
+
+def test_a_damaged_shard_is_named_and_its_fix_works(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "damaged"
+    run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))  # train/1, dev/0
+    shard = out / "shards" / "train" / "00001"
+    arrow = next(shard.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=rf"shard train/00001 is damaged \({arrow} cannot be read.*"
+                                           rf"delete {shard} and {shard}.done, then rerun"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    shutil.rmtree(shard)  # what the message says
+    shard.with_suffix(".done").unlink()
+    result = run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    assert result.complete and result.n_prompts == 2  # only the damaged shard was relabelled
+    assert_same_data(baseline, out)
+
+
+def test_batched_equals_one_prompt_at_a_time(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "single"
+    run(make_cfg(tiny_pair, prompts_file, out, "batch_size=1", "shard_size=7"))
+    assert_same_data(baseline, out, exact=False)
+
+
+def test_consolidate_only_finishes_a_sharded_run(tiny_pair, prompts_file, baseline, tmp_path):
+    out = tmp_path / "consolidate"
+    assert not run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2")).complete
+    (out / data_gen.app.LOCK_FILE).touch()  # as if another process were consolidating
+    assert not run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2")).complete
+    (out / data_gen.app.LOCK_FILE).unlink()
+    result = run(make_cfg(tiny_pair, prompts_file, out, "consolidate_only=true"))
+    assert result.complete and result.n_prompts == 0
+    assert_same_data(baseline, out)
+
+
+def test_changed_settings_against_existing_out_is_an_error(tiny_pair, prompts_file, baseline):
+    with pytest.raises(ValueError, match=r"other settings \(seed: existing 0 vs now 1\)"):
+        run(make_cfg(tiny_pair, prompts_file, baseline, "seed=1"))
+    with pytest.raises(ValueError, match="sampling"):
+        run(make_cfg(tiny_pair, prompts_file, baseline, "sampling=greedy"))
+
+
+def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        run(make_cfg(tiny_pair, prompts_file, out, "pair.draft=/no/such/model"))
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tiny_pair.draft, other)
+    tok = tiny_pair.tokenizer.__class__.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={other}"))
+    with pytest.raises(ValueError, match="limit=6 is larger than the 5 prompts"):
+        run(make_cfg(tiny_pair, prompts_file, out, "limit=6"))
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        run(make_cfg(tiny_pair, prompts_file, out, "max_new_tokens=0"))
+    with pytest.raises(ValueError, match="shard.index=2 / shard.count=2"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=2", "shard.count=2"))
+    assert not out.exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a data_gen output"):
+        run(make_cfg(tiny_pair, prompts_file, foreign))
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_jsonl_without_splits_is_one_train_split(tiny_pair, tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"id": "a", "prompt": "Hello there"}\n{"oops"\n\n{"id": "b", "prompt": "Tell me a joke"}\n')
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="'a' is in split 'train' and 'dev'"):
+        run(make_cfg(tiny_pair, path, tmp_path / "dup"))
+    with pytest.warns(UserWarning, match="skipped 1 malformed line"):
+        result = run(make_cfg(tiny_pair, path, tmp_path / "plain", "splits=null", "max_new_tokens=2"))
+    assert result.rows == {"train": 2}
+
+
+@pytest.mark.slow
+def test_command_line(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, "-m", "data_gen", f"pair.draft={tiny_pair.draft}",
+                           f"pair.target={tiny_pair.target}", "prompts=jsonl", f"prompts.path={prompts_file}",
+                           f"out={out}", "max_new_tokens=3", "limit=2", "progress=false",
+                           f"hydra.run.dir={tmp_path / 'hydra'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    splits, meta = load_labelled(out)
+    assert {s: len(d) for s, d in splits.items()} == {"train": 2}
+    assert [len(r["p_acc"]) for r in splits["train"]] == [3, 3]
+
+
+def multirun(tmp_path, args, timeout=600):
+    """``python -m data_gen -m ARGS`` with Hydra's sweep directory under tmp_path."""
+    proc = subprocess.run([sys.executable, "-m", "data_gen", "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def cli_args(tiny_pair, prompts_file, out):
+    return [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "pair.device=cpu",
+            "prompts=jsonl", f"prompts.path={prompts_file}", "splits=[train,dev]", f"out={out}",
+            "max_new_tokens=8", "shard_size=2", "batch_size=2", "progress=false", "num_threads=1"]
+
+
+@pytest.mark.slow
+def test_two_joblib_workers_produce_the_dataset_of_one_process(tiny_pair, prompts_file, baseline, tmp_path):
+    """One command, two parallel workers (Hydra's joblib launcher); the last one consolidates."""
+    out = tmp_path / "joblib"
+    multirun(tmp_path, [*cli_args(tiny_pair, prompts_file, out), "shard.count=2", "shard.index=range(0,2)",
+                        "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"])
+    assert_same_data(baseline, out)
+    assert not (out / "shards").exists() and not (out / data_gen.app.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_submitit_local_workers_produce_the_dataset_of_one_process(tiny_pair, prompts_file, baseline, tmp_path):
+    """The cluster path without a cluster: each shard worker a submitit job on this machine."""
+    out = tmp_path / "submitit"
+    multirun(tmp_path, [*cli_args(tiny_pair, prompts_file, out), "shard.count=2", "shard.index=range(0,2)",
+                        "hydra/launcher=submitit_local"])
+    assert_same_data(baseline, out)
+
+
+def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, prompts_file, models, tmp_path):
+    """Draft = target gives q = p, so every label is exactly 1; greedy responses equal HF generate()."""
+    out = tmp_path / "self"
+    run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={tiny_pair.target}", "sampling=greedy",
+                 "batch_size=4", "max_new_tokens=6"))
+    splits, _ = load_labelled(out)
+    target = models[1]
+    for row in (r for ds in splits.values() for r in ds):
+        assert row["p_acc"] == [1.0] * len(row["target_ids"])
+        assert row["draft_ids"] == row["target_ids"]
+        reference = target.generate(torch.tensor([row["prompt_ids"]]), max_new_tokens=6, do_sample=False,
+                                    eos_token_id=tiny_pair.tokenizer.eos_token_id,
+                                    pad_token_id=tiny_pair.tokenizer.pad_token_id)
+        assert row["target_ids"] == reference[0, len(row["prompt_ids"]):].tolist()
+
+

@@ -1,0 +1,250 @@
+"""The exactness tests every decoder passes before any speed claim, on the CPU and (marker ``gpu``)
+on CUDA: greedy output equals the target's own greedy decoding, sampled output follows the target's
+exact warped distribution (chi-square against enumeration, EOS included), and the same generator
+seed gives the same output.
+
+``DECODERS`` is the registry: a new decoder (a batch, a cascade against its own target) adds
+its factories here and inherits every test. Each factory gets ``(draft, target, sampling, heads)``
+where ``heads`` holds a paper head (lag 1) and a lag-free head (lag 0) whose stop decisions vary
+with the drafted tokens on the test prompt."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    NextTokenHead,
+    PEARLDecoder,
+    SamplingConfig,
+    SequoiaDecoder,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+)
+from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.hooks import new_cache
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
+from tests.helpers.tiny import noisy_copy, tiny_lm
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+MATES = ([3], [4, 1, 0, 2, 1])  # batch-mates of other lengths (token ids < 5 fit both test pairs)
+
+
+class InBatch:
+    """``generate_batch`` seen through one row: the prompt under test shares a batch with
+    :data:`MATES` (their own generators), first and all rows at once, or last with
+    ``batch_size=2`` so that it takes the slot a finished mate leaves (continuous batching)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, queued: bool = False, fill: bool = False) -> None:
+        self.decoder, self.queued, self.fill = decoder, queued, fill
+
+    def generate(self, prompt_ids, max_new_tokens, generator=None, eos_token_id=None, return_caches=False):
+        device = prompt_ids.device
+        mates = [torch.tensor(m, device=device) for m in MATES]
+        prompts = [*mates, prompt_ids[0]] if self.queued else [prompt_ids[0], *mates]
+        gens = None
+        if generator is not None:
+            mate_gens = [torch.Generator().manual_seed(100 + j) for j in range(len(mates))]
+            gens = [*mate_gens, generator] if self.queued else [generator, *mate_gens]
+        outs = self.decoder.generate_batch(prompts, max_new_tokens, gens, eos_token_id,
+                                           batch_size=2 if self.queued else None, return_caches=return_caches,
+                                           fill=self.fill)
+        return outs[-1] if self.queued else outs[0]
+
+
+DECODERS = {
+    "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
+    "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
+    "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
+    "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
+    "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    "batch-fixed_k3": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, FixedK(3), s)),
+    "batch-svip": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s)),
+    "batch-paper_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s)),
+    "batch-lag_free_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s)),
+    "batch_fill-paper_head": lambda d, t, s, h: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s), fill=True),
+    "batch_queued-lag_free_head": lambda d, t, s, h: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s), queued=True),
+    "pearl-gamma2": lambda d, t, s, h: PEARLDecoder(d, t, 2, s),
+    "pearl-svip": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4)),
+    "pearl-paper_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4)),
+    "pearl-lag_free_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4)),
+    "sequoia-chain3": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, 0, 1], s),
+    "sequoia-star4": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, -1, -1], s),  # 4 > top-k 3: uniform fallback
+    "sequoia-two_level": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s),
+}
+
+PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
+
+
+def _pair6():
+    target = tiny_lm(5, 16, 2, seed=21, scale=0.8, heads=2)
+    return noisy_copy(target, 0.25, seed=22), target
+
+
+def _heads(draft) -> dict:
+    """A paper head and a lag-free head over the 16-wide draft, each centred on the test prompt so
+    that whether a round stops depends on the drafted tokens."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        paper, lag_free = AcceptanceHead(16, 1), NextTokenHead(16, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        paper.out.weight.normal_(0, 1.0, generator=g)
+        contexts = torch.tensor([PROMPT + [a] for a in range(5)])  # e_1 decides stop-at-2 vs go on
+        hidden = draft(contexts, output_hidden_states=True).hidden_states[-1][:, -1]
+        paper.out.bias.sub_(paper(hidden).median() + 0.1)
+        lag_free.out.weight.normal_(0, 1.0, generator=g)
+        lag_free.attach(draft)
+        out = draft(torch.tensor([PROMPT]), output_hidden_states=True)
+        e0, logits = out.hidden_states[-1][0, -1], out.logits[0, -1]
+        scores = torch.stack([lag_free.score(e0, logits, torch.tensor(y)) for y in range(5)])
+        lag_free.out.bias.sub_(scores.median() + 0.05)
+    return {"paper": paper, "next": lag_free}
+
+
+@pytest.fixture(scope="module")
+def cpu_pair6():
+    draft, target = _pair6()
+    return draft, target, _heads(draft)
+
+
+@pytest.fixture(scope="module")
+def cpu_pair32():
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    draft = noisy_copy(target, 0.3, seed=6)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        heads = {"paper": AcceptanceHead(32, 2), "next": NextTokenHead(32, 1)}
+    return draft, target, heads
+
+
+def on(device: str, pair):
+    """The pair and heads on ``device`` (copies; the CPU originals stay for the references)."""
+    if device == "cpu":
+        return pair
+    draft, target, heads = pair
+    return (copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device),
+            {k: copy.deepcopy(h).to(device) for k, h in heads.items()})
+
+
+def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: int) -> None:
+    """``cache`` holds exactly what a fresh prefill of ``tokens[:length]`` computes (to float32
+    rounding: CUDA's kernels for a batch of ragged rows and for one row differ by about 2e-5)."""
+    atol, rtol = (1e-5, 1e-4) if tokens.device.type == "cpu" else (1e-4, 1e-3)
+    fresh = new_cache(model)
+    with torch.no_grad():
+        model(tokens[:length].unsqueeze(0), use_cache=True, **cache_kwargs(model, fresh))
+    for mine, ref in zip(cache.layers, fresh.layers, strict=True):
+        assert mine.keys.shape == ref.keys.shape
+        torch.testing.assert_close(mine.keys, ref.keys, atol=atol, rtol=rtol)
+        torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_greedy_equals_target_greedy(cpu_pair32, name, device):
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
+    cpu_target = cpu_pair32[1]
+    for prompt, n in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21)):
+        ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n)
+        assert out.tokens.cpu().tolist() == ref.tolist(), (name, prompt, n)
+        assert out.stats.n_generated == n
+
+
+SAMPLINGS = [
+    pytest.param(SamplingConfig(temperature=1.0), None, id="T1"),
+    pytest.param(SamplingConfig(temperature=0.8, top_k=3), 2, id="T0.8-top3-eos2"),  # EOS = token 2
+]
+
+
+# batches one row per call are slow everywhere (test_batch.py samples whole batches); on the CPU,
+# make test samples the paper head and one decoder of each other kind, make test-full all of them
+@pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
+    [pytest.param(n, id=n, marks=pytest.mark.slow if n.startswith("batch") else ()) for n in DECODERS],
+    SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
+                              "sequoia-two_level-T0.8-top3-eos2"}))
+def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
+    """The first 3 generated tokens (fewer when EOS ends a sequence) follow the target's exact
+    warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
+    stop decisions vary inside the window (checked); PEARL generates 3, so pending drafts are cut
+    at the length limit."""
+    draft, target, heads = on(device, cpu_pair6)
+    expected = exact_distribution(cpu_pair6[1], PROMPT, 3, sampling, eos)
+    decoder = DECODERS[name](draft, target, sampling, heads)
+    g = torch.Generator().manual_seed(1234)
+    seqs, first_k, accepted, post = [], set(), 0, 0
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos,
+                               max_new_tokens=3 if name.startswith("pearl") else 4)
+        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()))
+        first_k.add(out.stats.candidate_lengths[0])
+        accepted += sum(out.stats.accept_lengths)
+        post += getattr(out.stats, "n_post_verify_rounds", 0)
+    assert chi_square_pvalue(seqs, expected) > 1e-4, name
+    if name.startswith("pearl-"):
+        assert post > 12  # PEARL's post-verify rounds (pending drafts) were exercised
+    if name != "chain-target_only":
+        assert accepted > 300  # the acceptance path is exercised, not only resampling
+    if not name.startswith("pearl-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):
+        assert len(first_k) >= 2, first_k  # the adaptive stop really varies
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_same_seed_same_output(cpu_pair32, name, device):
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]], device=device), 24,
+                               generator=torch.Generator().manual_seed(seed))
+        return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
+
+    first = run(0)
+    assert run(0) == first and run(1) != first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
+                                  "batch-paper_head", "batch_queued-lag_free_head",
+                                  "sequoia-chain3", "sequoia-two_level"])
+def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
+    """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
+    holds (the target: every committed token but the newest; the draft: at most that)."""
+    draft, target, heads = on(device, cpu_pair32)
+    decoder = DECODERS[name](draft, target, sampling, heads)
+    out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40,
+                           generator=torch.Generator().manual_seed(3), return_caches=True)
+    tokens, s = out.tokens[0], out.stats
+    assert len(s.accept_lengths) > 5 and min(s.accept_lengths) < max(s.candidate_lengths)  # rollbacks happened
+    for role, model in (("target", target), ("draft", draft)):
+        cache = out.caches[role]
+        length = cache.get_seq_length()
+        assert length == len(tokens) - 1 if role == "target" else length <= len(tokens) - 1
+        assert_cache_is_fresh_prefill(model, cache, tokens, length)
+
+
+@pytest.mark.slow  # make test runs test_chain.py's negative control of the same test
+def test_the_distribution_test_rejects_the_draft_alone(cpu_pair6):
+    """Negative control for the chi-square test above: the draft in the target's seat fails it."""
+    draft, target, heads = cpu_pair6
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(target, PROMPT, 3, sampling)
+    decoder = DECODERS["pearl-paper_head"](target, draft, sampling, heads)
+    g = torch.Generator().manual_seed(7)
+    seqs = [tuple(decoder.generate(torch.tensor([PROMPT]), 3, generator=g).tokens[0, 2:].tolist())
+            for _ in range(1200)]
+    assert chi_square_pvalue(seqs, expected) < 1e-6

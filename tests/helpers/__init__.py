@@ -1,0 +1,1 @@
+"""Helpers shared by tests in several folders (import them as ``tests.helpers.<module>``)."""
