@@ -19,7 +19,7 @@ is speculative sampling against ``pi`` instead of ``p``: accept ``y_k`` with
 ``min(1, pi(y_k) / q(y_k))``, on rejection sample from ``norm(max(0, pi - q))``, and when every
 candidate is accepted draw the bonus token from ``pi`` at the next position, for which the draft
 spends one more forward (the paper's Alg. 4). Every emitted token then follows ``pi`` at its
-position exactly (tests/test_cascade.py).
+position exactly (tests/decoders/test_cascade.py).
 
 Greedy decoding (temperature 0) follows the paper's greedy limit (its Lemma 8): the deferral
 decisions read the softmax distributions of the raw logits (confidence ``max q``, ``max p``), and

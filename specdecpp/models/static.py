@@ -40,11 +40,11 @@ tests/conftest.py, 1 thread on a shared 2-core machine): the first bucket of a p
 (68 s under a load of 300; inductor's own start-up included), each further bucket 12-28 s; with inductor's FX graph cache warm
 (on by default, ``TORCHINDUCTOR_CACHE_DIR``; a later process, same shapes) 11 s and 2 s. Each
 compile is paid once per model, bucket and cache size in a process (``model_steps(model).
-compile_seconds``, logged at INFO). The demo target took 35-40 s per shape (issue 33). What it buys
+compile_seconds``, logged at INFO). A 135M-parameter target took 35-40 s per shape. What it buys
 on that tiny model, cache of 100 tokens, medians: width 1 / 4 took 1.30 / 1.59 ms on the dynamic
 cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on the host each feed,
 0.08 ms). Recompiles: a new shape, grad mode, dtype or an input aliasing another (positions and slots
-must be distinct tensors) is a new graph; tests/test_static_runner.py runs random feeds under
+must be distinct tensors) is a new graph; tests/models/test_static_runner.py runs random feeds under
 ``error_on_recompile``.
 
 Not done yet: plumbing ``fast=`` through every decoder, the configs and the command line; the
