@@ -47,10 +47,16 @@ cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on 
 must be distinct tensors) is a new graph; tests/test_static_runner.py runs random feeds under
 ``error_on_recompile``.
 
-Not done yet: plumbing ``fast=`` through every decoder, the configs and the command line; the
-``max_len`` each decoder must size (prompt + new tokens + its widest round); the batch runner with
-batch buckets; the ``graphs`` backend (a static address for the buffers, warm-up, capture, cloned
-outputs); benchmarks (``infer.costs``, ``make bench``, ``scripts/gpu_checks.sh fast``).
+Sizing per call (what the decoders use): :func:`runner_for` builds a call's runner, its
+``max_len`` the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the
+decoders say) rounded up by :func:`call_max_len` to a power of two (at least
+:data:`MIN_MAX_LEN`), so that calls of other lengths share a cache size and with it the compiled
+steps; its buckets from :func:`fit_buckets` (those up to the call's widest forward, so a prefill
+wider than that runs eager and no bucket is compiled that the call cannot use). :func:`check_fast`
+is the one check of a ``fast`` argument.
+
+Not done yet: the batch runner with batch buckets (``generate_batch`` refuses ``fast``); the
+``graphs`` backend (a static address for the buffers, warm-up, capture, cloned outputs).
 """
 
 from __future__ import annotations
@@ -72,6 +78,49 @@ TARGET_BUCKETS = (1, 2, 4, 8, 16, 32)
 DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs")
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
+MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
+
+
+def check_fast(where: str, fast, device=None, *models) -> str | None:
+    """``fast`` if it is a backend this build runs on ``device`` (None: not known yet), else a
+    ValueError naming ``where``'s argument and the allowed values; ``models`` are checked to fit the
+    static cache (:func:`check_static_model`) when ``fast`` is set."""
+    if fast not in FAST_BACKENDS:
+        raise ValueError(f"{where}: fast must be one of {', '.join(map(repr, FAST_BACKENDS))}, got {fast!r}")
+    if fast == "graphs":
+        device = None if device is None else torch.device(device)
+        need = "needs CUDA" if device is not None and device.type != "cuda" else "is not built yet (issue 33)"
+        raise ValueError(f"{where}: fast='graphs' {need}" + (f"; the models are on {device}" if device else "")
+                         + ". Use fast='compile' or 'static'")
+    if fast is not None:
+        for model in models:
+            check_static_model(model)
+    return fast
+
+
+def call_max_len(tokens: int, model) -> int:
+    """The static cache's ``max_len`` for a call that holds at most ``tokens`` tokens: the next
+    power of two, at least :data:`MIN_MAX_LEN` and at most the model's ``max_position_embeddings``
+    (never below ``tokens``), so that calls of nearby lengths share a cache size and its compiled steps."""
+    limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)
+    return max(tokens, min(limit, max(MIN_MAX_LEN, 1 << (max(tokens, 1) - 1).bit_length())))
+
+
+def fit_buckets(widest: int, buckets: tuple[int, ...] = TARGET_BUCKETS) -> tuple[int, ...]:
+    """The ``buckets`` up to the first that holds ``widest`` tokens (all of them if none does)."""
+    fit = next((i for i, b in enumerate(buckets) if b >= widest), len(buckets) - 1)
+    return tuple(buckets[: fit + 1])
+
+
+def runner_for(fast: str | None, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS):
+    """A factory ``(model, vocab, want_hidden) -> runner`` for one decoding call that holds at most
+    ``tokens`` tokens: the eager :class:`ModelRunner` (``fast=None``) or a :class:`StaticRunner` of
+    :func:`call_max_len` tokens over ``buckets``."""
+    def make(model, vocab: int, want_hidden: bool):
+        max_len = None if fast is None else call_max_len(tokens, model)
+        return new_runner(model, vocab, want_hidden, fast, max_len=max_len, buckets=buckets)
+
+    return make
 
 
 def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
@@ -184,7 +233,8 @@ def model_steps(model) -> _ModelSteps:
 
 def check_static_model(model) -> None:
     """Refuse a model the static cache cannot serve: one without a separate decoder and output
-    layer, with sliding-window or non-attention layers, or with soft-capped logits."""
+    layer, with sliding-window or non-attention layers, an attention that takes no 4-D mask, or
+    with soft-capped logits."""
     config = model.config
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if not isinstance(decoder, torch.nn.Module) or decoder is model or model.get_output_embeddings() is None:
@@ -195,6 +245,10 @@ def check_static_model(model) -> None:
         raise ValueError(f"{type(model).__name__}: layer types {sorted(layer_types)} / sliding window "
                          f"{getattr(config, 'sliding_window', None)}; the static cache holds full-attention layers only; "
                          "use fast=None")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa"):
+        raise ValueError(f"{type(model).__name__} uses attention {impl!r}, which does not take the static cache's 4-D "
+                         "mask; load it with attn_implementation='sdpa' or 'eager', or use fast=None")
     if getattr(config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits, which the static step does not; use fast=None")
 
@@ -222,13 +276,10 @@ class StaticRunner(HiddenHook):
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
-        if fast not in ("static", "compile", "graphs"):
-            raise ValueError(f"fast must be one of {FAST_BACKENDS}, got {fast!r}")
         device = next(model.parameters()).device
-        if fast == "graphs":
-            need = "needs CUDA" if device.type != "cuda" else "is not built yet (issue 33)"
-            raise ValueError(f"fast='graphs' {need}; the model is on {device}. Use fast='compile' or 'static'")
-        check_static_model(model)
+        if fast is None:
+            raise ValueError("StaticRunner: fast must be 'static' or 'compile' (fast=None is the eager ModelRunner)")
+        check_fast("StaticRunner", fast, device, model)
         self.model, self.vocab, self.want_hidden, self.fast = model, vocab, want_hidden, fast
         self.buckets = check_buckets(buckets)
         limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)
