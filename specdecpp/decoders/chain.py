@@ -10,7 +10,7 @@ import torch
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
 from ..models.reduced_vocab import output_vocab_size
-from ..models.static import DRAFT_BUCKETS, check_fast, fit_buckets, runner_for
+from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
 from .cascade import Cascade, CascadeRule
@@ -55,19 +55,31 @@ class SpeculativeDecoder:
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
         self.device = check_pair_devices(draft, target)
         self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.cascade = cascade
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
+
+    def fast_plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, list]:
+        """The tokens a call holds (prompt + new tokens + the widest verification + 1) and each
+        model's buckets, ``[(draft, buckets), (target, buckets)]``."""
+        widest = min(self.policy.max_candidates, max_new_tokens - 1) + 1  # a verification's tokens
+        return prompt_len + max_new_tokens + widest + 1, [(self.draft, DRAFT_BUCKETS), (self.target, fit_buckets(widest))]
+
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """Size the fast path for calls up to this long and compile every bucket they use (fast='compile'),
+        so no later call compiles; the seconds it took (0 without compiling)."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile)
-        widest = min(self.policy.max_candidates, seq.room - 1) + 1  # a verification's tokens
+        tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy,
-                          runners=runner_for(self.fast, seq.end + widest + 1, DRAFT_BUCKETS))
-        target = runner_for(self.fast, seq.end + widest + 1, fit_buckets(widest))(self.target, self.vocab, False)
+                          runners=self.runners(tokens, plan[0][1]))
+        target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
         stats = RunStats()
         t_start = clock.now()
 

@@ -47,7 +47,7 @@ from ..core.sampling import SamplingConfig
 from ..core.timing import Clock
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import time_cached_forwards
-from ..models.static import DRAFT_BUCKETS, check_fast, fit_buckets, runner_for
+from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy, check_count
 from . import rounds
 from .rounds import GenerateOutput, RunStats, finish
@@ -170,11 +170,12 @@ class PEARLDecoder:
     def __init__(self, draft, target, gamma: int | str = "auto", sampling: SamplingConfig | None = None,
                  policy: StopPolicy | None = None, num_threads: int | None = 1,
                  switch_interval: float | None = 1e-4, fast: str | None = None) -> None:
+        self.device = rounds.check_pair_devices(draft, target)
+        self.fast = check_fast("PEARLDecoder", fast, self.device, draft, target)  # first: it knows the device
         self.check_settings(gamma, num_threads, switch_interval, fast)
         if policy is not None and not isinstance(policy, StopPolicy):
             raise TypeError(f"PEARLDecoder: policy must be a StopPolicy or None, got {type(policy).__name__}")
-        self.device = rounds.check_pair_devices(draft, target)
-        self.fast = check_fast("PEARLDecoder", fast, self.device, draft, target)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.draft, self.target, self.policy = draft, target, policy
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -231,8 +232,8 @@ class PEARLDecoder:
         seq = rounds.TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
         tokens = seq.end + gamma + 1  # the prompt, the new tokens and a block
         drafter = rounds.Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock,
-                                 runners=runner_for(self.fast, tokens, DRAFT_BUCKETS))
-        target = runner_for(self.fast, tokens, fit_buckets(gamma))(self.target, self.vocab, False)
+                                 runners=self.runners(tokens, DRAFT_BUCKETS))
+        target = self.runners(tokens, fit_buckets(gamma))(self.target, self.vocab, False)
         stats = PEARLStats(gamma=gamma)
         q_pending, m = [], 0  # pending drafts: seq.tokens[n : n + m] (q_pending empty under greedy)
         t_start = clock.now()

@@ -37,7 +37,7 @@ from ..core.timing import Clock
 from ..core.verify import residual
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
-from ..models.static import check_fast, runner_for
+from ..models.static import CallRunners, check_fast
 from .rounds import (
     GenerateOutput,
     RunStats,
@@ -298,6 +298,7 @@ class SequoiaDecoder:
             check_tree_model(model, role)
         self.fast = check_fast("SequoiaDecoder", fast, self.device, draft, target)
         self.buckets = tree_buckets(self.tree)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.draft, self.target, self.profile = draft, target, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -311,14 +312,23 @@ class SequoiaDecoder:
             self._plans[tree.n_nodes] = TreePlan.build(tree, self.device)
         return self._plans[tree.n_nodes]
 
+    def fast_plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, list]:
+        """As ``SpeculativeDecoder.fast_plan``: the widest round is the tree's."""
+        tokens = prompt_len + max_new_tokens + self.tree.size + 1
+        return tokens, [(self.draft, self.buckets["draft"]), (self.target, self.buckets["target"])]
+
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """As ``SpeculativeDecoder.warm_up``."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
+
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile)
-        tokens = seq.end + self.tree.size + 1  # the prompt, the new tokens and a round's tree
-        draft = runner_for(self.fast, tokens, self.buckets["draft"])(self.draft, self.vocab, False)
-        target = runner_for(self.fast, tokens, self.buckets["target"])(self.target, self.vocab, False)
+        tokens, ((_, draft_buckets), (_, target_buckets)) = self.fast_plan(seq.prompt_len, max_new_tokens)
+        draft = self.runners(tokens, draft_buckets)(self.draft, self.vocab, False)
+        target = self.runners(tokens, target_buckets)(self.target, self.vocab, False)
         drafter = TreeDrafter(draft, self.sampling, marks)
         stats = SequoiaStats(tree_size=self.tree.size, tree_depth=self.tree.depth)
         t_start = clock.now()

@@ -47,13 +47,14 @@ cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on 
 must be distinct tensors) is a new graph; tests/test_static_runner.py runs random feeds under
 ``error_on_recompile``.
 
-Sizing per call (what the decoders use): :func:`runner_for` builds a call's runner, its
-``max_len`` the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the
-decoders say) rounded up by :func:`call_max_len` to a power of two (at least
-:data:`MIN_MAX_LEN`), so that calls of other lengths share a cache size and with it the compiled
-steps; its buckets from :func:`fit_buckets` (those up to the call's widest forward, so a prefill
-wider than that runs eager and no bucket is compiled that the call cannot use). :func:`check_fast`
-is the one check of a ``fast`` argument.
+Sizing per call (what the decoders use): :class:`CallRunners` builds a call's runners, sized to
+the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the decoders say)
+plus the padding tail, rounded up by :func:`call_max_len` to a power of two (at least
+:data:`MIN_MAX_LEN`) and never below the largest size the decoder has used, so that calls of other
+lengths share a cache size and with it the compiled steps; the buckets from :func:`fit_buckets`
+(those up to the call's widest forward, so a prefill wider than that runs eager and no bucket is
+compiled that the call cannot use). ``CallRunners.warm_up`` compiles them all before timing.
+:func:`check_fast` is the one check of a ``fast`` argument.
 
 Not done yet: the batch runner with batch buckets (``generate_batch`` refuses ``fast``); the
 ``graphs`` backend (a static address for the buffers, warm-up, capture, cloned outputs).
@@ -69,6 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.attention import decode_attention
 from ..core.compat import cache_kwargs
 from .runner import HiddenHook, ModelRunner
 
@@ -98,10 +100,19 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
     return fast
 
 
+def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
+               buckets: tuple[int, ...] = TARGET_BUCKETS):
+    """The runner the ``fast`` switch chooses (module docstring): ``None`` gives the eager
+    :class:`ModelRunner`, ``"static"`` / ``"compile"`` a :class:`StaticRunner`."""
+    if fast is None:
+        return ModelRunner(model, vocab, want_hidden)
+    return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
+
+
 def call_max_len(tokens: int, model) -> int:
-    """The static cache's ``max_len`` for a call that holds at most ``tokens`` tokens: the next
+    """A static cache's size (``max_len`` plus the padding tail) for ``tokens`` tokens: the next
     power of two, at least :data:`MIN_MAX_LEN` and at most the model's ``max_position_embeddings``
-    (never below ``tokens``), so that calls of nearby lengths share a cache size and its compiled steps."""
+    (never below ``tokens``), so that calls of nearby lengths share a size and its compiled steps."""
     limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)
     return max(tokens, min(limit, max(MIN_MAX_LEN, 1 << (max(tokens, 1) - 1).bit_length())))
 
@@ -112,24 +123,47 @@ def fit_buckets(widest: int, buckets: tuple[int, ...] = TARGET_BUCKETS) -> tuple
     return tuple(buckets[: fit + 1])
 
 
-def runner_for(fast: str | None, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS):
-    """A factory ``(model, vocab, want_hidden) -> runner`` for one decoding call that holds at most
-    ``tokens`` tokens: the eager :class:`ModelRunner` (``fast=None``) or a :class:`StaticRunner` of
-    :func:`call_max_len` tokens over ``buckets``."""
-    def make(model, vocab: int, want_hidden: bool):
-        max_len = None if fast is None else call_max_len(tokens, model)
-        return new_runner(model, vocab, want_hidden, fast, max_len=max_len, buckets=buckets)
+class CallRunners:
+    """A decoder's runners across its calls, by one switch ``fast``: ``runners(tokens, buckets)``
+    is a factory ``(model, vocab, want_hidden) -> runner`` for a call that holds at most ``tokens``
+    tokens and feeds widths up to ``buckets[-1]`` in buckets (eager :class:`ModelRunner` for
+    ``fast=None``). The static caches' size is the largest any call of this decoder has needed so
+    far (:func:`call_max_len` of the tokens plus the padding tail, so the size does not depend on
+    the buckets): a call that fits reuses it, and with it the compiled steps of every model and
+    width. :meth:`warm_up` compiles every bucket at a call's size before anything is timed."""
 
-    return make
+    def __init__(self, fast: str | None, models) -> None:
+        self.fast, self.models, self.size = fast, tuple(models), 0
 
+    def _max_len(self, tokens: int, buckets: tuple[int, ...]) -> int:
+        need = tokens + buckets[-1]
+        if need > self.size:
+            self.size = max(call_max_len(need, model) for model in self.models)
+        return self.size - buckets[-1]
 
-def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
-               buckets: tuple[int, ...] = TARGET_BUCKETS):
-    """The runner the ``fast`` switch chooses (module docstring): ``None`` gives the eager
-    :class:`ModelRunner`, ``"static"`` / ``"compile"`` a :class:`StaticRunner`."""
-    if fast is None:
-        return ModelRunner(model, vocab, want_hidden)
-    return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
+    def __call__(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS):
+        buckets = check_buckets(buckets)
+        max_len = None if self.fast is None else self._max_len(tokens, buckets)
+
+        def make(model, vocab: int, want_hidden: bool):
+            return new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets)
+
+        return make
+
+    def warm_up(self, tokens: int, plan) -> float:
+        """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
+        tokens (one forward of each width; the steps are kept for the process) unless compiled
+        already; returns the seconds it took (0 unless ``fast="compile"``)."""
+        if self.fast != "compile":
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
+            for model, buckets in plan:
+                runner = self(tokens, buckets)(model, 1, False)
+                for width in runner.buckets:
+                    runner.rollback(0)
+                    runner.feed(torch.zeros(width, dtype=torch.long, device=runner.cache.keys[0].device))
+        return time.perf_counter() - t0
 
 
 @dataclass
