@@ -71,3 +71,22 @@ def test_fast_rows_equal_eager_ones_and_get_their_own_table(base, tmp_path):
     assert {e["method"] for e in groups["static"]["entries"]} == {"target_only", "fixed_k", "sequoia"}
     assert all(e["speedup"] is not None for e in groups["static"]["entries"])  # against fast target-only
     assert " / fast=static\n" in report["text"] and report["text"].count("## ") == 2
+
+
+def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):
+    """python -m infer.costs --fast static: the width curves on the static runner, recorded as such."""
+    from infer import costs as cli
+    from specdecpp.analysis.costmodel import load_costs
+
+    path = tmp_path / "costs.json"
+    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+              "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
+              "--costs-out", str(path)])
+    assert "fast path: static" in capsys.readouterr().out
+    costs = load_costs(path)
+    assert costs.meta["fast"] == "static" and sorted(costs.target_by_width) == list(range(1, 9))
+    assert all(t > 0 for t in costs.target_by_width.values())
+    with pytest.raises(SystemExit):
+        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--fast", "static", "--batch-sizes", "2",
+                  "--costs-out", str(path)])
+    assert "--fast static with --batch-sizes: batched forwards run eager" in capsys.readouterr().err
