@@ -49,22 +49,24 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
 
 
 def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None,
-               fast: str | None = None) -> dict[str, dict[int, float]]:
+               fast: str | None | dict = None) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
     batch 1, through the decoding engine's own model call (``specdecpp.models.runner.ModelRunner.feed``: on a
     CPU it pads 2-3 tokens to 4, as decoding does; with ``fast``, the static runner's, which pads n
-    to its width bucket and compiles each bucket once, before timing), the cache rolled back after
-    each (untimed); every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``),
-    so machine load affects all alike."""
+    to its width bucket and compiles each bucket once, before timing; a dict gives each model name
+    its own backend, so eager and fast are timed in one loop), the cache rolled back after each
+    (untimed); every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so
+    machine load affects all alike."""
     from specdecpp.models.static import CallRunners
 
     widths = widths or {}
     calls, resets = {}, {}
-    runners = CallRunners(fast, models.values())
+    backends = fast if isinstance(fast, dict) else dict.fromkeys(models, fast)
+    runners = {b: CallRunners(b, models.values()) for b in {backends.get(name) for name in models}}
     with torch.no_grad():
         for name, model in models.items():
             tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
-            runner = runners(context.shape[1])(model, output_vocab_size(model), False)
+            runner = runners[backends.get(name)](context.shape[1])(model, output_vocab_size(model), False)
             runner.feed(context[0, :-tail_len].to(model.device))
             length, tail = runner.length, context[0, -tail_len:].to(model.device)
             for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
