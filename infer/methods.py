@@ -267,7 +267,8 @@ class CascadeMethod:
 
 class EngineRunner:
     """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
-    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA)."""
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA);
+    on the fast path they are off (``forward_time_s`` None: its steps bypass the models' hooks)."""
 
     timed = True
 
@@ -281,10 +282,12 @@ class EngineRunner:
         return self.decoder.warm_up(prompt_len, max_new_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
-        with ForwardMeter(self.decoder.draft, self.clock) as d, ForwardMeter(self.decoder.target, self.clock) as t:
+        metered = self.decoder.fast is None
+        with ForwardMeter(self.decoder.draft, self.clock, enabled=metered) as d, \
+                ForwardMeter(self.decoder.target, self.clock, enabled=metered) as t:
             out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
                                         eos_token_id=eos_token_id)
-        forward = d.seconds + t.seconds if self.clock.exact else None
+        forward = d.seconds + t.seconds if self.clock.exact and metered else None
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
 
     def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):

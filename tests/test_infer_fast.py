@@ -64,6 +64,7 @@ def test_fast_rows_equal_eager_ones_and_get_their_own_table(base, tmp_path):
     reference = {r["prompt_id"]: r["output_ids"] for r in rows[("target_only", "null")]}
     for (name, fast), rs in rows.items():
         assert {r["fast"] for r in rs} == {None if fast == "null" else fast}, (name, fast)
+        assert all((r["forward_time_s"] is None) == (fast == "static") for r in rs)  # no hooks on the fast path
         assert {r["prompt_id"]: r["output_ids"] for r in rs} == reference, (name, fast)
     report = build_report(out, tmp_path / "report")
     groups = {g["fast"]: g for g in report["groups"]}
