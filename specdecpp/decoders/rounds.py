@@ -91,7 +91,7 @@ class Drafter:
     def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
                  eos: set[int], clock: Clock, keep_logits: bool = False, runners=ModelRunner) -> None:
         """``runners``: builds the draft's runner as ``runners(model, vocab, want_hidden)``, the
-        eager :class:`ModelRunner` by default (the fast path's: ``specdecpp.models.static.runner_for``)."""
+        eager :class:`ModelRunner` by default (the fast path's: a ``specdecpp.models.static.CallRunners`` call)."""
         self.policy = policy if policy is not None else _NeverStop()
         self.keep_logits = keep_logits
         self.sampling, self.eos, self.clock = sampling, eos, clock
