@@ -23,8 +23,9 @@ from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
 from specdecpp.models.reduced_vocab import output_vocab_size
+from specdecpp.models.static import check_fast
 
-from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method
+from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method, takes_fast
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
 from .tags import result_path
 
@@ -47,6 +48,7 @@ class Job:
     batch_size: int = 1
     batch_fill: bool = False
     allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
+    fast: str | None = None  # the fast path's backend (None: eager; docs/engine.md "The fast path")
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -94,6 +96,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     batch_fill = cfg.get("batch_fill", False)
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
+    fast = job_fast(cfg, spec, batch_size)
     allow_code_execution = cfg.get("allow_code_execution", False)
     code_execution_allowed(allow_code_execution)  # a bad value or a bad SPECDECPP_ALLOW_CODE_EXECUTION fails here
     p = cfg.prompts
@@ -103,9 +106,10 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         "pair": {"name": cfg.pair.name, "draft": str(cfg.pair.draft), "target": str(cfg.pair.target)},
         "prompts": {"name": p.name, "source": p.source, "split": p.get("split")},
         "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "fast": fast,
         **({"batch_fill": True} if batch_fill else {}),  # absent when false: older result files resume
     }
-    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill)
+    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill, fast)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}
@@ -114,7 +118,24 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
-               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution)
+               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution, fast=fast)
+
+
+def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
+    """``fast`` for this method: checked (a bad value, ``graphs`` not built, PEARL compiled and
+    batches are refused), None for a method that does not decode with our engine's runners
+    (hf_assisted, oracle: they ignore it, and their rows say fast: null)."""
+    fast = check_fast("infer", cfg.get("fast"))
+    if fast is not None and not takes_fast(spec):
+        log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
+                 spec.name, fast)
+        return None
+    if fast is not None and hasattr(spec.method, "check_fast"):
+        spec.method.check_fast(fast)
+    if fast is not None and batch_size > 1:
+        raise ValueError(f"fast={fast} with batch_size={batch_size}: batches run eager for now (generate_batch refuses "
+                         "fast); set fast=null or batch_size=1")
+    return fast
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -164,7 +185,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
     comparison is then paired in time as well as in prompts; one job is simply its prompts in
     order). Rows are appended to each job's own file as they finish (resumable)."""
     draft, target, tokenizer = models
-    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile) for job in jobs]
+    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile, fast=job.fast) for job in jobs]
     writers = [ResultWriter(job.path) for job in jobs]
     eos = sorted(eos_token_ids(tokenizer, target))
     order: dict[str, Prompt] = {}
@@ -172,6 +193,11 @@ def execute(jobs: list[Job], models) -> list[dict]:
         for q in job.todo:
             order.setdefault(q.id, q)
     encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
+    for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
+        if job.fast and job.todo and hasattr(runner, "warm_up"):
+            seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens)
+            log.info("%s %s: fast=%s warmed up (compiled) in %.1f s, untimed", job.spec.name, job.spec.tag, job.fast,
+                     seconds)
     warm = max((job.warmup_tokens for job in jobs), default=0)
     if encoded and warm > 0:  # untimed, unrecorded: one warm-up per runner
         first = next(iter(encoded.values()))

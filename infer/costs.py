@@ -24,6 +24,10 @@ precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on 
     same loop.
 --batch-sizes B ...: also t_draft(B) and t_target(B, n) (B rows of n tokens each, n <= 21) through
     the batched engine's forward (specdecpp.decoders.batch.BatchRunner), for the batched Eq. 2.3.
+--fast static|compile: time the forwards on the fast path (docs/engine.md, "The fast path"): the
+    static KV cache, each width padded to its bucket (1, 2, 4, ..., 32; wider ones run eager) and,
+    with compile, each bucket compiled once before timing; costs.json records it (provenance.fast).
+    Batched curves (--batch-sizes) run eager only.
 --costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, draft_by_width,
     draft_by_batch, target_by_batch, provenance),
     read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
@@ -69,7 +73,8 @@ def table(result: dict) -> str:
         lines.append(f"batch {b}: draft step {result['draft_by_batch_s'][b] * 1e3:.1f} ms; target, n tokens per row (ms): "
                      + ", ".join(f"n={n}: {t * 1e3:.1f}" for n, t in sorted(curve.items())))
     if result.get("dtype"):
-        lines.insert(len(rows) + 2, f"precision: {result['dtype']}")
+        lines.insert(len(rows) + 2, f"precision: {result['dtype']}" + (f", fast path: {result['fast']}" if result.get("fast")
+                                                                        else ""))
     for name, c in result.get("compare_dtypes", {}).items():
         lines.append(f"same loop, {name}: draft step {c['draft_step_s'] * 1e3:.1f} ms, target step "
                      f"{c['target_step_s'] * 1e3:.1f} ms, cost ratio {c['cost_ratio']:.3f}; target by width (ms): "
@@ -102,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                         "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
     parser.add_argument("--compare-dtype", nargs="*", default=[], metavar="DTYPE",
                         help="also time the pair at these precisions in the same loop (e.g. float32)")
+    parser.add_argument("--fast", choices=["static", "compile"], help="time the forwards on the fast path "
+                        "(default: eager)")
     parser.add_argument("--out", type=Path, help="write everything measured as JSON here")
     parser.add_argument("--costs-out", type=Path, help="write the pair's costs.json here "
                         "(for python -m infer.potential --costs and python -m infer.report --costs)")
@@ -116,10 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-width must be >= 1, got {args.max_width}")
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if args.fast and args.batch_sizes:
+        parser.error(f"--fast {args.fast} with --batch-sizes: batched forwards run eager for now; time them without --fast")
     torch.set_num_threads(args.threads)
     result = measure(pair["draft"], pair["target"], args.sources, args.limit, args.max_new_tokens, args.timing_steps,
                      args.seed, pair["dtype"], tuple(args.compare_dtype), pair["device"], args.max_width,
-                     tuple(args.batch_sizes))
+                     tuple(args.batch_sizes), args.fast)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -48,21 +48,25 @@ def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tu
     return torch.minimum(p, q).sum(-1), covered
 
 
-def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None
-               ) -> dict[str, dict[int, float]]:
+def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None,
+               fast: str | None | dict = None) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward of n tokens per model (n = 1 and ``widths[name]``),
     batch 1, through the decoding engine's own model call (``specdecpp.models.runner.ModelRunner.feed``: on a
-    CPU it pads 2-3 tokens to 4, as decoding does), the cache rolled back after each (untimed);
-    every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so machine load
-    affects all alike."""
-    from specdecpp.models.runner import ModelRunner
+    CPU it pads 2-3 tokens to 4, as decoding does; with ``fast``, the static runner's, which pads n
+    to its width bucket and compiles each bucket once, before timing; a dict gives each model name
+    its own backend, so eager and fast are timed in one loop), the cache rolled back after each
+    (untimed); every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so
+    machine load affects all alike."""
+    from specdecpp.models.static import CallRunners
 
     widths = widths or {}
     calls, resets = {}, {}
+    backends = fast if isinstance(fast, dict) else dict.fromkeys(models, fast)
+    runners = {b: CallRunners(b, models.values()) for b in {backends.get(name) for name in models}}
     with torch.no_grad():
         for name, model in models.items():
-            runner = ModelRunner(model, output_vocab_size(model), want_hidden=False)
             tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
+            runner = runners[backends.get(name)](context.shape[1])(model, output_vocab_size(model), False)
             runner.feed(context[0, :-tail_len].to(model.device))
             length, tail = runner.length, context[0, -tail_len:].to(model.device)
             for n in [1, *[w for w in widths.get(name, []) if w != 1]]:
@@ -117,7 +121,7 @@ def measured_widths(max_width: int) -> list[int]:
 
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
             timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
-            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = ()) -> dict:
+            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = (), fast: str | None = None) -> dict:
     draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
     per_source = {}
     for source in sources:
@@ -144,7 +148,7 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
     widths = measured_widths(max_width)
-    timed = step_times(models, context, timing_steps, {name: widths for name in models})
+    timed = step_times(models, context, timing_steps, {name: widths for name in models}, fast)
     times = {name: t[1] for name, t in timed.items()}
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
@@ -160,7 +164,7 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
     best_k = max(speedups, key=speedups.get)
     return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype), "device": str(target.device),
-            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(),
+            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(), "fast": fast,
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
@@ -176,7 +180,7 @@ def output_vocab_info(draft) -> dict:
 
 def pair_costs(result: dict) -> Costs:
     """The cost model's view of a measurement: what ``--costs-out`` writes."""
-    meta = {k: result[k] for k in ("draft", "target", "device", "dtype", "threads")}
+    meta = {k: result.get(k) for k in ("draft", "target", "device", "dtype", "threads", "fast")}
     return Costs(result["draft_step_s"], result["target_step_s"], dict(result["target_by_width_s"]),
                  {**meta, "measured_by": "python -m infer.costs"},
                  draft_by_width=dict(result.get("draft_by_width_s") or {}) or None,

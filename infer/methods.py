@@ -13,6 +13,10 @@ A runner has ``timed`` (whether its times are measurements) and
 ``generate(prompt_ids, max_new_tokens, seed, eos_token_id) -> (output_ids, RunStats, extra)``,
 ``extra`` holding ``forward_time_s``: the time inside the two models' forward passes, measured
 by the same hooks for every runner (wall time minus it is the decoding loop's own overhead).
+
+The fast path (``fast``, docs/engine.md "The fast path") reaches every method that decodes with our
+engine's runners (:func:`takes_fast`: the stop policies, cascades, PEARL (static only), Sequoia);
+``hf_assisted`` (transformers' own generate) and ``oracle`` (untimed counts) ignore it.
 """
 
 from __future__ import annotations
@@ -153,6 +157,11 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     return MethodSpec(name, settings, method_tag(name, settings, getattr(method, "tag_keys", None)), head, method)
 
 
+def takes_fast(spec: MethodSpec) -> bool:
+    """Whether the method decodes with our engine's runners, which the fast path replaces."""
+    return isinstance(spec.method, StopPolicy) or bool(getattr(spec.method, "takes_fast", False))
+
+
 class PEARLMethod:
     """PEARL (specdecpp.PEARLDecoder) from config, checked before the models load by the decoder's
     own ``check_settings``. ``stop`` ends a draft block early under a stop policy: ``svip``
@@ -160,6 +169,7 @@ class PEARLMethod:
     policy checks its own settings."""
 
     STOPS = (None, "svip", "specdecpp")
+    takes_fast = True
     tag_keys = ("gamma", "stop", "head", "threshold", "c", "num_threads")  # infer.tags: g4_svip_h0.5_c0.15_t2
 
     def __init__(self, gamma: int | str = "auto", stop: str | None = None, threshold: float = 0.5, c: float = 0.15,
@@ -184,9 +194,13 @@ class PEARLMethod:
             settings.update(threshold=self.policy.threshold, head_kind=self.policy.head.kind)
         return settings
 
-    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
+    @staticmethod
+    def check_fast(fast) -> None:
+        PEARLDecoder.check_fast(fast)  # static only: the draft runs on a second thread
+
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False, fast: str | None = None):
         return PEARLRunner(PEARLDecoder(draft, target, self.gamma, sampling, policy=self.policy,
-                                        num_threads=self.num_threads, switch_interval=self.switch_interval))
+                                        num_threads=self.num_threads, switch_interval=self.switch_interval, fast=fast))
 
 
 class SequoiaMethod:
@@ -195,6 +209,8 @@ class SequoiaMethod:
     is chosen here by the DP from ``acceptance`` (``python -m infer.sequoia measure``'s file) and
     ``costs`` (a costs.json with both width curves) over tree sizes ``sizes`` (default: the measured
     widths) and depths <= ``max_depth``."""
+
+    takes_fast = True
 
     def __init__(self, tree=None, acceptance: str | None = None, costs: str | None = None,
                  sizes: list[int] | None = None, max_depth: int = 12) -> None:
@@ -214,8 +230,8 @@ class SequoiaMethod:
         return {"tree_size": self.tree.size, "tree_depth": self.tree.depth, "parents": list(self.tree.parents),
                 "tree_source": self.source, "expected_tokens": self.tree.meta.get("expected_tokens")}
 
-    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
-        return SequoiaRunner(SequoiaDecoder(draft, target, self.tree, sampling, profile=profile), profile)
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False, fast: str | None = None):
+        return SequoiaRunner(SequoiaDecoder(draft, target, self.tree, sampling, profile=profile, fast=fast), profile)
 
 
 class CascadeMethod:
@@ -225,6 +241,7 @@ class CascadeMethod:
 
     STOPS = ("fixed_k", "svip", "specdecpp")
     lossy = True
+    takes_fast = True
     tag_keys = ("rule", "alpha", "stop", "policy.k", "head", "policy.threshold")  # infer.tags: opt_a0.1_svip_h0.5
 
     def __init__(self, rule: str = "opt", alpha: float = 0.1, stop: str = "fixed_k", k: int = 4,
@@ -243,14 +260,15 @@ class CascadeMethod:
         return {"rule": self.cascade.rule, "alpha": self.cascade.alpha, "stop": self.stop,
                 "policy": self.policy.settings(), "lossy": True}
 
-    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False):
+    def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False, fast: str | None = None):
         return EngineRunner(SpeculativeDecoder(draft, target, self.policy, sampling, profile=profile,
-                                               cascade=self.cascade), profile)
+                                               cascade=self.cascade, fast=fast), profile)
 
 
 class EngineRunner:
     """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
-    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA)."""
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA);
+    on the fast path they are off (``forward_time_s`` None: its steps bypass the models' hooks)."""
 
     timed = True
 
@@ -258,11 +276,18 @@ class EngineRunner:
         self.decoder = decoder
         self.clock = Clock(decoder.device, sync=profile)
 
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """The fast path's sizing and compilation for calls up to this long (the decoder's
+        ``warm_up``), untimed; its seconds."""
+        return self.decoder.warm_up(prompt_len, max_new_tokens)
+
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
-        with ForwardMeter(self.decoder.draft, self.clock) as d, ForwardMeter(self.decoder.target, self.clock) as t:
+        metered = self.decoder.fast is None
+        with ForwardMeter(self.decoder.draft, self.clock, enabled=metered) as d, \
+                ForwardMeter(self.decoder.target, self.clock, enabled=metered) as t:
             out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
                                         eos_token_id=eos_token_id)
-        forward = d.seconds + t.seconds if self.clock.exact else None
+        forward = d.seconds + t.seconds if self.clock.exact and metered else None
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
 
     def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):
@@ -314,15 +339,18 @@ class PEARLRunner:
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), s, {"forward_time_s": None, "row": row}
 
 
-def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False):
+def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False,
+                 fast: str | None = None):
     """A stop policy runs in our engine; any other method makes its own runner. ``profile``:
     synchronise CUDA around every forward pass / round to split the time between the models
-    (slower: not for the timed comparison); no effect on CPU, where times are exact anyway."""
+    (slower: not for the timed comparison); no effect on CPU, where times are exact anyway.
+    ``fast``: the fast path's backend, for a method that :func:`takes_fast` (None otherwise)."""
     if isinstance(spec.method, StopPolicy):
-        return EngineRunner(SpeculativeDecoder(draft, target, spec.method, sampling, profile=profile), profile)
-    return spec.method.runner(draft, target, sampling, profile=profile)
+        return EngineRunner(SpeculativeDecoder(draft, target, spec.method, sampling, profile=profile, fast=fast),
+                            profile)
+    return spec.method.runner(draft, target, sampling, profile=profile, **({"fast": fast} if fast else {}))
 
 
 __all__ = ["APP_KEYS", "HF_MODES", "METHODS", "EngineRunner", "MethodSpec", "PEARLMethod", "PEARLRunner",
            "SequoiaMethod", "SequoiaRunner",
-           "build_runner", "instantiate_method", "method_config", "resolve_method"]
+           "build_runner", "instantiate_method", "method_config", "resolve_method", "takes_fast"]

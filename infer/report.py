@@ -171,13 +171,14 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
     out.mkdir(parents=True, exist_ok=True)
     sections, images = [f"# Inference report: {results_dir}\n"], []
     for g in groups:
-        slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"])
+        slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"], *([f"fast-{g['fast']}"] if g["fast"] else []))
         pngs = [pareto_plot(g, out / f"pareto_{slug}.png"), throughput_plot(g, out / f"throughput_{slug}.png")]
         if any(e.get("lossy") for e in g["entries"]):
             pngs.append(quality_plot(g, out / f"quality_{slug}.png"))
         images += pngs
         sections += [
-            f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}\n",
+            f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}"
+            + (f" / fast={g['fast']}" if g["fast"] else "") + "\n",
             f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
             legend_line(g) + "\n",
         ]

@@ -38,16 +38,17 @@ def sampling_label(s: dict) -> str:
     return "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g}, top-k={s['top_k']}, top-p={s['top_p']:g}"
 
 
-GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling", "batch_size")
+GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling", "batch_size", "fast")
 
 
 def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows compared in one table: same pair, device, prompt set, sampling and batch size (a batched
-    method against target-only at the same batch size)."""
+    """Rows compared in one table: same pair, device, prompt set, sampling, batch size (a batched
+    method against target-only at the same batch size) and fast path (a fast method against fast
+    target-only; ``fast`` None: eager)."""
     groups = defaultdict(list)
     for row in rows:
         key = (row["pair"]["name"], row["pair"]["draft"], row["pair"]["target"], row.get("device", "?"),
-               row["prompts"]["name"], sampling_label(row["sampling"]), row.get("batch_size", 1))
+               row["prompts"]["name"], sampling_label(row["sampling"]), row.get("batch_size", 1), row.get("fast") or "")
         groups[key].append(row)
     return dict(sorted(groups.items()))
 
@@ -281,5 +282,5 @@ def summarize_results(rows: list[dict], costs: Costs | None = None) -> list[dict
     """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (a
     ``specdecpp.analysis.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
     target cost."""
-    return [{**dict(zip(GROUP_KEYS, key, strict=True)), **summarize_group(group, costs)}
+    return [{**dict(zip(GROUP_KEYS, key, strict=True)), "fast": key[-1] or None, **summarize_group(group, costs)}
             for key, group in group_rows(rows).items()]

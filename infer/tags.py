@@ -1,4 +1,4 @@
-"""Result file names: ``<method tag>[_b<B>][_fill]__<sampling tag>__s<seed>.jsonl``.
+"""Result file names: ``<method tag>[_b<B>][_fill][_fast-<backend>]__<sampling tag>__s<seed>.jsonl``.
 
 A method's tag is made from its ``settings()`` alone (the dict every row records), by one rule for
 every method: the settings named in :data:`PREFIXES`, in the method's ``tag_keys`` order (default:
@@ -63,7 +63,9 @@ def sampling_tag(s: SamplingConfig) -> str:
 
 
 def result_path(out_dir, tag: str, sampling: SamplingConfig, seed: int, batch_size: int = 1,
-                batch_fill: bool = False) -> Path:
-    """Where a run's rows go: ``tag`` is the method's (:func:`method_tag`)."""
-    tag = tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
+                batch_fill: bool = False, fast: str | None = None) -> Path:
+    """Where a run's rows go: ``tag`` is the method's (:func:`method_tag`); ``fast`` (the fast
+    path's backend) names the file only when set, so eager runs keep their paths."""
+    tag = (tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
+           + (f"_fast-{fast}" if fast else ""))
     return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"

@@ -10,7 +10,7 @@ import torch
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
 from ..models.reduced_vocab import output_vocab_size
-from ..models.runner import ModelRunner
+from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
 from .cascade import Cascade, CascadeRule
@@ -34,31 +34,53 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None,
-                 profile: bool = False, cascade: Cascade | None = None) -> None:
+                 profile: bool = False, cascade: Cascade | None = None, fast: str | None = None) -> None:
         """``profile=True`` synchronises CUDA around every round's draft and target phases so that
         ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
         the wall time and reports those two as NaN (on CPU they are measured either way).
 
         ``cascade``: None (default) decodes exactly; a :class:`~specdecpp.decoders.cascade.Cascade` makes the
         decoding LOSSY: the output follows the cascade's target ``pi`` (specdecpp/decoders/cascade.py), and
-        a fully accepted round spends one more draft forward for the bonus token's ``pi``."""
+        a fully accepted round spends one more draft forward for the bonus token's ``pi``.
+
+        ``fast``: None (default) runs both models eagerly over transformers' cache; ``"static"`` over
+        the project's static KV cache, ``"compile"`` with that cache's forwards compiled per width
+        bucket (``specdecpp.models.static``, docs/engine.md "The fast path"). Sampling, the rule,
+        the commit and the policy run outside the compiled forwards either way, so the output is
+        the same. ``generate_batch`` runs eager only for now (it refuses ``fast``)."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
         self.device = check_pair_devices(draft, target)
+        self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.cascade = cascade
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
+
+    def fast_plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, list]:
+        """The tokens a call holds (prompt + new tokens + the widest verification + 1) and each
+        model's buckets, ``[(draft, buckets), (target, buckets)]``."""
+        widest = min(self.policy.max_candidates, max_new_tokens - 1) + 1  # a verification's tokens
+        return prompt_len + max_new_tokens + widest + 1, [(self.draft, DRAFT_BUCKETS), (self.target, fit_buckets(widest))]
+
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """Size the fast path for calls up to this long and compile every bucket they use (fast='compile'),
+        so no later call compiles; the seconds it took (0 without compiling)."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile)
-        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy)
-        target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), RunStats()
+        tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
+        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy,
+                          runners=self.runners(tokens, plan[0][1]))
+        target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
+        stats = RunStats()
         t_start = clock.now()
 
         with drafter:
@@ -96,5 +118,11 @@ class SpeculativeDecoder:
 
         ``fill=True``: a row whose policy stopped keeps drafting while another row's policy still
         drafts, since in this layout its hole would be computed anyway (docs/batch.md); the round
-        ends when every row's policy has stopped. Exact either way."""
+        ends when every row's policy has stopped. Exact either way.
+
+        Batches run eager: a decoder built with ``fast`` refuses them (the static per-row layout
+        with batch buckets is not built yet)."""
+        if self.fast is not None:
+            raise ValueError(f"SpeculativeDecoder.generate_batch: fast={self.fast!r} is not supported for batches yet "
+                             "(they run eager); build the decoder with fast=None for generate_batch")
         return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill)

@@ -46,7 +46,8 @@ from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
 from ..core.timing import Clock
 from ..models.reduced_vocab import output_vocab_size
-from ..models.runner import ModelRunner, time_cached_forwards
+from ..models.runner import time_cached_forwards
+from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy, check_count
 from . import rounds
 from .rounds import GenerateOutput, RunStats, finish
@@ -160,15 +161,21 @@ class PEARLDecoder:
     num_threads: torch intra-op threads for each of the two sides on CPU during ``generate``
     (None: leave torch's setting). switch_interval: the GIL switch interval during ``generate``
     on CPU, in seconds (None: leave Python's 5 ms, which starves the target's Python overhead).
+    fast: None (eager) or ``"static"`` (both models over the project's static KV cache, run
+    eagerly). The compiled backends are refused (:meth:`check_fast`).
     """
+
+    FAST = (None, "static")  # the fast backends PEARL runs (check_fast says why not the others)
 
     def __init__(self, draft, target, gamma: int | str = "auto", sampling: SamplingConfig | None = None,
                  policy: StopPolicy | None = None, num_threads: int | None = 1,
-                 switch_interval: float | None = 1e-4) -> None:
-        self.check_settings(gamma, num_threads, switch_interval)
+                 switch_interval: float | None = 1e-4, fast: str | None = None) -> None:
+        self.device = rounds.check_pair_devices(draft, target)
+        self.fast = check_fast("PEARLDecoder", fast, self.device, draft, target)  # first: it knows the device
+        self.check_settings(gamma, num_threads, switch_interval, fast)
         if policy is not None and not isinstance(policy, StopPolicy):
             raise TypeError(f"PEARLDecoder: policy must be a StopPolicy or None, got {type(policy).__name__}")
-        self.device = rounds.check_pair_devices(draft, target)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.draft, self.target, self.policy = draft, target, policy
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -180,9 +187,22 @@ class PEARLDecoder:
         if policy is not None:
             policy.bind(draft, self.sampling.temperature)
 
-    @staticmethod
-    def check_settings(gamma, num_threads, switch_interval) -> None:
+    @classmethod
+    def check_fast(cls, fast) -> None:
+        """Refuse a fast backend PEARL does not run. Its draft runs on a second thread (a second
+        CUDA stream) beside the target: compiled steps (dynamo's frames, inductor's kernels, CUDA
+        graph replays) entered from two threads at once are not something this project has built
+        or tested, so PEARL stays eager or runs the static cache without compiling."""
+        check_fast("PEARLDecoder", fast)
+        if fast not in cls.FAST:
+            raise ValueError(f"PEARLDecoder: fast={fast!r} is not supported: PEARL runs the draft on a second thread "
+                             "beside the target, and compiled steps shared by two threads are not built here; use "
+                             "fast='static' (the static cache, eager) or None")
+
+    @classmethod
+    def check_settings(cls, gamma, num_threads, switch_interval, fast=None) -> None:
         """The one check of PEARL's own settings (also run by configs before the models load)."""
+        cls.check_fast(fast)
         if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise ValueError(f"PEARLDecoder: gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         if num_threads is not None:
@@ -210,8 +230,11 @@ class PEARLDecoder:
         draft_gen, verify_gen = (torch.Generator(self.device).manual_seed(s) for s in seeds)
         clock = Clock(self.device)  # each thread's reading waits for its own CUDA stream only
         seq = rounds.TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, self.device)
-        drafter = rounds.Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock)
-        target, stats = ModelRunner(self.target, self.vocab, want_hidden=False), PEARLStats(gamma=gamma)
+        tokens = seq.end + gamma + 1  # the prompt, the new tokens and a block
+        drafter = rounds.Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, clock,
+                                 runners=self.runners(tokens, DRAFT_BUCKETS))
+        target = self.runners(tokens, fit_buckets(gamma))(self.target, self.vocab, False)
+        stats = PEARLStats(gamma=gamma)
         q_pending, m = [], 0  # pending drafts: seq.tokens[n : n + m] (q_pending empty under greedy)
         t_start = clock.now()
 

@@ -89,13 +89,15 @@ class Drafter:
     """
 
     def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
-                 eos: set[int], clock: Clock, keep_logits: bool = False) -> None:
+                 eos: set[int], clock: Clock, keep_logits: bool = False, runners=ModelRunner) -> None:
+        """``runners``: builds the draft's runner as ``runners(model, vocab, want_hidden)``, the
+        eager :class:`ModelRunner` by default (the fast path's: a ``specdecpp.models.static.CallRunners`` call)."""
         self.policy = policy if policy is not None else _NeverStop()
         self.keep_logits = keep_logits
         self.sampling, self.eos, self.clock = sampling, eos, clock
         self.needs_hidden = self.policy.needs_hidden
         self.stop_at_eos = bool(eos) and self.policy.reads_values
-        self.runner = ModelRunner(model, vocab, want_hidden=self.needs_hidden)
+        self.runner = runners(model, vocab, self.needs_hidden)
 
     def __enter__(self) -> Drafter:
         self.runner.__enter__()

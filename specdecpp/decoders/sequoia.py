@@ -37,6 +37,7 @@ from ..core.timing import Clock
 from ..core.verify import residual
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
+from ..models.static import CallRunners, check_fast
 from .rounds import (
     GenerateOutput,
     RunStats,
@@ -267,19 +268,37 @@ def check_tree_model(model, role: str) -> None:
                          f"4-D tree mask; load it with attn_implementation='sdpa' or 'eager'")
 
 
+def tree_buckets(tree: TokenTree) -> dict[str, tuple[int, ...]]:
+    """The forward widths of a tree's rounds once the prompt is cached, per model (the fast path's
+    buckets: one compiled step per width): the target's 1 + nodes of the tree cut at every depth,
+    the draft's 1, 2 and every level's count of nodes with children."""
+    target = {1 + tree.truncated(depth).n_nodes for depth in range(tree.depth)}
+    draft = {1, 2, *(sum(1 for v in level if tree.children[v]) for level in tree.levels)} - {0}
+    return {"target": tuple(sorted(target)), "draft": tuple(sorted(draft))}
+
+
 class SequoiaDecoder:
     """Sequoia's tree speculative decoding of one prompt (batch 1); ``generate`` and its output as
     :class:`~specdecpp.SpeculativeDecoder`'s, the stats are :class:`SequoiaStats`.
 
     tree: a :class:`TokenTree`, a list of parent indices or a tree JSON file (``python -m
     infer.sequoia tree`` writes one). Lossless: greedy output equals the target's greedy decoding,
-    sampled output has the target's warped distribution. ``profile``: as SpeculativeDecoder's."""
+    sampled output has the target's warped distribution. ``profile``: as SpeculativeDecoder's.
 
-    def __init__(self, draft, target, tree, sampling: SamplingConfig | None = None, profile: bool = False) -> None:
+    ``fast``: as SpeculativeDecoder's. The buckets are the tree's own widths, so each maps to one
+    compiled step: the target's are 1 + the nodes of the tree cut at each depth (it scores the root
+    and the nodes), the draft's 1, 2 (the root, after a round whose last accepted node was a leaf)
+    and each level's nodes that have children (:func:`tree_buckets`)."""
+
+    def __init__(self, draft, target, tree, sampling: SamplingConfig | None = None, profile: bool = False,
+                 fast: str | None = None) -> None:
         self.tree = TokenTree.coerce(tree)
         self.device = check_pair_devices(draft, target)
         for model, role in ((draft, "draft"), (target, "target")):
             check_tree_model(model, role)
+        self.fast = check_fast("SequoiaDecoder", fast, self.device, draft, target)
+        self.buckets = tree_buckets(self.tree)
+        self.runners = CallRunners(self.fast, (draft, target))
         self.draft, self.target, self.profile = draft, target, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -293,13 +312,23 @@ class SequoiaDecoder:
             self._plans[tree.n_nodes] = TreePlan.build(tree, self.device)
         return self._plans[tree.n_nodes]
 
+    def fast_plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, list]:
+        """As ``SpeculativeDecoder.fast_plan``: the widest round is the tree's."""
+        tokens = prompt_len + max_new_tokens + self.tree.size + 1
+        return tokens, [(self.draft, self.buckets["draft"]), (self.target, self.buckets["target"])]
+
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """As ``SpeculativeDecoder.warm_up``."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
+
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile)
-        draft = ModelRunner(self.draft, self.vocab, want_hidden=False)
-        target = ModelRunner(self.target, self.vocab, want_hidden=False)
+        tokens, ((_, draft_buckets), (_, target_buckets)) = self.fast_plan(seq.prompt_len, max_new_tokens)
+        draft = self.runners(tokens, draft_buckets)(self.draft, self.vocab, False)
+        target = self.runners(tokens, target_buckets)(self.target, self.vocab, False)
         drafter = TreeDrafter(draft, self.sampling, marks)
         stats = SequoiaStats(tree_size=self.tree.size, tree_depth=self.tree.depth)
         t_start = clock.now()

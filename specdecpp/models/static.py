@@ -47,10 +47,17 @@ cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on 
 must be distinct tensors) is a new graph; tests/models/test_static_runner.py runs random feeds under
 ``error_on_recompile``.
 
-Not done yet: plumbing ``fast=`` through every decoder, the configs and the command line; the
-``max_len`` each decoder must size (prompt + new tokens + its widest round); the batch runner with
-batch buckets; the ``graphs`` backend (a static address for the buffers, warm-up, capture, cloned
-outputs); benchmarks (``infer.costs``, ``make bench``, ``scripts/gpu_checks.sh fast``).
+Sizing per call (what the decoders use): :class:`CallRunners` builds a call's runners, sized to
+the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the decoders say)
+plus the padding tail, rounded up by :func:`call_max_len` to a power of two (at least
+:data:`MIN_MAX_LEN`) and never below the largest size the decoder has used, so that calls of other
+lengths share a cache size and with it the compiled steps; the buckets from :func:`fit_buckets`
+(those up to the call's widest forward, so a prefill wider than that runs eager and no bucket is
+compiled that the call cannot use). ``CallRunners.warm_up`` compiles them all before timing.
+:func:`check_fast` is the one check of a ``fast`` argument.
+
+Not done yet: the batch runner with batch buckets (``generate_batch`` refuses ``fast``); the
+``graphs`` backend (a static address for the buffers, warm-up, capture, cloned outputs).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.attention import decode_attention
 from ..core.compat import cache_kwargs
 from .runner import HiddenHook, ModelRunner
 
@@ -72,6 +80,24 @@ TARGET_BUCKETS = (1, 2, 4, 8, 16, 32)
 DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs")
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
+MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
+
+
+def check_fast(where: str, fast, device=None, *models) -> str | None:
+    """``fast`` if it is a backend this build runs on ``device`` (None: not known yet), else a
+    ValueError naming ``where``'s argument and the allowed values; ``models`` are checked to fit the
+    static cache (:func:`check_static_model`) when ``fast`` is set."""
+    if fast not in FAST_BACKENDS:
+        raise ValueError(f"{where}: fast must be one of {', '.join(map(repr, FAST_BACKENDS))}, got {fast!r}")
+    if fast == "graphs":
+        device = None if device is None else torch.device(device)
+        need = "needs CUDA" if device is not None and device.type != "cuda" else "is not built yet (issue 33)"
+        raise ValueError(f"{where}: fast='graphs' {need}" + (f"; the models are on {device}" if device else "")
+                         + ". Use fast='compile' or 'static'")
+    if fast is not None:
+        for model in models:
+            check_static_model(model)
+    return fast
 
 
 def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
@@ -81,6 +107,63 @@ def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *,
     if fast is None:
         return ModelRunner(model, vocab, want_hidden)
     return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
+
+
+def call_max_len(tokens: int, model) -> int:
+    """A static cache's size (``max_len`` plus the padding tail) for ``tokens`` tokens: the next
+    power of two, at least :data:`MIN_MAX_LEN` and at most the model's ``max_position_embeddings``
+    (never below ``tokens``), so that calls of nearby lengths share a size and its compiled steps."""
+    limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)
+    return max(tokens, min(limit, max(MIN_MAX_LEN, 1 << (max(tokens, 1) - 1).bit_length())))
+
+
+def fit_buckets(widest: int, buckets: tuple[int, ...] = TARGET_BUCKETS) -> tuple[int, ...]:
+    """The ``buckets`` up to the first that holds ``widest`` tokens (all of them if none does)."""
+    fit = next((i for i, b in enumerate(buckets) if b >= widest), len(buckets) - 1)
+    return tuple(buckets[: fit + 1])
+
+
+class CallRunners:
+    """A decoder's runners across its calls, by one switch ``fast``: ``runners(tokens, buckets)``
+    is a factory ``(model, vocab, want_hidden) -> runner`` for a call that holds at most ``tokens``
+    tokens and feeds widths up to ``buckets[-1]`` in buckets (eager :class:`ModelRunner` for
+    ``fast=None``). The static caches' size is the largest any call of this decoder has needed so
+    far (:func:`call_max_len` of the tokens plus the padding tail, so the size does not depend on
+    the buckets): a call that fits reuses it, and with it the compiled steps of every model and
+    width. :meth:`warm_up` compiles every bucket at a call's size before anything is timed."""
+
+    def __init__(self, fast: str | None, models) -> None:
+        self.fast, self.models, self.size = fast, tuple(models), 0
+
+    def _max_len(self, tokens: int, buckets: tuple[int, ...]) -> int:
+        need = tokens + buckets[-1]
+        if need > self.size:
+            self.size = max(call_max_len(need, model) for model in self.models)
+        return self.size - buckets[-1]
+
+    def __call__(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS):
+        buckets = check_buckets(buckets)
+        max_len = None if self.fast is None else self._max_len(tokens, buckets)
+
+        def make(model, vocab: int, want_hidden: bool):
+            return new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets)
+
+        return make
+
+    def warm_up(self, tokens: int, plan) -> float:
+        """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
+        tokens (one forward of each width; the steps are kept for the process) unless compiled
+        already; returns the seconds it took (0 unless ``fast="compile"``)."""
+        if self.fast != "compile":
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
+            for model, buckets in plan:
+                runner = self(tokens, buckets)(model, 1, False)
+                for width in runner.buckets:
+                    runner.rollback(0)
+                    runner.feed(torch.zeros(width, dtype=torch.long, device=runner.cache.keys[0].device))
+        return time.perf_counter() - t0
 
 
 @dataclass
@@ -184,7 +267,8 @@ def model_steps(model) -> _ModelSteps:
 
 def check_static_model(model) -> None:
     """Refuse a model the static cache cannot serve: one without a separate decoder and output
-    layer, with sliding-window or non-attention layers, or with soft-capped logits."""
+    layer, with sliding-window or non-attention layers, an attention that takes no 4-D mask, or
+    with soft-capped logits."""
     config = model.config
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if not isinstance(decoder, torch.nn.Module) or decoder is model or model.get_output_embeddings() is None:
@@ -195,6 +279,10 @@ def check_static_model(model) -> None:
         raise ValueError(f"{type(model).__name__}: layer types {sorted(layer_types)} / sliding window "
                          f"{getattr(config, 'sliding_window', None)}; the static cache holds full-attention layers only; "
                          "use fast=None")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa"):
+        raise ValueError(f"{type(model).__name__} uses attention {impl!r}, which does not take the static cache's 4-D "
+                         "mask; load it with attn_implementation='sdpa' or 'eager', or use fast=None")
     if getattr(config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits, which the static step does not; use fast=None")
 
@@ -222,13 +310,10 @@ class StaticRunner(HiddenHook):
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
-        if fast not in ("static", "compile", "graphs"):
-            raise ValueError(f"fast must be one of {FAST_BACKENDS}, got {fast!r}")
         device = next(model.parameters()).device
-        if fast == "graphs":
-            need = "needs CUDA" if device.type != "cuda" else "is not built yet (issue 33)"
-            raise ValueError(f"fast='graphs' {need}; the model is on {device}. Use fast='compile' or 'static'")
-        check_static_model(model)
+        if fast is None:
+            raise ValueError("StaticRunner: fast must be 'static' or 'compile' (fast=None is the eager ModelRunner)")
+        check_fast("StaticRunner", fast, device, model)
         self.model, self.vocab, self.want_hidden, self.fast = model, vocab, want_hidden, fast
         self.buckets = check_buckets(buckets)
         limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)

@@ -11,6 +11,7 @@ with the drafted tokens on the test prompt."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -61,11 +62,11 @@ class InBatch:
 
 
 DECODERS = {
-    "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
-    "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
-    "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
-    "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
-    "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    "chain-target_only": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, TargetOnly(), s, **kw),
+    "chain-fixed_k3": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, FixedK(3), s, **kw),
+    "chain-svip": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw),
+    "chain-paper_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw),
+    "chain-lag_free_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw),
     "batch-fixed_k3": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, FixedK(3), s)),
     "batch-svip": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s)),
     "batch-paper_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s)),
@@ -74,14 +75,27 @@ DECODERS = {
         SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s), fill=True),
     "batch_queued-lag_free_head": lambda d, t, s, h: InBatch(
         SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s), queued=True),
-    "pearl-gamma2": lambda d, t, s, h: PEARLDecoder(d, t, 2, s),
-    "pearl-svip": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4)),
-    "pearl-paper_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4)),
-    "pearl-lag_free_head": lambda d, t, s, h: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4)),
-    "sequoia-chain3": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, 0, 1], s),
-    "sequoia-star4": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, -1, -1], s),  # 4 > top-k 3: uniform fallback
-    "sequoia-two_level": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s),
+    "pearl-gamma2": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 2, s, **kw),
+    "pearl-svip": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4), **kw),
+    "pearl-paper_head": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4), **kw),
+    "pearl-lag_free_head": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4), **kw),
+    "sequoia-chain3": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, 0, 1], s, **kw),
+    "sequoia-star4": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, -1, -1], s, **kw),  # 4 > top-k 3: uniform fallback
+    "sequoia-two_level": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s, **kw),
 }
+# The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
+# and, slow (each width compiles once per process, seconds each), with its forwards compiled
+# (``-fast_compile``; PEARL refuses it). Batches run eager only (generate_batch refuses fast).
+FAST_SLOW = {"static": False, "compile": True}
+for _name in [n for n in DECODERS if not n.startswith("batch")]:
+    for _fast in FAST_SLOW:
+        if _fast in PEARLDecoder.FAST or not _name.startswith("pearl"):
+            DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(DECODERS[_name], fast=_fast)
+
+
+def registry(slow=lambda name: False) -> list:
+    """The registry's names as parameters, marked ``slow`` where ``slow(name)`` or compiled."""
+    return [pytest.param(n, marks=pytest.mark.slow) if slow(n) or n.endswith("-fast_compile") else n for n in DECODERS]
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
 
@@ -151,7 +165,7 @@ def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: in
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(DECODERS))
+@pytest.mark.parametrize("name", registry())
 def test_greedy_equals_target_greedy(cpu_pair32, name, device):
     draft, target, heads = on(device, cpu_pair32)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
@@ -169,12 +183,14 @@ SAMPLINGS = [
 ]
 
 
-# batches one row per call are slow everywhere (test_batch.py samples whole batches); on the CPU,
-# make test samples the paper head and one decoder of each other kind, make test-full all of them
+# batches one row per call are slow everywhere (test_batch.py samples whole batches), and so are the
+# compiled variants; on the CPU, make test samples the paper head and one decoder of each other kind
+# (one on the fast path), make test-full all of them
 @pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
-    [pytest.param(n, id=n, marks=pytest.mark.slow if n.startswith("batch") else ()) for n in DECODERS],
+    [pytest.param(n, id=n, marks=pytest.mark.slow if n.startswith("batch") or n.endswith("-fast_compile") else ())
+     for n in DECODERS],
     SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
-                              "sequoia-two_level-T0.8-top3-eos2"}))
+                              "sequoia-two_level-T0.8-top3-eos2", "chain-svip-fast_static-T1"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
     """The first 3 generated tokens (fewer when EOS ends a sequence) follow the target's exact
     warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
@@ -195,14 +211,14 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
     assert chi_square_pvalue(seqs, expected) > 1e-4, name
     if name.startswith("pearl-"):
         assert post > 12  # PEARL's post-verify rounds (pending drafts) were exercised
-    if name != "chain-target_only":
+    if name.split("-fast_")[0] != "chain-target_only":
         assert accepted > 300  # the acceptance path is exercised, not only resampling
     if not name.startswith("pearl-") and name.split("-")[1] in ("svip", "paper_head", "lag_free_head"):
         assert len(first_k) >= 2, first_k  # the adaptive stop really varies
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(DECODERS))
+@pytest.mark.parametrize("name", registry())
 def test_same_seed_same_output(cpu_pair32, name, device):
     draft, target, heads = on(device, cpu_pair32)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
@@ -220,7 +236,8 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
 @pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
                                   "batch-paper_head", "batch_queued-lag_free_head",
-                                  "sequoia-chain3", "sequoia-two_level"])
+                                  "sequoia-chain3", "sequoia-two_level", "chain-lag_free_head-fast_static",
+                                  "pearl-paper_head-fast_static", "sequoia-two_level-fast_static"])
 def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
     """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
     holds (the target: every committed token but the newest; the draft: at most that)."""

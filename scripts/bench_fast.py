@@ -1,0 +1,319 @@
+"""Eager decoding against the fast path (docs/engine.md, "The fast path"), interleaved in one process.
+
+    python scripts/bench_fast.py --fast compile                        # the demo pair (make demo-pair), 8 prompts
+    python scripts/bench_fast.py --random --device cuda --fast compile # the demo configs, random weights
+    python scripts/bench_fast.py --configs DIR --fast static           # DIR/draft.json, DIR/target.json, random weights
+    python scripts/bench_fast.py --head demo/heads/next_wrej1_d1 --out reports/fast/bench.json
+
+What it measures, on one device, greedy decoding, with ``--threads`` torch threads on a CPU:
+
+1. Forwards: t_target(n) for n = 1, 2, 4, 8 and t_draft(1), n tokens after a cached context of
+   ``--context`` tokens, eager (the engine's ModelRunner) and fast (the static runner, n padded to
+   its bucket), every (model, n, backend) in turn in each step (``infer.measure.step_times``:
+   ``specdecpp.core.timing``, torch.utils.benchmark), medians.
+2. The weight-read floor of a one-token target forward: the bytes of the weights it reads (every
+   parameter but an untied input embedding) over the memory bandwidth, measured here by copying a
+   tensor of ``--bandwidth-mb`` MB (bytes read + written / seconds, median of ``--repeats``).
+3. Decoding: target-only, fixed K 1-3, SVIP and, with ``--head DIR``, SpecDec++ with that head,
+   each eager and fast; every method and backend on a prompt before the next prompt (the order of
+   the backends alternates between prompts). Held-out prompts of the bundled test split with the
+   pair's EOS, or random prompts of ``--prompt-len`` tokens with random weights (no EOS). Per
+   method: tokens/s pooled over prompts, fast over eager and each backend over its own target-only
+   with a paired 95% bootstrap interval over prompts (``infer.summary.paired_speedup_ci``:
+   ``specdecpp.analysis.stats``), ms per round, and whether eager and fast produced the same
+   greedy tokens on every prompt (checked and printed; in bf16 a near-tie may flip, so a mismatch
+   is reported, and fails the run only with ``--require-equal``).
+
+Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
+forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
+(``--out``) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from infer.measure import step_times
+from infer.results import prompt_seed
+from infer.summary import paired_speedup_ci
+from specdecpp import (
+    SVIP,
+    FixedK,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+    load_head,
+    load_pair,
+)
+from specdecpp.core.timing import machine_description, time_forward
+from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
+from specdecpp.models.static import model_steps
+
+GREEDY = SamplingConfig(temperature=0)
+WIDTHS = (1, 2, 4, 8)
+# The demo target's config (SmolLM2-135M-Instruct, conf/pair/demo.yaml), for --random where the pair
+# is not materialised (a GPU machine without the GGUF); the materialised target's config.json wins.
+DEMO_TARGET_CONFIG = {
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "tie_word_embeddings": True, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def demo_configs() -> tuple[dict, dict]:
+    """The demo pair's (draft, target) Llama configs: the draft's from the shipped artifact, the
+    target's from the materialised pair if there, else :data:`DEMO_TARGET_CONFIG`."""
+    from specdecpp_demo import draft_config
+    from specdecpp_demo.pair import cache_dir
+
+    path = cache_dir() / "target" / "config.json"
+    target = json.loads(path.read_text()) if path.is_file() else dict(DEMO_TARGET_CONFIG)
+    draft = {**draft_config()["llama_config"], "vocab_size": target["vocab_size"], "tie_word_embeddings": False}
+    return draft, target
+
+
+def random_model(config: dict, device, dtype, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    keep = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("architectures", "dtype",
+                                                                                  "torch_dtype", "transformers_version")}
+    model = LlamaForCausalLM(LlamaConfig(**keep, attn_implementation="sdpa"))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load(args, device):
+    """(draft, target, tokenizer or None, a description of the pair)."""
+    if args.random or args.configs:
+        if args.configs:
+            configs = [json.loads((Path(args.configs) / f"{role}.json").read_text()) for role in ("draft", "target")]
+        else:
+            configs = demo_configs()
+        dtype = resolve_dtype(args.dtype, device)
+        draft, target = (random_model(c, device, dtype, seed) for c, seed in zip(configs, (0, 1), strict=True))
+        return draft, target, None, f"random weights, {'configs ' + args.configs if args.configs else 'demo configs'}"
+    if args.draft and args.target:
+        paths = (args.draft, args.target)
+    else:
+        from specdecpp_demo import demo_draft_path, demo_target_path
+
+        paths = (str(demo_draft_path()), str(demo_target_path()))
+    draft, target, tokenizer = load_pair(*paths, device=str(device), dtype=args.dtype)
+    return draft, target, tokenizer, f"draft {paths[0]}, target {paths[1]}"
+
+
+def prompts(args, tokenizer, vocab: int, device) -> list[torch.Tensor]:
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(args.seed)
+        return [torch.randint(3, vocab, (1, args.prompt_len), generator=g).to(device) for _ in range(args.prompts)]
+    from specdecpp.data.prompts import encode_prompt, load_prompts
+
+    return [torch.tensor([encode_prompt(tokenizer, p.prompt)], device=device)
+            for p in load_prompts("bundled", split="test", limit=args.prompts)]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a one-token forward reads: each parameter once, an input embedding
+    only where it is the output layer too (a lookup reads one row of it)."""
+    seen, total = set(), 0
+    skip = None if model.config.tie_word_embeddings else model.get_input_embeddings().weight.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() not in seen and p.data_ptr() != skip:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def bandwidth(device, mb: int, repeats: int) -> float:
+    """Bytes per second of a large tensor copy (bytes read + bytes written / seconds)."""
+    src = torch.rand(mb * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_forward(lambda: dst.copy_(src), repeats=repeats, warmup=2).median
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def methods(args, draft) -> dict:
+    out = {"target_only": TargetOnly(), **{f"fixed_k{k}": FixedK(k) for k in (1, 2, 3)},
+           "svip": SVIP(args.svip_threshold, max_candidates=args.svip_max)}
+    if args.head:
+        out["head"] = SpecDecPP(load_head(args.head), args.head_threshold, max_candidates=args.head_max)
+    return out
+
+
+def compile_record(models: dict) -> dict:
+    return {f"{role} w{w} s{s}": sec for role, m in models.items()
+            for (w, s), sec in model_steps(m).compile_seconds.items()}
+
+
+def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
+    """Every (method, backend) on prompt j before prompt j + 1; rows per (method, backend)."""
+    rows = {key: [] for key in decoders}
+    for j, prompt in enumerate(ids):
+        keys = list(decoders)
+        if j % 2:  # alternate the backends' order (eager first on even prompts)
+            keys = [k for pair in zip(keys[1::2], keys[::2], strict=True) for k in pair]
+        for key in keys:
+            out = decoders[key].generate(prompt, args.max_new_tokens, torch.Generator().manual_seed(
+                prompt_seed(args.seed, str(j))), eos_token_id=eos)
+            s = out.stats
+            rows[key].append({"prompt_id": str(j), "timed": True, "n_generated": s.n_generated,
+                              "wall_time_s": s.wall_time_s, "rounds": len(s.accept_lengths),
+                              "tokens": out.tokens[0, prompt.shape[1]:].tolist()})
+    return rows
+
+
+def pooled(rows) -> float:
+    return sum(r["n_generated"] for r in rows) / sum(r["wall_time_s"] for r in rows)
+
+
+def ratio(rows, base) -> dict:
+    ci = paired_speedup_ci(rows, base)
+    return {"ratio": pooled(rows) / pooled(base), "ci95": list(ci) if ci else None}
+
+
+def summarize(rows: dict, names, fast: str) -> dict:
+    out = {}
+    for name in names:
+        eager, quick = rows[(name, None)], rows[(name, fast)]
+        unequal = [r["prompt_id"] for r, q in zip(eager, quick, strict=True) if r["tokens"] != q["tokens"]]
+        out[name] = {
+            **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
+                         / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs)}
+               for backend, rs in (("eager", eager), ("fast", quick))},
+            "fast_over_eager": ratio(quick, eager),
+            "eager_over_target_only": ratio(eager, rows[("target_only", None)]),
+            "fast_over_fast_target_only": ratio(quick, rows[("target_only", fast)]),
+            "greedy_equal": not unequal, "unequal_prompts": unequal}
+    return out
+
+
+def _x(r: dict) -> str:
+    ci = r["ci95"]
+    return f"{r['ratio']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def table(result: dict) -> str:
+    fwd, fast = result["forwards"], result["fast"]
+    lines = [f"## Forwards ({result['device']}, {result['dtype']}, fast={fast}; medians)", "",
+             "| forward | eager ms | fast ms | gain |", "|---|---|---|---|"]
+    for role, widths in (("target", WIDTHS), ("draft", (1,))):
+        for n in widths:
+            e, f = fwd["eager"][role][str(n)], fwd["fast"][role][str(n)]
+            lines.append(f"| {role}, {n} token{'s' if n > 1 else ''} | {1e3 * e:.2f} | {1e3 * f:.2f} | {e / f:.2f}x |")
+    floor = result["floor"]
+    lines += ["", f"Memory bandwidth (a {result['bandwidth_mb']} MB copy, read + written bytes / s): "
+              f"{floor['bandwidth_gb_s']:.1f} GB/s; the target reads {floor['weight_mb']:.1f} MB of weights per "
+              f"forward: floor {floor['floor_ms']:.2f} ms; one-token forward eager {floor['eager_over_floor']:.2f}x, "
+              f"fast {floor['fast_over_floor']:.2f}x the floor.", "",
+              f"## Decoding ({result['prompts']} prompts, {result['max_new_tokens']} new tokens, greedy)", "",
+              "| method | eager tok/s | fast tok/s | fast / eager [95% CI] | eager / eager target-only | "
+              "fast / fast target-only | ms/round eager | ms/round fast | greedy equal |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        lines.append(f"| {name} | {m['eager']['tokens_per_s']:.2f} | {m['fast']['tokens_per_s']:.2f} | "
+                     f"{_x(m['fast_over_eager'])} | {_x(m['eager_over_target_only'])} | "
+                     f"{_x(m['fast_over_fast_target_only'])} | {m['eager']['ms_per_round']:.2f} | "
+                     f"{m['fast']['ms_per_round']:.2f} | "
+                     f"{'yes' if m['greedy_equal'] else 'NO: prompts ' + ', '.join(m['unequal_prompts'])} |")
+    comp = result["compile_seconds"]
+    lines += ["", f"Compile time (not in any timing above): {sum(comp.values()):.1f} s" + (
+        " (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")" if comp else "")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", choices=["static", "compile"], default="compile", help="the fast backend (default compile)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="fast", help="fast (bf16 on CUDA and CPUs with native bf16) | auto | float32 | "
+                    "bfloat16 | float16")
+    ap.add_argument("--draft", help="draft model (default: the demo pair's)")
+    ap.add_argument("--target", help="target model (default: the demo pair's)")
+    ap.add_argument("--random", action="store_true", help="the demo pair's configs with random weights")
+    ap.add_argument("--configs", help="a folder with draft.json and target.json (Llama configs), random weights")
+    ap.add_argument("--head", help="also SpecDec++ with this head directory")
+    ap.add_argument("--head-threshold", type=float, default=0.5)
+    ap.add_argument("--head-max", type=int, default=8, help="the head's max_candidates (default 8)")
+    ap.add_argument("--svip-threshold", type=float, default=0.3)
+    ap.add_argument("--svip-max", type=int, default=8, help="SVIP's max_candidates (default 8: buckets up to 16)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64, help="random prompts' length (random weights)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--context", type=int, default=64, help="cached tokens before a timed forward")
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls per forward and bandwidth copy")
+    ap.add_argument("--bandwidth-mb", type=int, default=0, help="size of the copied tensor (default: 256 MB on a CPU, "
+                    "1024 MB on CUDA)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast greedy tokens differ")
+    ap.add_argument("--out", type=Path, help="write everything measured as JSON here")
+    args = ap.parse_args(argv)
+    if args.random and args.configs:
+        ap.error("give --random (the demo configs) or --configs DIR, not both")
+    if (args.random or args.configs) and (args.draft or args.target or args.head):
+        ap.error("--draft, --target and --head need real weights: leave out --random/--configs")
+    if bool(args.draft) != bool(args.target):
+        ap.error("give both --draft and --target (or neither: the demo pair)")
+    for name in ("prompts", "max_new_tokens", "context", "repeats", "threads", "prompt_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.context <= max(WIDTHS) + 1:
+        ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    draft, target, tokenizer, pair = load(args, device)
+    vocab = min(draft.config.vocab_size, target.config.vocab_size)
+    eos = sorted(eos_token_ids(tokenizer, target)) if tokenizer is not None else None
+    ids = prompts(args, tokenizer, vocab, device)
+    print(f"{machine_description(device)}; {pair}; {dtype_name(target.dtype)}; fast={args.fast}", flush=True)
+
+    t0 = time.perf_counter()
+    context = torch.cat([ids[0][0], torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(1))
+                         .to(device)])[: args.context][None]
+    models = {"target": target, "draft": draft, "target+fast": target, "draft+fast": draft}
+    timed = step_times(models, context, args.repeats, {"target": list(WIDTHS), "target+fast": list(WIDTHS)},
+                       {"target+fast": args.fast, "draft+fast": args.fast})
+    forwards = {backend: {role: {str(n): t for n, t in timed[role + suffix].items()} for role in ("target", "draft")}
+                for backend, suffix in (("eager", ""), ("fast", "+fast"))}
+    mb = args.bandwidth_mb or (1024 if device.type == "cuda" else 256)
+    bw = bandwidth(device, mb, args.repeats)
+    floor_s = weight_bytes(target) / bw
+    floor = {"bandwidth_gb_s": bw / 1e9, "weight_mb": weight_bytes(target) / 1e6, "floor_ms": 1e3 * floor_s,
+             "eager_over_floor": forwards["eager"]["target"]["1"] / floor_s,
+             "fast_over_floor": forwards["fast"]["target"]["1"] / floor_s}
+    print(f"forwards and bandwidth measured in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    policies = methods(args, draft)
+    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, GREEDY, fast=backend)
+                for name, policy in policies.items() for backend in (None, args.fast)}
+    longest = max(p.shape[1] for p in ids)
+    for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
+        decoder.warm_up(longest, args.max_new_tokens)
+        decoder.generate(ids[0], min(8, args.max_new_tokens), torch.Generator().manual_seed(0), eos_token_id=eos)
+    t0 = time.perf_counter()
+    rows = decode_all(decoders, ids, args, eos)
+    print(f"decoded in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    result = {"machine": machine_description(device), "device": str(device), "dtype": dtype_name(target.dtype),
+              "fast": args.fast, "threads": torch.get_num_threads(), "pair": pair, "prompts": len(ids),
+              "max_new_tokens": args.max_new_tokens, "context": args.context, "bandwidth_mb": mb,
+              "forwards": forwards, "floor": floor, "methods": summarize(rows, policies, args.fast),
+              "compile_seconds": compile_record({"target": target, "draft": draft})}
+    print(table(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"written to {args.out}")
+    equal = all(m["greedy_equal"] for m in result["methods"].values())
+    return 1 if args.require_equal and not equal else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

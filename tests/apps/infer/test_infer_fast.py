@@ -1,0 +1,94 @@
+"""infer's ``fast`` key: checked before any model loads, passed to the methods that decode with our
+engine (ignored by hf_assisted and the oracle), recorded in every row, in the file tag only when
+set, and a table of its own in the report (fast methods against fast target-only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import infer.app as app
+from infer.report import build_report
+from infer.results import read_rows
+from tests.helpers.paths import REPO
+
+ROOT = REPO
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("infer", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def base(tiny_pair, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("infer_fast") / "prompts.jsonl"
+    prompts.write_text('{"id": "sea", "prompt": "Write a short poem about the sea."}\n'
+                       '{"id": "math", "prompt": "What is 12 times 7?"}\n')
+    return [f"pair.draft={tiny_pair.draft}", f"pair.target={tiny_pair.target}", "prompts=jsonl",
+            f"prompts.path={prompts}", "max_new_tokens=6", "warmup_tokens=2", "progress=false", "sampling=greedy"]
+
+
+def test_fast_is_checked_before_loading_and_names_the_file_only_when_set(base, tmp_path, monkeypatch):
+    monkeypatch.setattr(app, "load_pair", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    app._LOADED.clear()
+    cfg = [*base, f"out={tmp_path}"]
+    eager, fast = (app.prepare(make_cfg(*cfg, "method=fixed_k", "method.k=2", *extra)) for extra in ([], ["fast=static"]))
+    assert eager.path.name == "k2__greedy__s0.jsonl" and eager.fast is None and eager.run_keys["fast"] is None
+    assert fast.path.name == "k2_fast-static__greedy__s0.jsonl" and fast.run_keys["fast"] == "static"
+    with pytest.raises(ValueError, match="infer: fast must be one of None, 'static', 'compile', 'graphs', got 'turbo'"):
+        app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=turbo"))
+    with pytest.raises(ValueError, match="infer: fast='graphs' is not built yet"):
+        app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=graphs"))
+    with pytest.raises(ValueError, match="PEARLDecoder: fast='compile' is not supported"):
+        app.prepare(make_cfg(*cfg, "method=pearl", "method.gamma=2", "fast=compile"))
+    with pytest.raises(ValueError, match="fast=static with batch_size=2: batches run eager for now"):
+        app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=static", "batch_size=2"))
+    for method in ("hf_assisted", "oracle"):  # they ignore it: their own generate / untimed counts
+        job = app.prepare(make_cfg(*cfg, f"method={method}", "fast=compile"))
+        assert job.fast is None and "_fast" not in job.path.name
+    assert app.prepare(make_cfg(*cfg, "method=pearl", "method.gamma=2", "fast=static")).fast == "static"
+
+
+def test_fast_rows_equal_eager_ones_and_get_their_own_table(base, tmp_path):
+    """target-only and fixed K, eager and on the static cache: the same greedy outputs, every row
+    says its ``fast``, and the report compares fast methods with fast target-only."""
+    out = tmp_path / "results"
+    rows = {}
+    for fast in ("null", "static"):
+        for name, method in (("target_only", ["method=target_only"]), ("fixed_k", ["method=fixed_k", "method.k=3"]),
+                             ("sequoia", ["method=sequoia", "method.tree=[-1,-1,0]"])):
+            summary = app.run(make_cfg(*base, *method, f"fast={fast}", f"out={out}/{name}"))
+            rows[(name, fast)] = read_rows(Path(summary["path"]))
+    reference = {r["prompt_id"]: r["output_ids"] for r in rows[("target_only", "null")]}
+    for (name, fast), rs in rows.items():
+        assert {r["fast"] for r in rs} == {None if fast == "null" else fast}, (name, fast)
+        assert all((r["forward_time_s"] is None) == (fast == "static") for r in rs)  # no hooks on the fast path
+        assert {r["prompt_id"]: r["output_ids"] for r in rs} == reference, (name, fast)
+    report = build_report(out, tmp_path / "report")
+    groups = {g["fast"]: g for g in report["groups"]}
+    assert set(groups) == {None, "static"}
+    assert {e["method"] for e in groups["static"]["entries"]} == {"target_only", "fixed_k", "sequoia"}
+    assert all(e["speedup"] is not None for e in groups["static"]["entries"])  # against fast target-only
+    assert " / fast=static\n" in report["text"] and report["text"].count("## ") == 2
+
+
+def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):
+    """python -m infer.costs --fast static: the width curves on the static runner, recorded as such."""
+    from infer import costs as cli
+    from specdecpp.analysis.costmodel import load_costs
+
+    path = tmp_path / "costs.json"
+    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+              "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
+              "--costs-out", str(path)])
+    assert "fast path: static" in capsys.readouterr().out
+    costs = load_costs(path)
+    assert costs.meta["fast"] == "static" and sorted(costs.target_by_width) == list(range(1, 9))
+    assert all(t > 0 for t in costs.target_by_width.values())
+    with pytest.raises(SystemExit):
+        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--fast", "static", "--batch-sizes", "2",
+                  "--costs-out", str(path)])
+    assert "--fast static with --batch-sizes: batched forwards run eager" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""scripts/bench_fast.py at its smallest: tiny random Llamas (--configs), the static runner, two
+prompts; eager and fast decode the same greedy tokens and the JSON holds what the table shows."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers.paths import REPO
+
+ROOT = REPO
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
+    import bench_fast
+
+    base = {"vocab_size": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "initializer_range": 0.4,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    for role, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
+        (tmp_path / f"{role}.json").write_text(json.dumps(
+            {**base, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers}))
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| fixed_k3 |" in printed and "Memory bandwidth" in printed and "Compile time" in printed
+    result = json.loads(out.read_text())
+    assert {"machine", "device", "dtype", "fast", "forwards", "floor", "methods", "compile_seconds", "prompts"} <= set(result)
+    assert result["fast"] == "static" and result["dtype"] == "float32" and result["prompts"] == 2
+    for backend in ("eager", "fast"):
+        assert set(result["forwards"][backend]["target"]) == {"1", "2", "4", "8"}
+        assert result["forwards"][backend]["draft"]["1"] > 0
+    assert result["floor"]["bandwidth_gb_s"] > 0 and result["floor"]["floor_ms"] > 0
+    assert set(result["methods"]) == {"target_only", "fixed_k1", "fixed_k2", "fixed_k3", "svip"}
+    for name, m in result["methods"].items():
+        assert m["greedy_equal"] and m["unequal_prompts"] == [], name
+        assert m["eager"]["n_generated"] == m["fast"]["n_generated"] == 16
+        assert m["fast_over_eager"]["ratio"] > 0 and len(m["fast_over_eager"]["ci95"]) == 2
+        assert m["eager"]["ms_per_round"] > 0
+    assert result["compile_seconds"] == {}  # static: nothing compiled
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--random", "--configs", str(tmp_path)])
+    assert "not both" in capsys.readouterr().err
