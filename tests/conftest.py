@@ -21,7 +21,6 @@ import torch
 from specdecpp.models.loading import load_model
 from tests.helpers.data_gen import PROMPTS
 from tests.helpers.tiny import build_tokenizer, tiny_lm
-from tests.helpers.train import random_rows, save_dataset
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -71,6 +70,11 @@ def prompts_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_dataset(tiny_pair, tmp_path_factory):
     """A synthetic labelled dataset of the tiny pair (train 24, dev 8, test 8 rows) in the data_gen format."""
+    from tests.helpers.train import (  # datasets: only where a test needs it (the 4.56 run)
+        random_rows,
+        save_dataset,
+    )
+
     splits = {"train": random_rows(24, tiny_pair.vocab, 1), "dev": random_rows(8, tiny_pair.vocab, 2),
               "test": random_rows(8, tiny_pair.vocab, 3)}
     return save_dataset(tmp_path_factory.mktemp("tiny_data"), splits, tiny_pair.draft, 32, tiny_pair.vocab)
