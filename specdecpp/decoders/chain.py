@@ -17,6 +17,7 @@ from .cascade import Cascade, CascadeRule
 from .rounds import (
     Drafter,
     ExactRule,
+    FastPlanned,
     GenerateOutput,
     RunStats,
     check_pair_devices,
@@ -25,7 +26,7 @@ from .rounds import (
 )
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(FastPlanned):
     """Speculative decoding of one prompt (batch 1) with any :class:`StopPolicy`.
 
     Both caches hold every committed token except the newest one, which is fed at the start of
@@ -65,11 +66,6 @@ class SpeculativeDecoder:
         model's buckets, ``[(draft, buckets), (target, buckets)]``."""
         widest = min(self.policy.max_candidates, max_new_tokens - 1) + 1  # a verification's tokens
         return prompt_len + max_new_tokens + widest + 1, [(self.draft, DRAFT_BUCKETS), (self.target, fit_buckets(widest))]
-
-    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
-        """Size the fast path for calls up to this long and compile every bucket they use (fast='compile'),
-        so no later call compiles; the seconds it took (0 without compiling)."""
-        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,

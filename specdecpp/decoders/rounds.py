@@ -308,3 +308,13 @@ def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRu
     stats.n_generated = seq.n_generated
     caches = {"draft": draft.cache, "target": target.cache} if return_caches else None
     return GenerateOutput(tokens=seq.output(), stats=stats, caches=caches)
+
+
+class FastPlanned:
+    """A decoder whose ``fast_plan(prompt_len, max_new_tokens)`` says the tokens a call holds and
+    each model's buckets, over its ``runners`` (:class:`~specdecpp.models.static.CallRunners`)."""
+
+    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+        """Size the fast path for calls up to this long and compile every bucket they use
+        (fast='compile'), so no later call compiles; the seconds it took (0 without compiling)."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))

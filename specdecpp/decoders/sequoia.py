@@ -39,6 +39,7 @@ from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
 from ..models.static import CallRunners, check_fast
 from .rounds import (
+    FastPlanned,
     GenerateOutput,
     RunStats,
     check_pair_devices,
@@ -277,7 +278,7 @@ def tree_buckets(tree: TokenTree) -> dict[str, tuple[int, ...]]:
     return {"target": tuple(sorted(target)), "draft": tuple(sorted(draft))}
 
 
-class SequoiaDecoder:
+class SequoiaDecoder(FastPlanned):
     """Sequoia's tree speculative decoding of one prompt (batch 1); ``generate`` and its output as
     :class:`~specdecpp.SpeculativeDecoder`'s, the stats are :class:`SequoiaStats`.
 
@@ -316,10 +317,6 @@ class SequoiaDecoder:
         """As ``SpeculativeDecoder.fast_plan``: the widest round is the tree's."""
         tokens = prompt_len + max_new_tokens + self.tree.size + 1
         return tokens, [(self.draft, self.buckets["draft"]), (self.target, self.buckets["target"])]
-
-    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
-        """As ``SpeculativeDecoder.warm_up``."""
-        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens))
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
