@@ -243,11 +243,13 @@ class BatchDrafter:
     The stop decisions are read on the host once per draft step."""
 
     def __init__(self, model, vocab: int, policy: StopPolicy, sampling: SamplingConfig, eos: set[int],
-                 clock: Clock, fill: bool = False, keep_logits: bool = False) -> None:
+                 clock: Clock, fill: bool = False, keep_logits: bool = False, runners=None) -> None:
+        """``runners``: builds the draft's runner as ``runners(model, vocab, want_hidden)``,
+        :class:`BatchRunner` by default (the fast path's: a ``CallRunners.batch`` call)."""
         self.policy, self.sampling, self.clock, self.fill = policy, sampling, clock, fill
         self.keep_logits = keep_logits
         self.needs_hidden = policy.needs_hidden
-        self.runner = BatchRunner(model, vocab, want_hidden=self.needs_hidden)
+        self.runner = (runners or BatchRunner)(model, vocab, want_hidden=self.needs_hidden)
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=self.runner.device)
 
     def __enter__(self) -> BatchDrafter:
@@ -353,15 +355,18 @@ class BatchRun:
         self.gens = [device_generator(g, decoder.device) for g in (generators or [None] * len(prompts))]
         self.clock, self.marks = Clock(decoder.device), Clock(decoder.device, sync=decoder.profile)
         self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device) for p in prompts]
+        self.slots = batch_size or len(prompts)
+        tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
+                                                                              max_new_tokens)
+        runners = partial(decoder.runners.batch, tokens, rows=self.slots, eager=BatchRunner)  # decoder.fast chooses
         self.drafter = BatchDrafter(decoder.draft, decoder.vocab, decoder.policy, decoder.sampling, self.seqs[0].eos,
-                                    self.marks, fill, keep_logits=decoder.rule.lossy)
-        self.target = BatchRunner(decoder.target, decoder.vocab, want_hidden=False)
+                                    self.marks, fill, keep_logits=decoder.rule.lossy, runners=runners(draft_buckets))
+        self.target = runners(target_buckets)(decoder.target, decoder.vocab, want_hidden=False)
         # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
         self.drafting = decoder.policy.max_candidates > 0 or decoder.rule.lossy
         self.runners = [self.target, self.drafter.runner] if self.drafting else [self.target]
         self.stats, self.joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
         self.outputs: list[GenerateOutput | None] = [None] * len(prompts)
-        self.slots = batch_size or len(prompts)
         self.queue, self.rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt
         self.rounds: list[tuple[int, int, int]] = []  # (rows, longest K, draft forwards) per round: costmodel.batch_latency
 

@@ -48,7 +48,8 @@ class SpeculativeDecoder(FastPlanned):
         the project's static KV cache, ``"compile"`` with that cache's forwards compiled per width
         bucket (``specdecpp.models.static``, docs/engine.md "The fast path"). Sampling, the rule,
         the commit and the policy run outside the compiled forwards either way, so the output is
-        the same. ``generate_batch`` runs eager only for now (it refuses ``fast``)."""
+        the same; in ``generate_batch`` too (a static cache of per-row lengths, forwards padded to
+        (batch, width) buckets)."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
@@ -116,9 +117,8 @@ class SpeculativeDecoder(FastPlanned):
         drafts, since in this layout its hole would be computed anyway (docs/batch.md); the round
         ends when every row's policy has stopped. Exact either way.
 
-        Batches run eager: a decoder built with ``fast`` refuses them (the static per-row layout
-        with batch buckets is not built yet)."""
-        if self.fast is not None:
-            raise ValueError(f"SpeculativeDecoder.generate_batch: fast={self.fast!r} is not supported for batches yet "
-                             "(they run eager); build the decoder with fast=None for generate_batch")
+        With ``fast`` both models run on :class:`~specdecpp.models.static.StaticBatchRunner` (rows
+        of their own lengths in a static cache, forwards padded to (batch, width) buckets, each
+        compiled once under ``"compile"``; ``warm_up(prompt_len, max_new_tokens, batch_size)``
+        compiles them before timing)."""
         return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill)

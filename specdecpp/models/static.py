@@ -62,6 +62,7 @@ Not done yet: the batch runner with batch buckets (``generate_batch`` refuses ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -72,6 +73,7 @@ import torch
 
 from ..core.attention import decode_attention
 from ..core.compat import cache_kwargs
+from ..core.hooks import new_cache
 from .runner import HiddenHook, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -150,19 +152,43 @@ class CallRunners:
 
         return make
 
-    def warm_up(self, tokens: int, plan) -> float:
+    def batch(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS, rows: int = 1, eager=None):
+        """As calling it, for a batch: a factory ``(model, vocab, want_hidden) -> runner`` for a
+        call whose rows hold at most ``tokens`` tokens each, at most ``rows`` of them at once:
+        ``eager`` (the decoders' ``BatchRunner``, which this layer cannot import) for ``fast=None``,
+        else a :class:`StaticBatchRunner` of the decoder's cache size."""
+        buckets = check_buckets(buckets)
+        if self.fast is None:
+            if eager is None:
+                raise ValueError("CallRunners.batch: fast=None needs the eager batch runner (eager=BatchRunner)")
+            return eager
+        return functools.partial(StaticBatchRunner, fast=self.fast, max_len=self._max_len(tokens, buckets),
+                                 buckets=buckets, rows=rows)
+
+    def warm_up(self, tokens: int, plan, rows: int | None = None) -> float:
         """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
         tokens (one forward of each width; the steps are kept for the process) unless compiled
-        already; returns the seconds it took (0 unless ``fast="compile"``)."""
+        already; with ``rows``, those of a batch call of at most ``rows`` rows at once instead
+        (every batch bucket up to the one that holds ``rows``, times every width). Returns the
+        seconds it took (0 unless ``fast="compile"``)."""
         if self.fast != "compile":
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
             for model, buckets in plan:
-                runner = self(tokens, buckets)(model, 1, False)
-                for width in runner.buckets:
-                    runner.rollback(0)
-                    runner.feed(torch.zeros(width, dtype=torch.long, device=runner.cache.keys[0].device))
+                if rows is None:
+                    runner = self(tokens, buckets)(model, 1, False)
+                    for width in runner.buckets:
+                        runner.rollback(0)
+                        runner.feed(torch.zeros(width, dtype=torch.long, device=runner.device))
+                    continue
+                runner = self.batch(tokens, buckets, rows)(model, 1, False)
+                for batch in fit_buckets(rows, runner.batch_buckets):
+                    runner.select([])
+                    runner.add_rows([torch.zeros(0, dtype=torch.long, device=runner.device)] * batch)
+                    for width in runner.buckets:
+                        runner.rollback([0] * batch)
+                        runner.feed([torch.zeros(width, dtype=torch.long, device=runner.device)] * batch)
         return time.perf_counter() - t0
 
 
@@ -174,6 +200,33 @@ class CachedLayer:
     values: torch.Tensor
 
 
+def update_slots(cache_kwargs: dict | None, kwargs: dict | None) -> torch.Tensor:
+    """The slots a forward writes, as the model hands them to a cache's ``update`` (its
+    ``cache_position``: in ``cache_kwargs`` on transformers 4.56, in ``kwargs`` on 5.x)."""
+    slots = (cache_kwargs or kwargs or {}).get("cache_position")
+    if slots is None:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} did not hand the cache_position to the "
+                           "cache's update(); the static runners need a Llama-style model that does (4.56 and 5.24 do)")
+    return slots
+
+
+def check_layer_shape(layer_idx: int, key_states: torch.Tensor, keys: torch.Tensor) -> None:
+    if key_states.shape[1] != keys.shape[1] or key_states.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"layer {layer_idx} gave keys {tuple(key_states.shape)}; the static cache holds "
+                         f"{tuple(keys.shape)} (kv heads and head_dim from the model's config)")
+
+
+def kv_buffers(config, rows: int, size: int, dtype: torch.dtype, device) -> tuple[list, list]:
+    """Zeroed keys and values per layer, [rows, kv_heads, size, head_dim] each."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (rows, heads, size, head_dim)
+    return ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)])
+
+
 class StaticKV:
     """Preallocated keys and values per layer, written by the model at the slots it is given
     (module docstring); ``length`` of them are valid. The runner owns ``length``."""
@@ -181,27 +234,16 @@ class StaticKV:
     is_compileable = True  # read by some transformers mask code; never reached with our 4-D masks
 
     def __init__(self, config, size: int, dtype: torch.dtype, device) -> None:
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (1, heads, size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.keys, self.values = kv_buffers(config, 1, size, dtype, device)
         self.size, self.length = size, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None, *, kwargs: dict | None = None):
         """Write a forward's keys and values [1, kv_heads, W, head_dim] at its ``cache_position``
         slots [W]; return the layer's whole buffers (the mask hides what is not valid)."""
-        slots = (cache_kwargs or kwargs or {}).get("cache_position")
-        if slots is None:
-            import transformers
-
-            raise RuntimeError(f"transformers {transformers.__version__} did not hand the cache_position to the "
-                               "cache's update(); StaticRunner needs a Llama-style model that does (4.56 and 5.24 do)")
+        slots = update_slots(cache_kwargs, kwargs)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if key_states.shape[1] != keys.shape[1] or key_states.shape[-1] != keys.shape[-1]:
-            raise ValueError(f"layer {layer_idx} gave keys {tuple(key_states.shape)}; the static cache holds "
-                             f"{tuple(keys.shape)} (kv heads and head_dim from the model's config)")
+        check_layer_shape(layer_idx, key_states, keys)
         keys.index_copy_(2, slots, key_states)
         values.index_copy_(2, slots, value_states)
         return keys, values
@@ -225,16 +267,25 @@ class StaticKV:
         self.length = len(keep)
 
 
+def batch_step(decoder, head, cache_arg: str, cache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over B rows of W tokens ``ids`` [B, W] at RoPE ``positions`` [B, W]: their keys
+    and values go to the ``cache``'s ``slots`` (what its ``update`` reads as ``cache_position``),
+    attention follows ``mask`` [B, 1, W, size] (additive). Returns the logits [B, W, V] and the
+    final hidden state [B, W, H]. A pure function of its inputs (the cache buffers are written in
+    place), so it compiles whole."""
+    out = decoder(input_ids=ids, position_ids=positions, attention_mask=mask, cache_position=slots,
+                  use_cache=True, **{cache_arg: cache})
+    hidden = out.last_hidden_state
+    return head(hidden), hidden
+
+
 def static_step(decoder, head, cache_arg: str, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over W tokens ``ids`` [W] at RoPE ``positions`` [W]: their keys and values go to
-    the cache's ``slots`` [W], attention follows ``mask`` [1, 1, W, size] (additive). Returns the
-    logits [W, V] and the final hidden state [W, H]. A pure function of its inputs (the cache
-    buffers are written in place), so it compiles whole."""
-    out = decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache_position=slots,
-                  use_cache=True, **{cache_arg: cache})
-    hidden = out.last_hidden_state[0]
-    return head(hidden), hidden
+    """:func:`batch_step` of one row: ``ids`` and ``positions`` [W], ``slots`` [W] in the cache,
+    ``mask`` [1, 1, W, size]; returns the logits [W, V] and the final hidden state [W, H]."""
+    logits, hidden = batch_step(decoder, head, cache_arg, cache, ids[None], positions[None], slots, mask)
+    return logits[0], hidden[0]
 
 
 def _own_code(fn, name: str):
@@ -247,11 +298,13 @@ def _own_code(fn, name: str):
 @dataclass
 class _ModelSteps:
     """What a model's fast path keeps for the whole process: its compiled steps by (bucket, cache
-    size), the seconds each took to compile on first use, whether the wide-forward warning was given."""
+    size) or (bucket, cache size, batch bucket) (:func:`compiled_step`), the seconds each took to
+    compile on first use, whether the wide-forward and the many-rows warnings were given."""
 
     compiled: dict = field(default_factory=dict)
     compile_seconds: dict = field(default_factory=dict)
     warned_wide: bool = False
+    warned_rows: bool = False
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -263,6 +316,30 @@ def model_steps(model) -> _ModelSteps:
     if steps is None:
         steps = _STEPS[model] = _ModelSteps()
     return steps
+
+
+def compiled_step(model, step, key: tuple, name: str):
+    """``step`` (:func:`static_step` or :func:`batch_step`) compiled for ``model``'s bucket ``key``
+    (the widths, then the cache size: (width, size) for a row, (width, size, batch) for a batch),
+    once per process: ``torch.compile(fullgraph=True, dynamic=False)`` of a copy with a code object
+    of its own named ``name`` (:func:`_own_code`), compiled on its first call, which is timed into
+    ``model_steps(model).compile_seconds[key]``."""
+    steps = model_steps(model)
+    compiled_fn = steps.compiled.get(key)
+    if compiled_fn is not None:
+        return compiled_fn
+    compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False)
+
+    def first(*args):
+        t0 = time.perf_counter()
+        out = compiled(*args)
+        steps.compile_seconds[key] = time.perf_counter() - t0
+        steps.compiled[key] = compiled
+        log.info("compiled %s of %s in %.1f s", name, type(model).__name__, steps.compile_seconds[key])
+        return out
+
+    steps.compiled[key] = first
+    return first
 
 
 def check_static_model(model) -> None:
@@ -302,18 +379,18 @@ def check_keep(keep, length: int) -> list[int]:
     return keep
 
 
-class StaticRunner(HiddenHook):
-    """One model over a :class:`StaticKV` of ``max_len`` tokens, forwards padded to ``buckets``
-    (module docstring). ``fast`` is ``"static"`` (eager) or ``"compile"``. Same interface as
-    :class:`ModelRunner`; the hidden state comes from the step itself, so the context manager
-    has no hook to install."""
+class StaticModel(HiddenHook):
+    """What both static runners share: the model as its decoder and output layer, the name the
+    decoder takes its cache under, ``max_len``, the width ``buckets``, the model's process-wide
+    steps (:func:`model_steps`) and the mask's fill value. The hidden state comes from the step
+    itself, so the context manager has no hook to install."""
 
-    def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
-                 buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
-        device = next(model.parameters()).device
+    def __init__(self, model, vocab: int, want_hidden: bool, fast: str, max_len: int | None,
+                 buckets: tuple[int, ...]) -> None:
+        self.device = next(model.parameters()).device
         if fast is None:
-            raise ValueError("StaticRunner: fast must be 'static' or 'compile' (fast=None is the eager ModelRunner)")
-        check_fast("StaticRunner", fast, device, model)
+            raise ValueError(f"{type(self).__name__}: fast must be 'static' or 'compile' (fast=None is the eager runner)")
+        check_fast(type(self).__name__, fast, self.device, model)
         self.model, self.vocab, self.want_hidden, self.fast = model, vocab, want_hidden, fast
         self.buckets = check_buckets(buckets)
         limit = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN)
@@ -322,10 +399,31 @@ class StaticRunner(HiddenHook):
             raise ValueError(f"max_len must be positive, got {max_len}")
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.cache_arg = next(iter(cache_kwargs(self.decoder, None)))
-        dtype = next(model.parameters()).dtype
-        self.cache = StaticKV(model.config, self.max_len + self.buckets[-1], dtype, device)
+        self.dtype = next(model.parameters()).dtype
         self.steps = model_steps(model)
-        self.mask_min = torch.finfo(dtype).min
+        self.mask_min = torch.finfo(self.dtype).min
+
+    def _bucket(self, n: int, buckets: tuple[int, ...], what: str) -> int:
+        """The smallest of ``buckets`` that holds ``n`` (``what``: "tokens" or "rows"), or ``n``
+        itself beyond the largest, said once per model (such forwards run unpadded and uncompiled)."""
+        fit = next((b for b in buckets if b >= n), n)
+        flag = "warned_wide" if what == "tokens" else "warned_rows"
+        if fit == n > buckets[-1] and not getattr(self.steps, flag):
+            setattr(self.steps, flag, True)
+            log.warning("%s: a forward of %d %s is wider than the largest bucket (%d); such forwards run unpadded "
+                        "and uncompiled (said once per model)", type(self.model).__name__, n, what, buckets[-1])
+        return fit
+
+
+class StaticRunner(StaticModel):
+    """One model over a :class:`StaticKV` of ``max_len`` tokens, forwards padded to ``buckets``
+    (module docstring). ``fast`` is ``"static"`` (eager) or ``"compile"``. Same interface as
+    :class:`ModelRunner`."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
+                 buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
+        super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
+        self.cache = StaticKV(model.config, self.max_len + self.buckets[-1], self.dtype, self.device)
 
     @property
     def length(self) -> int:
@@ -342,11 +440,7 @@ class StaticRunner(HiddenHook):
         if start + n > self.max_len:
             raise ValueError(f"the static cache holds max_len={self.max_len} tokens: {start} cached + {n} fed does not "
                              "fit; build the runner with a larger max_len")
-        width = next((b for b in self.buckets if b >= n), n)
-        if width == n > self.buckets[-1] and not self.steps.warned_wide:
-            self.steps.warned_wide = True
-            log.warning("%s: a forward of %d tokens is wider than the largest bucket (%d); such forwards run unpadded "
-                        "and uncompiled (said once per model)", type(self.model).__name__, n, self.buckets[-1])
+        width = self._bucket(n, self.buckets, "tokens")
         pad = width - n
         slots = torch.arange(start, start + width, device=ids.device)
         if position_ids is None:  # a tensor of its own: an alias of slots would be another graph (a recompile)
@@ -384,28 +478,8 @@ class StaticRunner(HiddenHook):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled step."""
         if self.fast != "compile" or width not in self.buckets:
             return static_step
-        key = (width, self.cache.size)
-        step = self.steps.compiled.get(key)
-        if step is None:
-            compiled = torch.compile(_own_code(static_step, f"static_step_w{width}_s{self.cache.size}"),
-                                     fullgraph=True, dynamic=False)
-            step = self.steps.compiled[key] = self._timed_first_call(compiled, key)
-        return step
-
-    def _timed_first_call(self, compiled, key):
-        """``compiled``, recording how long its first call (the compilation) took."""
-        steps = self.steps
-
-        def first(*args):
-            t0 = time.perf_counter()
-            out = compiled(*args)
-            steps.compile_seconds[key] = time.perf_counter() - t0
-            steps.compiled[key] = compiled
-            log.info("compiled the static step of %s for width %d, cache size %d in %.1f s",
-                     type(self.model).__name__, key[0], key[1], steps.compile_seconds[key])
-            return out
-
-        return first
+        return compiled_step(self.model, static_step, (width, self.cache.size),
+                             f"static_step_w{width}_s{self.cache.size}")
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached): a position move."""
@@ -417,3 +491,202 @@ class StaticRunner(HiddenHook):
         """As :meth:`ModelRunner.compact`: keep only the cached positions ``keep`` (strictly
         increasing), in that order, by an index copy inside each buffer."""
         self.cache.compact(check_keep(keep, self.length))
+
+
+class RowWindow:
+    """The cache one batched forward of :class:`StaticBatchRunner` sees (module docstring): per
+    layer ``keys``/``values``, either views of the first B rows of the runner's buffers [B,
+    kv_heads, size, head_dim] (``rows`` None: the forward's row i is buffer row i, written and read
+    in place) or the whole buffers with ``rows`` [B] naming the buffer row of each forward row
+    (written in place, read as a gathered copy: the eager prefill of joining rows)."""
+
+    is_compileable = True  # read by some transformers mask code; never reached with our 4-D masks
+
+    def __init__(self, keys: list, values: list, rows: torch.Tensor | None = None) -> None:
+        self.keys, self.values, self.rows = keys, values, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None, *, kwargs: dict | None = None):
+        """Write a forward's keys and values [B, kv_heads, W, head_dim] at its slots [B, W] (each
+        row its own); return the buffers its attention reads [B, kv_heads, size, head_dim]."""
+        slots = update_slots(cache_kwargs, kwargs)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        check_layer_shape(layer_idx, key_states, keys)
+        rows = torch.arange(key_states.shape[0], device=slots.device) if self.rows is None else self.rows
+        keys[rows[:, None], :, slots] = key_states.transpose(1, 2)
+        values[rows[:, None], :, slots] = value_states.transpose(1, 2)
+        if self.rows is None:
+            return keys, values
+        return keys.index_select(0, self.rows), values.index_select(0, self.rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and slots are always passed; never read
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+
+
+class StaticBatchRunner(StaticModel):
+    """One model over a static cache of per-row lengths, with the interface of the eager
+    ``specdecpp.decoders.batch.BatchRunner`` (``feed(chunks, n_logits)``, ``rollback(lengths)``,
+    ``compact()``, ``select(keep)``, ``add_rows(prefixes)``, ``row_cache(b)``, ``rows``,
+    ``lengths``, ``width``; the module docstring says how it works). ``rows``: the most rows
+    expected at once (more grow the buffers, a copy); ``max_len``: the tokens a row can hold;
+    ``buckets``: the width buckets, ``batch_buckets`` the batch buckets."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
+                 buckets: tuple[int, ...] = TARGET_BUCKETS, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 rows: int = 1) -> None:
+        super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
+        self.batch_buckets = check_buckets(batch_buckets)
+        self.size = self.max_len + self.buckets[-1]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+        self._grow(max(1, int(rows)))
+        self.lengths: list[int] = []  # row b holds lengths[b] tokens, in buffer row slot_of[b]
+        self.slot_of: list[int] = []
+        self.n_compactions = 0  # BatchRunner's counter: no compaction is ever needed here
+        self.n_moved_rows = 0  # rows copied to a lower buffer row so that the batch bucket shrinks
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """The cache columns every forward attends over (each row's slots, the masked ones too)."""
+        return self.size
+
+    def _grow(self, rows: int) -> None:
+        """Buffers for at least ``rows`` rows (a batch bucket's worth), the rows held copied over."""
+        capacity = next((b for b in self.batch_buckets if b >= rows), rows)
+        if capacity <= self.capacity:
+            return
+        keys, values = kv_buffers(self.model.config, capacity, self.size, self.dtype, self.device)
+        for new, old in zip((*keys, *values), (*self.keys, *self.values), strict=False):
+            new[: self.capacity] = old
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def _check_room(self, added: list[int]) -> None:
+        over = [b for b, n in enumerate(added) if self.lengths[b] + n > self.max_len]
+        if over:
+            b = over[0]
+            raise ValueError(f"the static cache holds max_len={self.max_len} tokens per row: row {b} has "
+                             f"{self.lengths[b]} cached + {added[b]} fed; build the runner with a larger max_len")
+
+    def feed(self, chunks: list[torch.Tensor], n_logits: int | None = None):
+        """As ``BatchRunner.feed``: append ``chunks[b]`` (1-D, possibly empty) to row b in one
+        forward of W = the longest chunk (padded to a (batch, width) bucket); returns logits [B, W',
+        V] and hidden [B, W', H] (or None) of the last W' = ``n_logits`` (None: all W) columns, row
+        b's real tokens its first ``len(chunks[b])`` columns (the others filler)."""
+        if len(chunks) != self.rows:
+            raise ValueError(f"StaticBatchRunner.feed: {len(chunks)} chunks for {self.rows} rows")
+        m = [int(c.shape[0]) for c in chunks]
+        width = max(m, default=0)
+        if width == 0:
+            raise ValueError("StaticBatchRunner.feed: every chunk is empty; feed at least one token")
+        self._check_room(m)
+        batch = self._bucket(max(self.slot_of) + 1, self.batch_buckets, "rows")
+        padded = self._bucket(width, self.buckets, "tokens")
+        ids = torch.zeros((batch, padded), dtype=torch.long, device=self.device)
+        lengths, real = [0] * batch, [0] * batch
+        for b, (slot, chunk) in enumerate(zip(self.slot_of, chunks, strict=True)):
+            lengths[slot], real[slot] = self.lengths[b], m[b]
+            if m[b]:
+                ids[slot, : m[b]] = chunk
+        compiled = self.fast == "compile" and batch in self.batch_buckets and padded in self.buckets
+        logits, hidden = self._forward(ids, lengths, real, None, compiled)
+        self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
+        keep = width if n_logits is None else min(n_logits, width)
+        if self.slot_of != list(range(self.rows)):
+            order = torch.tensor(self.slot_of, device=self.device)
+            logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
+        logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
+        return logits, hidden if self.want_hidden else None
+
+    def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
+                 compiled: bool):
+        """One step over ``ids`` [B, W]: forward row i holds ``lengths[i]`` tokens and feeds
+        ``real[i]`` of its W columns (the others are padding, written above its length, seeing only
+        themselves); ``rows`` as :class:`RowWindow` takes it."""
+        batch, width = ids.shape
+        start = torch.tensor(lengths, device=self.device)[:, None]
+        columns = torch.arange(width, device=self.device)[None]
+        slots = (start + columns).clamp_(max=self.size - 1)  # only padding reaches the end (max_len is checked)
+        positions = start + columns  # a tensor of its own: an alias of slots would be another graph
+        is_real = columns < torch.tensor(real, device=self.device)[:, None]
+        cache_cols = torch.arange(self.size, device=self.device)
+        grid = (cache_cols <= slots[..., None]) & (is_real[..., None] | (cache_cols >= slots[..., None]))
+        mask = torch.zeros(grid.shape, dtype=self.dtype, device=self.device).masked_fill_(~grid, self.mask_min)[:, None]
+        if rows is None:
+            window = RowWindow([k[:batch] for k in self.keys], [v[:batch] for v in self.values])
+        else:
+            window = RowWindow(self.keys, self.values, rows)
+        step = batch_step
+        if compiled:
+            key = (width, self.size, batch)
+            step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}")
+        return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
+
+    def rollback(self, lengths: list[int]) -> None:
+        """Keep the first ``lengths[b]`` tokens of row b (no-op for rows with fewer cached): the
+        lengths move, nothing is copied."""
+        if len(lengths) != self.rows:
+            raise ValueError(f"StaticBatchRunner.rollback: {len(lengths)} lengths for {self.rows} rows")
+        if any(int(n) < 0 for n in lengths):
+            raise ValueError(f"rollback lengths must be >= 0, got {list(lengths)}")
+        self.lengths = [min(n, int(keep)) for n, keep in zip(self.lengths, lengths, strict=True)]
+
+    def compact(self) -> None:
+        """Nothing to do: a rollback leaves no holes (``BatchRunner.compact``'s counterpart)."""
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (in that order); the others' buffer rows become free. When the
+        rows left fit a smaller batch bucket than the buffer rows they occupy, the rows above it
+        move down into free buffer rows (a copy of those rows only)."""
+        keep = [int(b) for b in keep]
+        if any(not 0 <= b < self.rows for b in keep) or len(set(keep)) != len(keep):
+            raise ValueError(f"select: keep must name distinct rows in [0, {self.rows}), got {keep}")
+        self.slot_of = [self.slot_of[b] for b in keep]
+        self.lengths = [self.lengths[b] for b in keep]
+        if not keep:
+            return
+        fit = next((b for b in self.batch_buckets if b >= len(keep)), len(keep))
+        high = [b for b, slot in enumerate(self.slot_of) if slot >= fit]
+        if high and self._bucket(max(self.slot_of) + 1, self.batch_buckets, "rows") > fit:
+            free = sorted(set(range(fit)) - set(self.slot_of))
+            src = torch.tensor([self.slot_of[b] for b in high], device=self.device)
+            dst = torch.tensor(free[: len(high)], device=self.device)
+            for buf in (*self.keys, *self.values):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+            for b, slot in zip(high, free, strict=False):
+                self.slot_of[b] = slot
+            self.n_moved_rows += len(high)
+
+    def add_rows(self, prefixes: list[torch.Tensor]) -> None:
+        """New rows at the end of the batch in the lowest free buffer rows, their ``prefixes``
+        prefilled in one eager forward of their own (the rows already here run nothing)."""
+        m = [int(p.shape[0]) for p in prefixes]
+        if any(n > self.max_len for n in m):
+            raise ValueError(f"the static cache holds max_len={self.max_len} tokens per row: a prefix of {max(m)} "
+                             "does not fit; build the runner with a larger max_len")
+        self._grow(self.rows + len(prefixes))
+        slots = sorted(set(range(self.capacity)) - set(self.slot_of))[: len(prefixes)]
+        fed = [i for i, n in enumerate(m) if n]
+        if fed:
+            width = max(m)
+            ids = torch.zeros((len(fed), width), dtype=torch.long, device=self.device)
+            for row, i in enumerate(fed):
+                ids[row, : m[i]] = prefixes[i]
+            rows = torch.tensor([slots[i] for i in fed], device=self.device)
+            self._forward(ids, [0] * len(fed), [m[i] for i in fed], rows, compiled=False)
+        self.slot_of += slots
+        self.lengths += m
+
+    def row_cache(self, b: int):
+        """Row b's cached tokens alone, as a fresh transformers cache [1, heads, lengths[b], d]."""
+        cache, slot, length = new_cache(self.model), self.slot_of[b], self.lengths[b]
+        for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            cache.layers[i].update(keys[slot : slot + 1, :, :length].clone(), values[slot : slot + 1, :, :length].clone())
+        return cache

@@ -60,8 +60,11 @@ EOS = 2  # within 24 tokens the target's greedy continuation reaches it in rows 
 
 
 def decoder(pair, policy: str, sampling: SamplingConfig) -> SpeculativeDecoder | Filling:
+    """``policy``'s decoder; ``+static`` on the name: on the fast path's static batch runner."""
     draft, target, heads = pair
-    dec = SpeculativeDecoder(draft, target, POLICIES[policy](heads), sampling)
+    static = policy.endswith("+static")
+    policy = policy.removesuffix("+static")
+    dec = SpeculativeDecoder(draft, target, POLICIES[policy](heads), sampling, fast="static" if static else None)
     return Filling(dec) if policy.endswith("+fill") else dec
 
 
@@ -100,8 +103,9 @@ def test_greedy_rows_equal_target_greedy(cpu_pair32, policy, batch_size, device)
 
 
 @pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
-    [pytest.param(p, id=p) for p in POLICIES], SAMPLINGS, DEVICES,
-    fast={"paper_head+fill-T1", "lag_free_head-T0.8-top3-eos2"}))  # on the CPU, the rest: make test-full
+    [pytest.param(p, id=p) for p in [*POLICIES, "lag_free_head+static", "paper_head+fill+static"]], SAMPLINGS, DEVICES,
+    fast={"paper_head+fill-T1", "lag_free_head-T0.8-top3-eos2",  # on the CPU, the rest: make test-full
+          "lag_free_head+static-T0.8-top3-eos2"}))
 def test_sampled_rows_have_target_distribution(cpu_pair6, policy, sampling, eos, device):
     """Each call decodes a batch of mixed prompts: four rows of the test prompt (each its own
     generator) between rows of other lengths; every test-prompt row is one sample of its first 3
@@ -122,7 +126,7 @@ def test_sampled_rows_have_target_distribution(cpu_pair6, policy, sampling, eos,
     assert len(seqs) == 1200
     assert chi_square_pvalue(seqs, expected) > 1e-4, policy
     assert accepted > 300  # the acceptance path is exercised, not only resampling
-    if policy != "fixed_k3" and not policy.endswith("+fill"):  # fill: the longest row's K for all
+    if policy != "fixed_k3" and "+fill" not in policy:  # fill: the longest row's K for all
         assert len(first_k) >= 2, first_k  # the adaptive stop really varies between rows
 
 

@@ -67,14 +67,14 @@ DECODERS = {
     "chain-svip": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw),
     "chain-paper_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw),
     "chain-lag_free_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw),
-    "batch-fixed_k3": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, FixedK(3), s)),
-    "batch-svip": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s)),
-    "batch-paper_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s)),
-    "batch-lag_free_head": lambda d, t, s, h: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s)),
-    "batch_fill-paper_head": lambda d, t, s, h: InBatch(
-        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s), fill=True),
-    "batch_queued-lag_free_head": lambda d, t, s, h: InBatch(
-        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s), queued=True),
+    "batch-fixed_k3": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, FixedK(3), s, **kw)),
+    "batch-svip": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw)),
+    "batch-paper_head": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw)),
+    "batch-lag_free_head": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw)),
+    "batch_fill-paper_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw), fill=True),
+    "batch_queued-lag_free_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), queued=True),
     "pearl-gamma2": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 2, s, **kw),
     "pearl-svip": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4), **kw),
     "pearl-paper_head": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4), **kw),
@@ -85,9 +85,10 @@ DECODERS = {
 }
 # The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
 # and, slow (each width compiles once per process, seconds each), with its forwards compiled
-# (``-fast_compile``; PEARL refuses it). Batches run eager only (generate_batch refuses fast).
+# (``-fast_compile``; PEARL refuses it). Batches run on the static batch runner (static cache of
+# per-row lengths, (batch, width) buckets).
 FAST_SLOW = {"static": False, "compile": True}
-for _name in [n for n in DECODERS if not n.startswith("batch")]:
+for _name in list(DECODERS):
     for _fast in FAST_SLOW:
         if _fast in PEARLDecoder.FAST or not _name.startswith("pearl"):
             DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(DECODERS[_name], fast=_fast)
@@ -237,7 +238,8 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 @pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
                                   "batch-paper_head", "batch_queued-lag_free_head",
                                   "sequoia-chain3", "sequoia-two_level", "chain-lag_free_head-fast_static",
-                                  "pearl-paper_head-fast_static", "sequoia-two_level-fast_static"])
+                                  "pearl-paper_head-fast_static", "sequoia-two_level-fast_static",
+                                  "batch_queued-lag_free_head-fast_static"])
 def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
     """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
     holds (the target: every committed token but the newest; the draft: at most that)."""

@@ -1,0 +1,212 @@
+"""The static batch runner (specdecpp.models.static.StaticBatchRunner) against the eager BatchRunner
+over transformers' DynamicCache, on tiny float32 Llamas: random sequences of ragged feeds,
+rollbacks, compactions, rows leaving (select) and joining (add_rows) give the same logits and hidden
+states in every row's real columns, and the same per-row caches; slots above each row's length and
+buffer rows no row holds never matter; the compiled backend (slow) compiles each (batch, width)
+bucket once, whole, and never recompiles."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from specdecpp.decoders.batch import BatchRunner
+from specdecpp.models.static import CallRunners, StaticBatchRunner, model_steps
+from tests.helpers.tiny import tiny_lm
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+VOCAB = 16
+MAX_LEN = 80
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    return tiny_lm(VOCAB, 32, 2, seed=5, scale=0.6)
+
+
+def on(device: str, model):
+    return model if device == "cpu" else copy.deepcopy(model).to(device)
+
+
+def close(device: str, mine: torch.Tensor, ref: torch.Tensor) -> None:
+    atol, rtol = (1e-5, 1e-4) if device == "cpu" else (1e-4, 1e-3)
+    torch.testing.assert_close(mine, ref, atol=atol, rtol=rtol)
+
+
+def tokens(n: int, device) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), device=device)
+
+
+def compare_feed(device, runners, chunks, n_logits) -> None:
+    """Feed ``chunks`` to every runner; the real columns' logits and hidden states agree with the
+    first runner's (the others are filler in every runner)."""
+    ref, *others = runners
+    want, want_hidden = ref.feed(chunks, n_logits)
+    width = max(c.shape[0] for c in chunks)
+    for r in others:
+        got, got_hidden = r.feed(chunks, n_logits)
+        assert got.shape == want.shape and got_hidden.shape == want_hidden.shape
+        for b, c in enumerate(chunks):
+            real = slice(0, max(0, c.shape[0] - (width - got.shape[1])))  # the last columns are kept
+            close(device, got[b, real], want[b, real])
+            close(device, got_hidden[b, real], want_hidden[b, real])
+        assert r.lengths == ref.lengths
+
+
+def run_random(rng: random.Random, runners, device, steps: int, max_rows: int) -> None:
+    """The same random ragged feeds, rollbacks, compactions, selects and joins on every runner."""
+    ref = runners[0]
+    for _ in range(steps):
+        op = rng.random()
+        if (op < 0.12 or not ref.rows) and ref.rows < max_rows:  # rows join, some with an empty prefix
+            new = rng.randint(1, max_rows - ref.rows)
+            prefixes = [tokens(rng.choice([0, 1, 3, 6, 11]), device) for _ in range(new)]
+            for r in runners:
+                r.add_rows(prefixes)
+        elif op < 0.55:
+            room = [MAX_LEN - n for n in ref.lengths]
+            chunks = [tokens(min(room[b], rng.choice([0, 1, 1, 2, 3, 4, 5, 9])), device) for b in range(ref.rows)]
+            if max(c.shape[0] for c in chunks) == 0:
+                continue
+            width = max(c.shape[0] for c in chunks)
+            compare_feed(device, runners, chunks, rng.choice([None, 1, rng.randint(1, width)]))
+        elif op < 0.8:
+            keep = [rng.randint(0, n) for n in ref.lengths]
+            for r in runners:
+                r.rollback(keep)
+        elif op < 0.88:
+            for r in runners:
+                r.compact()
+        else:  # rows leave, the others in a new order
+            keep = rng.sample(range(ref.rows), rng.randint(0, ref.rows))
+            if keep and not any(ref.lengths[b] for b in keep):
+                continue  # the eager runner's select keeps the cache's columns when no row holds a token
+            for r in runners:
+                r.select(keep)
+
+
+def assert_same_row_caches(device, runners) -> None:
+    ref, *others = runners
+    for r in others:
+        for b in range(ref.rows):
+            mine, want = r.row_cache(b), ref.row_cache(b)
+            for m, w in zip(mine.layers, want.layers, strict=True):
+                assert m.keys.shape == w.keys.shape
+                close(device, m.keys, w.keys)
+                close(device, m.values, w.values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_ops_match_the_eager_batch_runner(cpu_model, seed, device):
+    model = on(device, cpu_model)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    runners = [BatchRunner(model, VOCAB, want_hidden=True),
+               StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, rows=3),
+               # small buckets: wider forwards and more rows than the largest bucket run unpadded
+               StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), batch_buckets=(1, 2))]
+    with runners[0], runners[1], runners[2]:
+        run_random(rng, runners, device, steps=60, max_rows=6)
+        assert_same_row_caches(device, runners)
+    assert runners[1].n_moved_rows > 0  # rows left from low buffer rows and the batch bucket shrank
+    assert runners[1].capacity == 8  # grown from 4 (3 rows) when more joined
+
+
+def test_rows_leaving_free_their_slot_and_the_bucket_shrinks(cpu_model):
+    runner = StaticBatchRunner(cpu_model, VOCAB, want_hidden=False, max_len=MAX_LEN, rows=4)
+    runner.add_rows([tokens(n, "cpu") for n in (2, 3, 4, 5)])
+    assert runner.slot_of == [0, 1, 2, 3] and runner.capacity == 4
+    runner.select([3, 1])  # rows in buffer rows 3 and 1 stay: bucket 4 > 2, so buffer row 3 moves to 0
+    assert runner.slot_of == [0, 1] and runner.lengths == [5, 3] and runner.n_moved_rows == 1
+    runner.add_rows([tokens(1, "cpu")])  # the lowest free buffer row, no copy
+    assert runner.slot_of == [0, 1, 2] and runner.n_moved_rows == 1
+    runner.select([2, 0])  # buffer rows 2 and 0: bucket 4 > 2, buffer row 2 moves to 1
+    assert runner.slot_of == [1, 0] and runner.n_moved_rows == 2
+    runner.select([1])  # buffer row 0: no move
+    assert runner.slot_of == [0] and runner.lengths == [5] and runner.n_moved_rows == 2
+    assert runner.compact() is None and runner.n_compactions == 0 and runner.width == runner.size
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_above_the_lengths_and_free_rows_change_nothing(cpu_model, device):
+    """Stale slots (rolled back, padding columns, never written) and buffer rows no row holds
+    (padding rows of a batch bucket) hold huge values: no logit moves, bit for bit."""
+    model = on(device, cpu_model)
+    g = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(0, VOCAB, (n,), generator=g).to(device) for n in (9, 4, 12)]
+    clean, dirty = (StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, rows=4) for _ in range(2))
+    for r in (clean, dirty):
+        r.add_rows(prefixes)
+        r.rollback([7, 4, 5])
+    for step, widths in enumerate(((1, 3, 2), (2, 0, 1), (4, 1, 1))):
+        for buf in (*dirty.keys, *dirty.values):
+            buf[3] = 1e4 * (-1) ** step  # the bucket's padding row
+            for slot, n in zip(dirty.slot_of, dirty.lengths, strict=True):
+                buf[slot, :, n:] = -1e4 * (-1) ** step
+        chunks = [torch.randint(0, VOCAB, (n,), generator=g).to(device) for n in widths]
+        want, want_hidden = clean.feed(chunks)
+        got, got_hidden = dirty.feed(chunks)
+        for b, n in enumerate(widths):
+            torch.testing.assert_close(got[b, :n], want[b, :n], atol=0, rtol=0)
+            torch.testing.assert_close(got_hidden[b, :n], want_hidden[b, :n], atol=0, rtol=0)
+
+
+def test_errors_and_the_wide_forward_warning(cpu_model, caplog):
+    model = tiny_lm(VOCAB, 32, 2, seed=9, scale=0.6)  # a fresh model: the warnings are once per model
+    runner = StaticBatchRunner(model, VOCAB, want_hidden=False, max_len=12, buckets=(1, 2), batch_buckets=(1, 2))
+    with pytest.raises(ValueError, match="max_len=12 tokens per row: a prefix of 13"):
+        runner.add_rows([tokens(13, "cpu")])
+    runner.add_rows([tokens(10, "cpu"), tokens(0, "cpu"), tokens(2, "cpu")])
+    with pytest.raises(ValueError, match="2 chunks for 3 rows"):
+        runner.feed([tokens(1, "cpu")] * 2)
+    with pytest.raises(ValueError, match="every chunk is empty"):
+        runner.feed([tokens(0, "cpu")] * 3)
+    with pytest.raises(ValueError, match="row 0 has 10 cached \\+ 3 fed"):
+        runner.feed([tokens(3, "cpu")] * 3)
+    with pytest.raises(ValueError, match="rollback lengths must be >= 0"):
+        runner.rollback([1, -1, 0])
+    with pytest.raises(ValueError, match="select: keep must name distinct rows in \\[0, 3\\)"):
+        runner.select([0, 0])
+    with caplog.at_level(logging.WARNING, logger="specdecpp.models.static"):
+        runner.feed([tokens(1, "cpu"), tokens(3, "cpu"), tokens(0, "cpu")])  # 3 rows > 2, 3 tokens > 2
+        runner.feed([tokens(1, "cpu"), tokens(3, "cpu"), tokens(1, "cpu")])
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("3 rows is wider than the largest bucket (2)" in m for m in said) == 1
+    assert sum("3 tokens is wider than the largest bucket (2)" in m for m in said) == 1
+    with pytest.raises(ValueError, match="fast=None needs the eager batch runner"):
+        CallRunners(None, (model,)).batch(20)
+    assert CallRunners(None, (model,)).batch(20, eager=BatchRunner) is BatchRunner
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_steps_compile_each_batch_bucket_once_whole(device):
+    """fast='compile': warm_up compiles every (batch, width) bucket once (fullgraph: no graph
+    break); then random ops on runners of other capacities (the steps see views of the first B
+    buffer rows, so the capacity is no part of a graph) never recompile, and agree with the eager
+    batch runner."""
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
+    buckets, rows = (1, 2, 4), 3
+    runners = CallRunners("compile", (model,))
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    assert runners.warm_up(MAX_LEN - 4, [(model, buckets)], rows=rows) > 0
+    size = runners.size
+    assert set(model_steps(model).compile_seconds) == {(w, size, b) for w in buckets for b in (1, 2, 4)}
+    assert counters["stats"]["unique_graphs"] - graphs == 9
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed, capacity in ((0, 3), (1, 4), (2, 1)):
+            make = runners.batch(MAX_LEN - 4, buckets, capacity)
+            compiled = make(model, VOCAB, True)
+            assert compiled.size == size
+            batch = [BatchRunner(model, VOCAB, want_hidden=True), compiled]
+            with batch[0]:
+                run_random(random.Random(seed), batch, device, steps=40, max_rows=4)
+    assert counters["stats"]["unique_graphs"] - graphs == 9
+    assert sum(counters["graph_break"].values()) == breaks
