@@ -31,6 +31,7 @@ from specdecpp.data.labels import (
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.models.loading import eos_token_ids, load_pair
+from specdecpp.models.static import check_fast
 
 from .plan import (
     Shard,
@@ -82,18 +83,18 @@ class _Progress:
 
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress,
-                cascade: Cascade | None = None) -> list[dict]:
+                cascade: Cascade | None = None, fast: str | None = None) -> list[dict]:
     """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
     continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
-    keeping the target's p_i; then labelled ``batch_size`` at a time (one draft forward), grouped
-    by length to limit padding."""
+    keeping the target's p_i, on the fast path's static batch runner with ``fast``; then labelled
+    ``batch_size`` at a time (one draft forward), grouped by length to limit padding."""
     encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
     eos = eos_token_ids(tokenizer, target)
     gens = [prompt_generator(seed, p.id, target.device) for p in shard.prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     sampled, kept = sample_responses_with_probs(
         target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order], eos_token_id=eos,
-        vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size)
+        vocab=vocab, on_tokens=progress.add_tokens, batch_size=batch_size, fast=fast)
     responses = dict(zip(order, sampled, strict=True))
     target_probs = dict(zip(order, kept, strict=True)) if kept is not None else None  # p_i: no 2nd target forward
     order = sorted(order, key=lambda i: len(encoded[i]) + len(responses[i]))
@@ -150,6 +151,7 @@ def _check_settings(cfg: DictConfig) -> None:
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    check_fast("data_gen", cfg.get("fast"))
 
 
 def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[Shard],
@@ -172,7 +174,8 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
     for shard in todo:
         rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
                            max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
-                           vocab=vocab, progress=progress, cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None)
+                           vocab=vocab, progress=progress, cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None,
+                           fast=cfg.get("fast"))
         save_shard(out, shard.split, shard.index, rows)
     progress.bar.close()
     return progress.prompts, progress.tokens, time.perf_counter() - progress.start

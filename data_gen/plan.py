@@ -19,7 +19,7 @@ from specdecpp.models.loading import dtype_name
 # carry "split" fields (then pass splits=[train,dev,test]); evaluation sets keep prompts.split.
 DEFAULT_SPLITS = {"bundled": ["train", "dev", "test"], "alpaca": ["train", "dev", "test"], "jsonl": ["train"]}
 # Meta keys that may differ between a run and its resumption.
-VOLATILE_META = ("created", "code_version", "complete", "rows")
+VOLATILE_META = ("created", "code_version", "complete", "rows", "fast")  # fast: the same data, to rounding
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
     return {
         **settings_meta(cfg),
         "dtype": dtype_name(target.dtype),
+        "fast": cfg.get("fast"),  # the target's sampling forwards (specdecpp.models.static)
         "draft_hidden_size": int(draft.config.hidden_size),
         "vocab_size": int(vocab),
         "code_version": code_version(),

@@ -96,7 +96,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     batch_fill = cfg.get("batch_fill", False)
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
-    fast = job_fast(cfg, spec, batch_size)
+    fast = job_fast(cfg, spec)
     allow_code_execution = cfg.get("allow_code_execution", False)
     code_execution_allowed(allow_code_execution)  # a bad value or a bad SPECDECPP_ALLOW_CODE_EXECUTION fails here
     p = cfg.prompts
@@ -121,10 +121,10 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution, fast=fast)
 
 
-def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
-    """``fast`` for this method: checked (a bad value, ``graphs`` not built, PEARL compiled and
-    batches are refused), None for a method that does not decode with our engine's runners
-    (hf_assisted, oracle: they ignore it, and their rows say fast: null)."""
+def job_fast(cfg, spec: MethodSpec) -> str | None:
+    """``fast`` for this method: checked (a bad value, ``graphs`` not built and PEARL compiled are
+    refused), None for a method that does not decode with our engine's runners (hf_assisted,
+    oracle: they ignore it, and their rows say fast: null)."""
     fast = check_fast("infer", cfg.get("fast"))
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
@@ -132,9 +132,6 @@ def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
         return None
     if fast is not None and hasattr(spec.method, "check_fast"):
         spec.method.check_fast(fast)
-    if fast is not None and batch_size > 1:
-        raise ValueError(f"fast={fast} with batch_size={batch_size}: batches run eager for now (generate_batch refuses "
-                         "fast); set fast=null or batch_size=1")
     return fast
 
 
@@ -195,7 +192,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
     encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
     for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
         if job.fast and job.todo and hasattr(runner, "warm_up"):
-            seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens)
+            seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens,
+                                     job.batch_size if job.batch_size > 1 else None)
             log.info("%s %s: fast=%s warmed up (compiled) in %.1f s, untimed", job.spec.name, job.spec.tag, job.fast,
                      seconds)
     warm = max((job.warmup_tokens for job in jobs), default=0)

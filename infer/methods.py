@@ -276,10 +276,10 @@ class EngineRunner:
         self.decoder = decoder
         self.clock = Clock(decoder.device, sync=profile)
 
-    def warm_up(self, prompt_len: int, max_new_tokens: int) -> float:
+    def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None) -> float:
         """The fast path's sizing and compilation for calls up to this long (the decoder's
-        ``warm_up``), untimed; its seconds."""
-        return self.decoder.warm_up(prompt_len, max_new_tokens)
+        ``warm_up``; ``batch_size``: for its ``generate_batch``), untimed; its seconds."""
+        return self.decoder.warm_up(prompt_len, max_new_tokens, batch_size)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         metered = self.decoder.fast is None

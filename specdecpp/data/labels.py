@@ -35,6 +35,7 @@ from ..decoders.batch import BatchRunner
 from ..decoders.cascade import Cascade
 from ..models.loading import token_set
 from ..models.reduced_vocab import output_vocab_size
+from ..models.static import CallRunners, check_fast
 
 
 @dataclass
@@ -107,34 +108,36 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
                      max_new_tokens: int, generators: Sequence[torch.Generator],
                      eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
                      on_tokens: Callable[[int], None] | None = None,
-                     batch_size: int | None = None) -> list[list[int]]:
+                     batch_size: int | None = None, fast: str | None = None) -> list[list[int]]:
     """Sample one response per prompt from ``warp(target logits)``, ``batch_size`` rows at a time
     (None: all prompts in one batch), continuously batched: prompts wait in a queue in the given
     order; a row stops after an EOS token (kept in the response) or ``max_new_tokens`` tokens and
     leaves the batch and its KV cache, and the next prompts take the free places (their prompt
-    is prefilled, then joined to the batch cache, left-padded): the batched decoder's own KV
-    bookkeeping, :class:`specdecpp.decoders.batch.BatchRunner`. ``on_tokens(n)`` is called after each step
-    with the number of tokens just sampled (for progress bars).
+    is prefilled, then joined to the batch cache): the batched decoder's own KV bookkeeping,
+    :class:`specdecpp.decoders.batch.BatchRunner`, or with ``fast`` ("static" or "compile") the
+    fast path's :class:`specdecpp.models.static.StaticBatchRunner` (one-token forwards padded to a
+    batch bucket; "compile" compiles each bucket once per process). ``on_tokens(n)`` is called
+    after each step with the number of tokens just sampled (for progress bars).
     """
     return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
-                   batch_size, keep_probs=False)[0]
+                   batch_size, keep_probs=False, fast=fast)[0]
 
 
 @torch.no_grad()
 def sample_responses_with_probs(target, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                                 max_new_tokens: int, generators: Sequence[torch.Generator],
                                 eos_token_id: int | Iterable[int] | None = None, vocab: int | None = None,
-                                on_tokens: Callable[[int], None] | None = None, batch_size: int | None = None
-                                ) -> tuple[list[list[int]], list[SparseProbs] | None]:
+                                on_tokens: Callable[[int], None] | None = None, batch_size: int | None = None,
+                                fast: str | None = None) -> tuple[list[list[int]], list[SparseProbs] | None]:
     """:func:`sample_responses`, and each response's p_i as :class:`SparseProbs` (None when a
     step's support is wider than ``MAX_KEPT_SUPPORT``): the target distributions that
     :func:`label_responses` would otherwise recompute with a second target forward."""
     return _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens,
-                   batch_size, keep_probs=True)
+                   batch_size, keep_probs=True, fast=fast)
 
 
 def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id, vocab, on_tokens, batch_size,
-            keep_probs: bool):
+            keep_probs: bool, fast: str | None):
     """The one decoding loop of :func:`sample_responses` (and its kept p_i)."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_responses: {len(prompts)} prompts but {len(generators)} generators")
@@ -151,7 +154,9 @@ def _sample(target, prompts, sampling, max_new_tokens, generators, eos_token_id,
     queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
     rows: list[int] = []  # batch position -> prompt index
     pending: list[int] = []  # each row's newest token, not yet in the cache (fed by the next step)
-    runner = BatchRunner(target, vocab, want_hidden=False)  # the batched decoder's KV bookkeeping
+    longest = max((len(p) for p in prompts), default=1)  # the batched decoder's KV bookkeeping, or the fast path's
+    runner = CallRunners(check_fast("sample_responses", fast, device, target), (target,)).batch(
+        longest + max_new_tokens + 1, (1,), slots, eager=BatchRunner)(target, vocab, False)
     while queue or rows:
         if queue and len(rows) < slots:  # the next prompts take the free places: prefix prefilled, joined
             new = [queue.pop() for _ in range(min(slots - len(rows), len(queue)))]

@@ -627,7 +627,8 @@ class StaticBatchRunner(StaticModel):
         if compiled:
             key = (width, self.size, batch)
             step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}")
-        return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
+        with torch.no_grad():  # inference only; grad mode is part of a compiled step's guards
+            return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
 
     def rollback(self, lengths: list[int]) -> None:
         """Keep the first ``lengths[b]`` tokens of row b (no-op for rows with fewer cached): the

@@ -33,18 +33,20 @@ def test_sample_responses_batched_with_eos_equals_single():
     assert [len(lab.p_acc) for lab in labels] == lengths
 
 
+@pytest.mark.parametrize("fast", [None, "static"], ids=["eager", "fast_static"])
 @pytest.mark.parametrize("batch_size", [1, 2, 3])
-def test_continuous_batching_refills_finished_rows_and_equals_single(batch_size):
+def test_continuous_batching_refills_finished_rows_and_equals_single(batch_size, fast):
     """A queue of prompts through batch_size places: finished rows leave and the next prompts
-    (prefilled, joined to the left-padded cache with their own positions) take their places; every
-    response equals the one-prompt run, and the step count shows the places were refilled."""
+    (prefilled, joined to the cache with their own positions) take their places; every response
+    equals the one-prompt run (eager), and the step count shows the places were refilled; on the
+    fast path's static batch runner too."""
     target = tiny_lm(40, 32, 2, seed=5, scale=0.5)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [17], [18, 19, 20, 21, 22, 23, 24]]
     eos = set(range(30, 40))
     cfg = SamplingConfig(1.0)
     steps = []
     continuous = sample_responses(target, prompts, cfg, 12, [prompt_generator(3, str(i)) for i in range(7)], eos,
-                                  on_tokens=steps.append, batch_size=batch_size)
+                                  on_tokens=steps.append, batch_size=batch_size, fast=fast)
     single = [sample_responses(target, [p], cfg, 12, [prompt_generator(3, str(i))], eos)[0]
               for i, p in enumerate(prompts)]
     assert continuous == single

@@ -1,7 +1,8 @@
 """The fast path under the decoders (``fast=``, specdecpp.models.static): the one check of the
-argument in every constructor, what is refused (batches, PEARL compiled, graphs on a CPU), cascades
-on the static cache, the per-call sizing that lets calls share compiled steps, Sequoia's buckets,
-and (slow) a compiled decoder that compiles each bucket once across calls and decoders.
+argument in every constructor, what is refused (PEARL compiled, graphs on a CPU), cascades and
+batches on the static cache, the per-call sizing that lets calls share compiled steps, Sequoia's
+buckets, and (slow) a compiled decoder that compiles each bucket once across calls and decoders,
+batches included.
 Exactness of every decoder's fast variants: tests/decoders/test_exactness.py's registry."""
 
 from __future__ import annotations
@@ -53,10 +54,24 @@ def test_every_constructor_checks_fast(pair):
         PEARLDecoder.check_settings(2, 1, None, "compile")  # what configs run before the models load
 
 
-def test_generate_batch_refuses_fast(pair):
-    decoder = SpeculativeDecoder(*pair, FixedK(2), GREEDY, fast="static")
-    with pytest.raises(ValueError, match="generate_batch: fast='static' is not supported for batches yet"):
-        decoder.generate_batch([torch.tensor([1, 2])], 4)
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+def test_batches_on_the_static_cache_equal_eager(pair, sampling):
+    """generate_batch on the static batch runner emits what it emits eagerly (same generators;
+    float32 logits agree to rounding), rows joining and leaving, for an exact decoder, one with
+    fill and a cascade (its bonus token's draft forward)."""
+    draft, target = pair
+    prompts = [torch.tensor(p) for p in ([1, 2, 3], [9], [4, 4, 9, 10, 11, 3, 5], [30, 2], [5, 6])]
+    for stop, cascade, fill in ((SVIP(threshold=0.3, max_candidates=5), None, False), (FixedK(3), None, True),
+                                (FixedK(2), Cascade("opt", 0.2), False), (TargetOnly(), None, False)):
+        outs = []
+        for fast in (None, "static"):
+            decoder = SpeculativeDecoder(draft, target, stop, sampling, cascade=cascade, fast=fast)
+            gens = [torch.Generator().manual_seed(b) for b in range(len(prompts))]
+            outs.append(decoder.generate_batch(prompts, 20, gens, batch_size=3, fill=fill))
+        for eager, fast in zip(*outs, strict=True):
+            assert eager.tokens.tolist() == fast.tokens.tolist()
+            assert eager.stats.accept_lengths == fast.stats.accept_lengths
+            assert eager.stats.n_draft_calls == fast.stats.n_draft_calls
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
@@ -128,3 +143,27 @@ def test_compiled_decoders_compile_each_bucket_once_across_calls():
                 assert d.generate(torch.tensor([prompt]), n).tokens.tolist() == ref
             assert others[1].generate(torch.tensor([prompt]), n).stats.n_generated == n  # lossy: its own output
     assert counters["stats"]["unique_graphs"] - graphs == 5
+
+
+@pytest.mark.slow
+def test_compiled_batches_compile_each_bucket_once_across_calls():
+    """fast='compile', generate_batch: warm_up(..., batch_size) compiles each model's (batch,
+    width) buckets once; then batches of other sizes (up to it), rows joining and leaving, and
+    another decoder over the same models never compile again, and every row equals the target's
+    greedy decoding."""
+    target = tiny_lm(32, 32, 2, seed=25, scale=0.4)  # fresh models: their steps compile here
+    draft = noisy_copy(target, 0.3, seed=26)
+    decoder = SpeculativeDecoder(draft, target, FixedK(1), GREEDY, fast="compile")
+    graphs = counters["stats"]["unique_graphs"]
+    assert decoder.warm_up(7, 21, batch_size=2) > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 4 + 4  # draft and target: widths 1, 2 x batches 1, 2
+    assert {(w, b) for w, _, b in model_steps(target).compile_seconds} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    target_only = SpeculativeDecoder(draft, target, TargetOnly(), GREEDY, fast="compile")
+    prompts = [[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]]
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=21, do_sample=False).tolist() for p in prompts]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for d in decoder, target_only:
+            for batch_size in (2, 1):  # 3 prompts: rows join as others finish
+                outs = d.generate_batch([torch.tensor(p) for p in prompts], 21, batch_size=batch_size)
+                assert [o.tokens.tolist() for o in outs] == refs
+    assert counters["stats"]["unique_graphs"] - graphs == 8

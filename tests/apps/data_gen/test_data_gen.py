@@ -179,6 +179,15 @@ def test_batched_equals_one_prompt_at_a_time(tiny_pair, prompts_file, baseline, 
     assert_same_data(baseline, out, exact=False)
 
 
+def test_fast_sampling_gives_the_same_data(tiny_pair, prompts_file, baseline, tmp_path):
+    """fast=static: the target samples on the fast path's static batch runner; the same data (to
+    float rounding), recorded in the meta."""
+    out = tmp_path / "fast"
+    run(make_cfg(tiny_pair, prompts_file, out, "fast=static"))
+    assert_same_data(baseline, out, exact=False)
+    assert load_labelled(out)[1]["fast"] == "static" and load_labelled(baseline)[1]["fast"] is None
+
+
 def test_consolidate_only_finishes_a_sharded_run(tiny_pair, prompts_file, baseline, tmp_path):
     out = tmp_path / "consolidate"
     assert not run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2")).complete
@@ -212,6 +221,8 @@ def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
         run(make_cfg(tiny_pair, prompts_file, out, "limit=6"))
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         run(make_cfg(tiny_pair, prompts_file, out, "max_new_tokens=0"))
+    with pytest.raises(ValueError, match="data_gen: fast must be one of None, 'static', 'compile', 'graphs', got 'turbo'"):
+        run(make_cfg(tiny_pair, prompts_file, out, "fast=turbo"))
     with pytest.raises(ValueError, match="shard.index=2 / shard.count=2"):
         run(make_cfg(tiny_pair, prompts_file, out, "shard.index=2", "shard.count=2"))
     assert not out.exists()

@@ -1,6 +1,6 @@
 """infer's ``fast`` key: checked before any model loads, passed to the methods that decode with our
 engine (ignored by hf_assisted and the oracle), recorded in every row, in the file tag only when
-set, and a table of its own in the report (fast methods against fast target-only)."""
+set, and a table of its own in the report (fast methods against fast target-only); batches too."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def test_fast_is_checked_before_loading_and_names_the_file_only_when_set(base, t
         app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=graphs"))
     with pytest.raises(ValueError, match="PEARLDecoder: fast='compile' is not supported"):
         app.prepare(make_cfg(*cfg, "method=pearl", "method.gamma=2", "fast=compile"))
-    with pytest.raises(ValueError, match="fast=static with batch_size=2: batches run eager for now"):
-        app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=static", "batch_size=2"))
+    batched = app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=static", "batch_size=2"))
+    assert batched.fast == "static" and batched.batch_size == 2
     for method in ("hf_assisted", "oracle"):  # they ignore it: their own generate / untimed counts
         job = app.prepare(make_cfg(*cfg, f"method={method}", "fast=compile"))
         assert job.fast is None and "_fast" not in job.path.name
@@ -73,6 +73,18 @@ def test_fast_rows_equal_eager_ones_and_get_their_own_table(base, tmp_path):
     assert {e["method"] for e in groups["static"]["entries"]} == {"target_only", "fixed_k", "sequoia"}
     assert all(e["speedup"] is not None for e in groups["static"]["entries"])  # against fast target-only
     assert " / fast=static\n" in report["text"] and report["text"].count("## ") == 2
+
+
+def test_fast_batches_equal_eager_ones(base, tmp_path):
+    """batch_size=2 on the static batch runner: the same greedy outputs as eager batches."""
+    outputs = {}
+    for fast in ("null", "static"):
+        summary = app.run(make_cfg(*base, "method=fixed_k", "method.k=2", "batch_size=2", f"fast={fast}",
+                                   f"out={tmp_path}/{fast}"))
+        rows = read_rows(Path(summary["path"]))
+        assert {(r["fast"], r["batch_size"]) for r in rows} == {(None if fast == "null" else fast, 2)}
+        outputs[fast] = {r["prompt_id"]: r["output_ids"] for r in rows}
+    assert outputs["static"] == outputs["null"] and len(outputs["null"]) == 2
 
 
 def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):
