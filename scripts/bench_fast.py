@@ -4,6 +4,7 @@
     python scripts/bench_fast.py --random --device cuda --fast compile # the demo configs, random weights
     python scripts/bench_fast.py --configs DIR --fast static           # DIR/draft.json, DIR/target.json, random weights
     python scripts/bench_fast.py --head demo/heads/next_wrej1_d1 --out reports/fast/bench.json
+    python scripts/bench_fast.py --batch 4 8 --fast static compile --prompts 16 --max-new-tokens 32  # batches
 
 What it measures, on one device, greedy decoding, with ``--threads`` torch threads on a CPU:
 
@@ -27,6 +28,17 @@ What it measures, on one device, greedy decoding, with ``--threads`` torch threa
 Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
 forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
 (``--out``) and prints a markdown table.
+
+``--batch B [B ...]`` measures batches instead (``generate_batch`` on the static batch runner,
+docs/batch.md): for each B the prompts in groups of B, each group one call with ``batch_size=B``
+(``--batch-repeats`` times), of target-only, fixed K = 2 and data_gen's target sampling
+(``specdecpp.data.labels.sample_responses``, greedy), eager and every ``--fast`` backend (one or
+more: ``--fast static compile``), every (method, backend) on a group before the next group, the
+order rotating from group to group. Per B and method: tokens/s pooled over calls, each backend
+over eager with a paired 95% bootstrap interval over calls, fast fixed K over fast target-only, and
+whether every row's greedy tokens equal eager's. Compiling every (batch, width) bucket (the
+decoders' ``warm_up(..., batch_size)``) comes first, untimed, with one untimed call per
+(method, backend, B); the seconds per bucket are printed.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from specdecpp import (
     load_pair,
 )
 from specdecpp.core.timing import machine_description, time_forward
+from specdecpp.data.labels import sample_responses
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
 from specdecpp.models.static import model_steps
 
@@ -148,8 +161,9 @@ def methods(args, draft) -> dict:
 
 
 def compile_record(models: dict) -> dict:
-    return {f"{role} w{w} s{s}": sec for role, m in models.items()
-            for (w, s), sec in model_steps(m).compile_seconds.items()}
+    """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket)."""
+    return {f"{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else ""): sec
+            for role, m in models.items() for key, sec in model_steps(m).compile_seconds.items()}
 
 
 def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
@@ -228,9 +242,111 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BATCH_METHODS = ("target_only", "fixed_k2", "sample")  # sample: data_gen's target sampling
+
+
+def batch_call(name: str, decoders: dict, backend, group: list[torch.Tensor], max_new_tokens: int, eos
+               ) -> tuple[list, float]:
+    """One timed call over ``group`` (1-D prompts) with ``batch_size=len(group)``: each row's new
+    tokens and the call's wall time."""
+    t0 = time.perf_counter()
+    if name == "sample":
+        target = decoders[("target_only", backend)].target
+        tokens = sample_responses(target, [p.tolist() for p in group], GREEDY, max_new_tokens,
+                                  [torch.Generator() for _ in group], eos_token_id=eos, batch_size=len(group),
+                                  fast=backend)
+    else:
+        outs = decoders[(name, backend)].generate_batch(group, max_new_tokens, eos_token_id=eos,
+                                                        batch_size=len(group))
+        tokens = [o.tokens[0, p.shape[0]:].tolist() for o, p in zip(outs, group, strict=True)]
+    return tokens, time.perf_counter() - t0
+
+
+def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
+    """``--batch``: rows per (B, method, backend), one per call (module docstring)."""
+    backends = [None, *args.fast]
+    policies = {"target_only": TargetOnly(), "fixed_k2": FixedK(2)}
+    decoders = {(name, b): SpeculativeDecoder(draft, target, policy, GREEDY, fast=b)
+                for name, policy in policies.items() for b in backends}
+    prompts = [p[0] for p in ids]
+    longest, widest = max(p.shape[0] for p in prompts), max(args.batch)
+    t0 = time.perf_counter()
+    for decoder in decoders.values():
+        decoder.warm_up(longest, args.max_new_tokens, widest)
+    for size in args.batch:  # one untimed call of each (method, backend) per batch size
+        for name in BATCH_METHODS:
+            for backend in backends:
+                batch_call(name, decoders, backend, prompts[:size], min(8, args.max_new_tokens), eos)
+    compiled = compile_record({"target": target, "draft": draft})
+    print(f"warmed up (compiled) in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows: dict = {(size, name, b): [] for size in args.batch for name in BATCH_METHODS for b in backends}
+    t0 = time.perf_counter()
+    step = 0
+    for size in args.batch:
+        groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
+        for rep in range(args.batch_repeats):
+            for g, group in enumerate(groups):
+                keys = [(name, b) for name in BATCH_METHODS for b in backends]
+                keys = keys[step % len(keys):] + keys[: step % len(keys)]
+                step += 1
+                for name, backend in keys:
+                    tokens, wall = batch_call(name, decoders, backend, group, args.max_new_tokens, eos)
+                    rows[(size, name, backend)].append({"prompt_id": f"g{g}r{rep}", "timed": True, "wall_time_s": wall,
+                                                        "n_generated": sum(len(t) for t in tokens), "tokens": tokens})
+    print(f"decoded in {time.perf_counter() - t0:.0f} s", flush=True)
+    late = set(compile_record({"target": target, "draft": draft})) - set(compiled)
+    if late:
+        print(f"WARNING: compiled while timing (not warmed up): {sorted(late)}", flush=True)
+    out = {}
+    for size in args.batch:
+        for name in BATCH_METHODS:
+            eager = rows[(size, name, None)]
+            entry = {"eager": {"tokens_per_s": pooled(eager), "n_generated": sum(r["n_generated"] for r in eager)}}
+            for b in args.fast:
+                mine = rows[(size, name, b)]
+                unequal = sorted({f"{r['prompt_id']} row {i}" for r, e in zip(mine, eager, strict=True)
+                                  for i, (t, u) in enumerate(zip(r["tokens"], e["tokens"], strict=True)) if t != u})
+                entry[b] = {"tokens_per_s": pooled(mine), "n_generated": sum(r["n_generated"] for r in mine),
+                            "over_eager": ratio(mine, eager), "greedy_equal": not unequal, "unequal_rows": unequal}
+                if name == "fixed_k2":
+                    entry[b]["over_target_only"] = ratio(mine, rows[(size, "target_only", b)])
+            if name == "fixed_k2":
+                entry["eager"]["over_target_only"] = ratio(eager, rows[(size, "target_only", None)])
+            out.setdefault(str(size), {})[name] = entry
+    return {"batches": out, "units": {str(size): len(rows[(size, "target_only", None)]) for size in args.batch},
+            "compile_seconds": compile_record({"target": target, "draft": draft})}
+
+
+def batch_table(result: dict) -> str:
+    fast = result["fast"]
+    lines = [f"## Batches ({result['device']}, {result['dtype']}, {result['prompts']} prompts, "
+             f"{result['max_new_tokens']} new tokens, greedy; tokens/s pooled over calls)", "",
+             "| B | method | eager tok/s | " + " | ".join(f"{b} tok/s | {b} / eager [95% CI]" for b in fast)
+             + " | K=2 / target-only (eager, " + ", ".join(fast) + ") | greedy equal |",
+             "|---|---|---|" + "---|---|" * len(fast) + "---|---|"]
+    for size, methods in result["batches"].items():
+        for name, m in methods.items():
+            cells = [f"{m[b]['tokens_per_s']:.2f} | {_x(m[b]['over_eager'])}" for b in fast]
+            versus = (", ".join(_x(m[b]["over_target_only"]) for b in ["eager", *fast])
+                      if "over_target_only" in m["eager"] else "")
+            equal = [b for b in fast if not m[b]["greedy_equal"]]
+            lines.append(f"| {size} | {name} | {m['eager']['tokens_per_s']:.2f} | " + " | ".join(cells)
+                         + f" | {versus} | " + ("yes" if not equal else "NO: " + "; ".join(
+                             f"{b}: {', '.join(m[b]['unequal_rows'])}" for b in equal)) + " |")
+    comp = result["compile_seconds"]
+    lines += ["", f"Calls per batch size: {result['units']}. Compile time (not in any timing above): "
+              f"{sum(comp.values()):.1f} s" + (" (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")"
+                                               if comp else "")]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fast", choices=["static", "compile"], default="compile", help="the fast backend (default compile)")
+    ap.add_argument("--fast", choices=["static", "compile"], nargs="+", default=["compile"],
+                    help="the fast backend (default compile); with --batch one or more")
+    ap.add_argument("--batch", type=int, nargs="+", help="measure generate_batch and data_gen's sampling at these "
+                    "batch sizes instead (module docstring)")
+    ap.add_argument("--batch-repeats", type=int, default=1, help="with --batch: calls per group of prompts")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="fast", help="fast (bf16 on CUDA and CPUs with native bf16) | auto | float32 | "
                     "bfloat16 | float16")
@@ -266,13 +382,24 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
+    if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
+        ap.error(f"--fast takes one backend (several, once each, only with --batch), got {' '.join(args.fast)}")
+    if args.batch and (min(args.batch) < 1 or max(args.batch) > args.prompts or args.batch_repeats < 1):
+        ap.error(f"--batch sizes must lie in [1, --prompts={args.prompts}] and --batch-repeats be >= 1")
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     draft, target, tokenizer, pair = load(args, device)
     vocab = min(draft.config.vocab_size, target.config.vocab_size)
     eos = sorted(eos_token_ids(tokenizer, target)) if tokenizer is not None else None
     ids = prompts(args, tokenizer, vocab, device)
-    print(f"{machine_description(device)}; {pair}; {dtype_name(target.dtype)}; fast={args.fast}", flush=True)
+    print(f"{machine_description(device)}; {pair}; {dtype_name(target.dtype)}; fast={' '.join(args.fast)}", flush=True)
+    if args.batch:
+        result = {"machine": machine_description(device), "device": str(device), "dtype": dtype_name(target.dtype),
+                  "fast": args.fast, "threads": torch.get_num_threads(), "pair": pair, "prompts": len(ids),
+                  "max_new_tokens": args.max_new_tokens, **batch_run(args, draft, target, ids, eos)}
+        return report(result, batch_table(result), args, all(
+            m[b]["greedy_equal"] for methods in result["batches"].values() for m in methods.values() for b in args.fast))
+    args.fast = args.fast[0]
 
     t0 = time.perf_counter()
     context = torch.cat([ids[0][0], torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(1))
@@ -306,12 +433,17 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "context": args.context, "bandwidth_mb": mb,
               "forwards": forwards, "floor": floor, "methods": summarize(rows, policies, args.fast),
               "compile_seconds": compile_record({"target": target, "draft": draft})}
-    print(table(result))
+    return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
+
+
+def report(result: dict, text: str, args, equal: bool) -> int:
+    """Print ``text``, write ``result`` to ``--out``; the exit status (1: unequal tokens with
+    ``--require-equal``)."""
+    print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"written to {args.out}")
-    equal = all(m["greedy_equal"] for m in result["methods"].values())
     return 1 if args.require_equal and not equal else 0
 
 

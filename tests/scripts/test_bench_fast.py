@@ -1,5 +1,6 @@
 """scripts/bench_fast.py at its smallest: tiny random Llamas (--configs), the static runner, two
-prompts; eager and fast decode the same greedy tokens and the JSON holds what the table shows."""
+prompts (batches: four); eager and fast decode the same greedy tokens and the JSON holds what the
+table shows."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
-    import bench_fast
-
+def write_configs(folder) -> None:
     base = {"vocab_size": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "initializer_range": 0.4,
             "num_attention_heads": 4, "num_key_value_heads": 2}
     for role, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
-        (tmp_path / f"{role}.json").write_text(json.dumps(
+        (folder / f"{role}.json").write_text(json.dumps(
             {**base, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers}))
+
+
+def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
+    import bench_fast
+
+    write_configs(tmp_path)
     out = tmp_path / "bench.json"
     assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
                             "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--context", "16",
@@ -45,3 +50,25 @@ def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_fast.main(["--random", "--configs", str(tmp_path)])
     assert "not both" in capsys.readouterr().err
+
+
+def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):
+    import bench_fast
+
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "4", "--max-new-tokens", "6", "--prompt-len", "5", "--batch", "2", "4",
+                            "--require-equal", "--out", str(out)]) == 0
+    assert "| 4 | fixed_k2 |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["fast"] == ["static"] and result["units"] == {"2": 2, "4": 1}
+    for size in ("2", "4"):
+        assert set(result["batches"][size]) == {"target_only", "fixed_k2", "sample"}
+        for name, m in result["batches"][size].items():
+            assert m["eager"]["n_generated"] == m["static"]["n_generated"] == 24, (size, name)
+            assert m["static"]["greedy_equal"] and m["static"]["over_eager"]["ratio"] > 0
+    assert len(result["batches"]["2"]["fixed_k2"]["static"]["over_target_only"]["ci95"]) == 2  # two calls
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "compile"])
+    assert "--fast takes one backend" in capsys.readouterr().err
