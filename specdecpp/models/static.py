@@ -56,8 +56,30 @@ lengths share a cache size and with it the compiled steps; the buckets from :fun
 compiled that the call cannot use). ``CallRunners.warm_up`` compiles them all before timing.
 :func:`check_fast` is the one check of a ``fast`` argument.
 
-Not done yet: the batch runner with batch buckets (``generate_batch`` refuses ``fast``); the
-``graphs`` backend (a static address for the buffers, warm-up, capture, cloned outputs).
+Batches (:class:`StaticBatchRunner`, what ``generate_batch`` and data_gen's sampling run on with
+``fast``; ``CallRunners.batch`` builds it, ``CallRunners.warm_up(..., rows=)`` compiles its
+buckets): the interface of the eager ``specdecpp.decoders.batch.BatchRunner`` over buffers [R,
+kv_heads, size, head_dim] per layer, R buffer rows (the batch bucket that holds the call's rows;
+more rows grow them, a copy). Row b of the batch lives in buffer row ``slot_of[b]`` and holds
+``lengths[b]`` tokens at slots [0, lengths[b]); its positions are its own. A forward of W = the
+longest chunk runs over the first B buffer rows, B the batch bucket (:data:`BATCH_BUCKETS` 1, 2,
+4, 8, 16) that holds the highest occupied buffer row, W padded to a width bucket: row b's m_b real
+tokens go to slots [lengths[b], lengths[b] + m_b), its padding columns above them, buffer rows no
+row holds are all padding; the 4-D mask [B, 1, W, size] lets a real column see its row's slots up
+to itself and a padding column only itself. The step (:func:`batch_step`, which :func:`static_step`
+wraps) sees a :class:`RowWindow`: views of the first B buffer rows, written in place by an
+``index_put`` at per-row slots, so a compiled step depends on (B, W, size) but not on R: runners
+of any capacity share it. Rollback moves lengths (no copy); ``compact`` has nothing to do (no
+holes); rows leaving free their buffer row (no copy) unless the rows left fit a smaller batch
+bucket than the buffer rows they occupy, when the rows above it move down (a copy of those rows);
+rows joining take the lowest free buffer rows, their prefixes prefilled in one eager forward over
+just those rows (a gathered copy of their buffers for the attention). More rows than the largest
+batch bucket, or a wider forward than the largest width bucket, runs unpadded and uncompiled and
+says so once per model. What it costs, beyond the one-row runner's: each forward attends over all
+``size`` slots of every row, also the padding rows, and the step computes logits for every column.
+
+Not done yet: the ``graphs`` backend (a static address for the buffers, warm-up, capture, cloned
+outputs).
 """
 
 from __future__ import annotations
