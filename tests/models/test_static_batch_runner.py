@@ -5,9 +5,9 @@ states in every row's real columns, and the same per-row caches; slots above eac
 buffer rows no row holds never matter; the compiled backend (slow) compiles each (batch, width)
 bucket once, whole, and never recompiles."""
 
+# ruff: noqa: F811 (test arguments named as the fixture imported from test_static_runner)
 from __future__ import annotations
 
-import copy
 import logging
 import random
 
@@ -18,24 +18,14 @@ from torch._dynamo.utils import counters
 from specdecpp.decoders.batch import BatchRunner
 from specdecpp.models.static import CallRunners, StaticBatchRunner, model_steps
 from tests.helpers.tiny import tiny_lm
-
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-VOCAB = 16
-MAX_LEN = 80
-
-
-@pytest.fixture(scope="module")
-def cpu_model():
-    return tiny_lm(VOCAB, 32, 2, seed=5, scale=0.6)
-
-
-def on(device: str, model):
-    return model if device == "cpu" else copy.deepcopy(model).to(device)
-
-
-def close(device: str, mine: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = (1e-5, 1e-4) if device == "cpu" else (1e-4, 1e-3)
-    torch.testing.assert_close(mine, ref, atol=atol, rtol=rtol)
+from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
+    DEVICES,
+    MAX_LEN,
+    VOCAB,
+    close,
+    cpu_model,  # noqa: F401
+    on,
+)
 
 
 def tokens(n: int, device) -> torch.Tensor:
