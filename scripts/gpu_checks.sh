@@ -10,8 +10,9 @@
 #   pearl    PEARL (draft and target on two CUDA streams) against target-only and fixed K
 #   batch    batches of 1, 4, 16 on CUDA
 #   fast     the fast path (docs/engine.md), within 8 minutes and without the GGUF: the CUDA twins of the fast
-#            exactness tests and of the static runner's (pytest -m gpu -k "fast or static_runner": fast_static and,
-#            compiled on tiny models, fast_compile; at most 3.5 min), then scripts/bench_fast.py --random (the demo
+#            exactness tests (batches too) and of the static runners' (pytest -m gpu -k "fast or static_runner or
+#            static_batch": fast_static and, compiled on tiny models, fast_compile; at most 3.5 min), then
+#            scripts/bench_fast.py --random (the demo
 #            configs, random weights) with fast=compile: t_target(1, 2, 4, 8) and t_draft eager against compiled, the
 #            weight-read floor, target-only / fixed K 1-3 / SVIP eager against compiled, greedy equality and the
 #            compile time (at most 4 min; JSON in $LOGS/bench_fast_cuda.json). fast=graphs is not built yet.
@@ -75,8 +76,9 @@ for stage in "$@"; do
     fast)
         workers=()
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
-        STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-210} run fast-tests $PY -m pytest -m gpu -k "fast or static_runner" -q \
-            -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py tests/models/test_static_runner.py tests/decoders/test_fast_decoders.py
+        STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-210} run fast-tests $PY -m pytest -m gpu -k "fast or static_runner or static_batch" \
+            -q -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py \
+            tests/models/test_static_runner.py tests/models/test_static_batch_runner.py tests/decoders/test_fast_decoders.py
         STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-260} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
