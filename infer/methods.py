@@ -57,7 +57,7 @@ from specdecpp.models.fit import (
 
 from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
-from .meters import ForwardMeter
+from .meters import FeedMeters, ForwardMeter
 from .tags import method_tag
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
@@ -267,8 +267,10 @@ class CascadeMethod:
 
 class EngineRunner:
     """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
-    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA);
-    on the fast path they are off (``forward_time_s`` None: its steps bypass the models' hooks)."""
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA).
+    On the fast path, whose steps bypass the models' hooks, ``forward_time_s`` is the time inside
+    the static runners' forward steps (``meters.FeedMeters``; the mask and the padding around a
+    step count as the loop's, as transformers' own mask building counts as the forward's eagerly)."""
 
     timed = True
 
@@ -282,13 +284,20 @@ class EngineRunner:
         return self.decoder.warm_up(prompt_len, max_new_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
-        metered = self.decoder.fast is None
-        with ForwardMeter(self.decoder.draft, self.clock, enabled=metered) as d, \
-                ForwardMeter(self.decoder.target, self.clock, enabled=metered) as t:
-            out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
-                                        eos_token_id=eos_token_id)
-        forward = d.seconds + t.seconds if self.clock.exact and metered else None
-        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
+        decoder, hooked = self.decoder, self.decoder.fast is None
+        runners = decoder.runners
+        if not hooked:  # the fast path's steps bypass the models' hooks: time them around the runners' steps
+            decoder.runners = FeedMeters(runners, {id(decoder.draft): "draft", id(decoder.target): "target"}, self.clock)
+        try:
+            with ForwardMeter(decoder.draft, self.clock, enabled=hooked) as d, \
+                    ForwardMeter(decoder.target, self.clock, enabled=hooked) as t:
+                out = decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
+                                       eos_token_id=eos_token_id)
+        finally:
+            meters, decoder.runners = decoder.runners, runners
+        seconds = d.seconds + t.seconds if hooked else meters.total(part="step")
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {
+            "forward_time_s": seconds if self.clock.exact else None}
 
     def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):
         """``generate`` for a list of prompt_ids [1, L], ``batch_size`` rows at once (continuous
