@@ -7,18 +7,20 @@ next run in the same process, so a Hydra multirun or ``python -m infer.sweep`` l
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 from tqdm import tqdm
 
 from specdecpp import StopPolicy
 from specdecpp.analysis.quality import target_quality
 from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.timing import machine_description
 from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
@@ -125,7 +127,11 @@ def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
     """``fast`` for this method: checked (a bad value, ``graphs`` not built, PEARL compiled and
     batches are refused), None for a method that does not decode with our engine's runners
     (hf_assisted, oracle: they ignore it, and their rows say fast: null)."""
-    fast = check_fast("infer", cfg.get("fast"))
+    fast = cfg.get("fast")
+    if isinstance(fast, ListConfig | list):
+        raise ValueError(f"fast={list(fast)}: one run takes one fast path; python -m infer.sweep runs every method "
+                         "on each path of a list (make bench-fast)")
+    fast = check_fast("infer", fast)
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
                  spec.name, fast)
@@ -157,9 +163,20 @@ def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> di
     return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text, job.allow_code_execution)
 
 
+@functools.cache
+def _machine(device: str, threads: int) -> str:
+    return machine_description(device)
+
+
+def machine_of(device: torch.device) -> str:
+    """``specdecpp.core.timing.machine_description`` (the CPU or GPU, torch, threads), read once per
+    device and thread count."""
+    return _machine(str(device), torch.get_num_threads())
+
+
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
-    """One result row. ``lossy``: the method's output does not follow the target's distribution
+    """One result row, with the machine it was decoded on (``machine_description``: the report names it). ``lossy``: the method's output does not follow the target's distribution
     (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
@@ -167,7 +184,7 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
-        "device": str(device), "dtype": dtype_name(dtype), "timed": timed,
+        "device": str(device), "machine": machine_of(device), "dtype": dtype_name(dtype), "timed": timed,
         "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
         "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
         "candidate_lengths": stats.candidate_lengths, **times,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from specdecpp.analysis.costmodel import Costs, load_costs
@@ -152,19 +154,59 @@ def _slug(*parts: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts)).strip("-")
 
 
-def report_costs(path: str | Path | None) -> Costs | None:
-    """The ``--costs`` file (``specdecpp.analysis.costmodel.load_costs``); the report uses its width curve."""
-    if path is None:
-        return None
-    costs = load_costs(path)
-    if not costs.target_by_width:
-        raise ValueError(f"costs file {str(path)!r} has no target_by_width curve, which the report's "
-                         "t_target(n) column needs; measure it with `python -m infer.costs --costs-out FILE`")
-    return costs
+def report_costs(paths: str | Path | Sequence[str | Path] | None) -> list[Costs]:
+    """The ``--costs`` files (``specdecpp.analysis.costmodel.load_costs``), each recording the fast path
+    it was measured on (``infer.costs --fast``; none: eager) and, as ``meta["file"]``, its path; the
+    report prices each group's Eq. 2.3 with t_target(n) by the file of the group's own fast path
+    (``infer.summary.costs_by_fast``)."""
+    if paths is None:
+        return []
+    out = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        costs = load_costs(path)
+        if not costs.target_by_width:
+            raise ValueError(f"costs file {str(path)!r} has no target_by_width curve, which the report's "
+                             "t_target(n) column needs; measure it with `python -m infer.costs --costs-out FILE`")
+        out.append(replace(costs, meta={**costs.meta, "file": str(path)}))
+    return out
 
 
-def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path | None = None) -> dict:
-    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries."""
+def _fast_name(fast: str | None) -> str:
+    return f"fast={fast}" if fast else "eager (fast=null)"
+
+
+def machine_line(group: dict) -> str:
+    """The machine(s) the group's rows were decoded on."""
+    found = group.get("machines") or {}
+    if len(found) == 1:
+        return f"Machine: {next(iter(found))}."
+    return "Machines (rows decoded on each; timings across machines do not compare): " + "; ".join(
+        f"{m} ({n} rows)" for m, n in found.items()) + "."
+
+
+def baseline_line(group: dict) -> str:
+    """What the group's speedups are over, and which measured costs its Eq. 2.3 with t_target(n) used."""
+    base, fast = group.get("baseline"), group.get("fast")
+    if base is None:
+        line = (f"No target-only rows on this path ({_fast_name(fast)}): no measured speedup; run method=target_only "
+                f"with fast={fast or 'null'} beside the others.")
+    else:
+        tps = f", {base['tokens_per_s']:.2f} tokens/s" if base.get("tokens_per_s") else ""
+        line = (f"Speedups are over target-only on the same path: {_fast_name(fast)}, {base['n_prompts']} prompts{tps}.")
+    costs = group.get("costs")
+    if costs:
+        line += (f" Eq. 2.3 with t_target(n): costs measured {_fast_name(costs['fast'])} (`{costs['file']}`; "
+                 f"t_draft {costs['t_draft'] * 1e3:.2f} ms, t_target {costs['t_target'] * 1e3:.2f} ms).")
+    elif group.get("costs_missing"):
+        line += (f" Eq. 2.3 with t_target(n): none of the costs files was measured {_fast_name(fast)}; add one "
+                 f"(`python -m infer.costs{' --fast ' + fast if fast else ''} --costs-out FILE`, then --costs ... FILE).")
+    return line
+
+
+def build_report(results_dir: str | Path, out_dir: str | Path,
+                 costs: str | Path | Sequence[str | Path] | None = None) -> dict:
+    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries.
+    ``costs``: one costs.json or several, one per fast path (:func:`report_costs`)."""
     rows = read_result_dir(Path(results_dir))
     groups = summarize_results(rows, report_costs(costs))
     out = Path(out_dir)
@@ -179,7 +221,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         sections += [
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}"
             + (f" / fast={g['fast']}" if g["fast"] else "") + "\n",
-            f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
+            f"draft `{g['draft']}`, target `{g['target']}`\n", machine_line(g) + "\n", baseline_line(g) + "\n",
+            fit_line(g) + "\n", group_table(g) + "\n",
             legend_line(g) + "\n",
         ]
         if unscored_line(g, results_dir):
@@ -203,8 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m infer.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
     parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
-    parser.add_argument("--costs", help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): "
-                        "adds Eq. 2.3 with the width-dependent target cost")
+    parser.add_argument("--costs", nargs="+", metavar="FILE",
+                        help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): adds Eq. "
+                        "2.3 with the width-dependent target cost; one file per fast path (infer.costs --fast B "
+                        "records it), each pricing the tables of its own path")
     args = parser.parse_args(argv)
     out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))
     try:

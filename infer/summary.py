@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -246,6 +247,44 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                                         "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
 
 
+def costs_by_fast(costs: Costs | Sequence[Costs] | None) -> dict[str | None, Costs]:
+    """The measured costs by the fast path they were measured on (``meta["fast"]``, written by
+    ``python -m infer.costs [--fast B]``; a file without it is eager): a group's Eq. 2.3 with
+    t_target(n) is priced with the costs of its own ``fast`` only. Two files of one ``fast`` are
+    refused, naming both."""
+    out: dict[str | None, Costs] = {}
+    for c in [costs] if isinstance(costs, Costs) else list(costs or ()):
+        fast = c.meta.get("fast") or None
+        if fast in out:
+            raise ValueError(f"two costs files measured with fast={fast}: {out[fast].meta.get('file', '?')} and "
+                             f"{c.meta.get('file', '?')}; give one per fast path")
+        out[fast] = c
+    return out
+
+
+def baseline_of(entries: list[dict], fast: str | None) -> dict | None:
+    """What a group's speedups are taken over: its target-only entry (the group's rows share one
+    ``fast``, so a fast method is compared with fast target-only, an eager one with eager)."""
+    base = next((e for e in entries if e["method"] == "target_only"), None)
+    if base is None:
+        return None
+    return {"method": "target_only", "tag": base["tag"], "fast": fast, "tokens_per_s": base["tokens_per_s"],
+            "n_prompts": base["n_prompts"]}
+
+
+def costs_summary(costs: Costs | None) -> dict | None:
+    if costs is None:
+        return None
+    return {"fast": costs.meta.get("fast") or None, "file": costs.meta.get("file"),
+            "measured_by": costs.meta.get("measured_by"), "t_draft": costs.t_draft, "t_target": costs.t_target}
+
+
+def machines(rows: list[dict]) -> dict[str, int]:
+    """The machines the rows were decoded on (``machine`` of a row, ``specdecpp.core.timing.
+    machine_description``; rows written before it was recorded: '?'), with their row counts."""
+    return dict(Counter(r.get("machine") or "?" for r in rows).most_common())
+
+
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
     by_run = defaultdict(list)
@@ -275,12 +314,21 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     add_best_baseline_ratios(entries, by_run)
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
-            "greedy": rows[0]["sampling"]["temperature"] == 0}
+            "greedy": rows[0]["sampling"]["temperature"] == 0,
+            "baseline": baseline_of(entries, rows[0].get("fast") or None), "costs": costs_summary(costs),
+            "machines": machines(rows)}
 
 
-def summarize_results(rows: list[dict], costs: Costs | None = None) -> list[dict]:
-    """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (a
-    ``specdecpp.analysis.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
-    target cost."""
-    return [{**dict(zip(GROUP_KEYS, key, strict=True)), "fast": key[-1] or None, **summarize_group(group, costs)}
-            for key, group in group_rows(rows).items()]
+def summarize_results(rows: list[dict], costs: Costs | Sequence[Costs] | None = None) -> list[dict]:
+    """One summary per (pair, device, prompts, sampling, batch size, fast) group, as plain data.
+    ``costs`` (``specdecpp.analysis.costmodel.Costs`` with target_by_width, or several, one per fast
+    path: :func:`costs_by_fast`) adds Eq. 2.3 with the width-dependent target cost to the groups of
+    the same ``fast``; ``costs_missing`` marks a group that costs were given for, but none of its
+    fast path."""
+    by_fast = costs_by_fast(costs)
+    out = []
+    for key, group in group_rows(rows).items():
+        fast = key[-1] or None
+        out.append({**dict(zip(GROUP_KEYS, key, strict=True)), "fast": fast,
+                    **summarize_group(group, by_fast.get(fast)), "costs_missing": bool(by_fast) and fast not in by_fast})
+    return out

@@ -165,3 +165,73 @@ def test_report_pairs_each_method_with_the_fastest_fixed_k_and_svip(tmp_path):
     text = report["report"].read_text()
     assert f"- specdecpp fast: {tps('fast') / tps('k1'):.3f}x" in text and "over fixed_k k1 (faster)" in text
     assert "over svip h0.5 (slower)" in text
+
+
+def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs(tmp_path, capsys):
+    """Rows of one prompt set, eager and fast=compile: each table's speedups are over its own
+    target-only (the report says which), and Eq. 2.3 with t_target(n) uses the costs file measured
+    on the table's own path; recomputed here from the rows and the two synthetic cost curves."""
+    from infer import report as cli
+
+    eager = Costs(0.006, 0.060, {1: 0.060, 2: 0.066, 4: 0.070})
+    fast = Costs(0.004, 0.040, {1: 0.040, 2: 0.041, 4: 0.044}, {"fast": "compile"})
+
+    def width_walls(costs, n_draft, widths):  # Eq. 2.1 with t_target(n) per round
+        return n_draft * costs.t_draft + sum(costs.target_cost(w) for w in widths)
+
+    rows = []
+    for i in range(4):
+        n = 24 + i
+        for backend, costs, slower in ((None, eager, 1.0), ("compile", fast, 1.1)):  # fast: 10% off its model
+            base = _row("target_only", "base", {}, f"p{i}", 0, n, n, slower * n * costs.target_cost(1))
+            k2 = _row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, n, slower * width_walls(costs, 20, [3] * 10))
+            base["candidate_lengths"], k2["candidate_lengths"] = [0] * n, [2] * 10
+            rows += [{**r, "fast": backend, "machine": "Test CPU, 2 cores"} for r in (base, k2)]
+        rows.append({**_row("hf_assisted", "constant_n2", {"mode": "constant"}, f"p{i}", 20, 10, n, 1.0),
+                     "fast": None, "machine": "Test CPU, 2 cores"})  # ignores fast: compared with eager target-only
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = [save_costs(eager, tmp_path / "costs.json"), save_costs(fast, tmp_path / "costs_fast-compile.json")]
+    report = build_report(res.parent, tmp_path / "report", costs=paths)
+    groups = {g["fast"]: g for g in report["groups"]}
+    assert set(groups) == {None, "compile"}
+    for backend, costs in ((None, eager), ("compile", fast)):
+        group = groups[backend]
+        assert group["baseline"]["fast"] == backend and group["baseline"]["tag"] == "base"
+        assert group["costs"]["fast"] == backend and group["costs"]["file"] == str(paths[backend is not None])
+        mine = {t: [r for r in rows if r["tag"] == t and r["fast"] == backend] for t in ("base", "k2")}
+
+        def tps(tag, mine=mine):
+            return sum(r["n_generated"] for r in mine[tag]) / sum(r["wall_time_s"] for r in mine[tag])
+
+        entries = {e["tag"]: e for e in group["entries"]}
+        assert entries["k2"]["speedup"] == pytest.approx(tps("k2") / tps("base"))
+        n = sum(r["n_generated"] for r in mine["k2"])
+        predicted = costs.t_target / ((4 * 20 * costs.t_draft + 40 * costs.target_cost(3)) / n)
+        assert entries["k2"]["speedup_width_predicted"] == pytest.approx(predicted)
+    assert {e["method"] for e in groups[None]["entries"]} == {"target_only", "fixed_k", "hf_assisted"}
+    assert groups["compile"]["entries"][1]["speedup_width_predicted"] != pytest.approx(
+        groups[None]["entries"][1]["speedup_width_predicted"])  # the two paths' costs differ
+    text = report["text"]
+    fast_tps = groups["compile"]["baseline"]["tokens_per_s"]
+    assert f"Speedups are over target-only on the same path: fast=compile, 4 prompts, {fast_tps:.2f} tokens/s." in text
+    assert "Speedups are over target-only on the same path: eager (fast=null), 4 prompts" in text
+    assert f"costs measured fast=compile (`{paths[1]}`; t_draft 4.00 ms, t_target 40.00 ms)" in text
+    assert text.count("Machine: Test CPU, 2 cores.") == 2
+    # eager costs only: the fast table gets no t_target(n) prediction and says which file is missing
+    only_eager = build_report(res.parent, tmp_path / "report_eager", costs=paths[0])
+    g = {g["fast"]: g for g in only_eager["groups"]}["compile"]
+    assert g["costs"] is None and g["costs_missing"] and all(e["speedup_width_predicted"] is None for e in g["entries"])
+    assert "none of the costs files was measured fast=compile" in only_eager["text"]
+    assert "python -m infer.costs --fast compile --costs-out FILE" in only_eager["text"]
+    with pytest.raises(ValueError, match="two costs files measured with fast=None"):
+        build_report(res.parent, tmp_path / "r2", costs=[paths[0], paths[0]])
+    # a fast table without fast target-only: no speedup, and the report says why
+    no_base = tmp_path / "no_base" / "run.jsonl"
+    no_base.parent.mkdir()
+    no_base.write_text("".join(json.dumps(r) + "\n" for r in rows if not (r["fast"] and r["method"] == "target_only")))
+    text = build_report(no_base.parent, tmp_path / "report_no_base")["text"]
+    assert "No target-only rows on this path (fast=compile): no measured speedup" in text
+    cli.main([str(res.parent), "--out", str(tmp_path / "cli"), "--costs", *map(str, paths)])  # --costs FILE FILE
+    assert "costs measured fast=compile" in capsys.readouterr().out
