@@ -4,6 +4,9 @@
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
 #   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
+# make bench-fast: target-only and the main methods eager and on the fast path (FAST=compile | static), one
+#   interleaved run per prompt set, each speedup over target-only on its own path beside Eq. 2.3 with that path's
+#   costs (docs/benchmarks.md; resumable).
 # make bench-cascade: speculative cascades (LOSSY) on held-out prompts (bundled test, HumanEval): every rule over
 #   alphas beside target-only and fixed K, quality (target log-lik, greedy match, HumanEval pass@1) and tokens/s with
 #   intervals, and a head trained on the cascade's labels against fixed K and the exact-label reference head under the
@@ -46,7 +49,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
-	bench-cascade cascade-head
+	bench-cascade cascade-head bench-fast bench-fast-costs bench-fast-run
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -170,6 +173,41 @@ bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, Spe
 
 bench: install bench-report bench-batch  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"
+
+# -- the fast path against eager (docs/benchmarks.md, "make bench-fast"; docs/engine.md, "The fast path") ----------
+FAST ?= compile              # the fast path beside eager: compile (torch.compile per width bucket) or static
+BENCH_FAST_PROMPTS ?= 10     # per prompt set (held out: bundled test, HumanEval)
+BENCH_FAST_TOKENS ?= 96
+BENCH_FAST_SETS ?= bundled humaneval
+BENCH_FAST_HEAD ?= demo/heads/next_wrej1_d1  # the demo's lag-free reference head ...
+BENCH_FAST_THRESHOLD ?= 0.5                  # ... at its dev-split threshold (demo/heads/selection.json)
+BENCH_FAST_OUT ?= bench_fast  # results/$(BENCH_FAST_OUT), reports/$(BENCH_FAST_OUT)
+fast := $(strip $(FAST))
+bench_fast_out := $(strip $(BENCH_FAST_OUT))
+BENCH_FAST_COSTS := reports/$(bench_fast_out)/costs.json reports/$(bench_fast_out)/costs_fast-$(fast).json
+BENCH_FAST_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' 'comparison.svip.threshold=[0.5]' '~comparison.specdecpp' \
+	'+comparison.specdecpp={head:$(strip $(BENCH_FAST_HEAD)),threshold:$(strip $(BENCH_FAST_THRESHOLD))}' \
+	'~comparison.hf_assisted' '~comparison.oracle'
+
+bench-fast-costs: demo-pair  # t_draft, t_target(n) up to 32 tokens, eager and on the fast path (the report's Eq. 2.3)
+	for path in null $(fast); do \
+		out=reports/$(bench_fast_out)/costs$$(test $$path = null || echo _fast-$$path).json; \
+		test -f $$out || $(PYTHON) -m infer.costs $$(test $$path = null || echo --fast $$path) --limit 2 \
+			--max-new-tokens 32 --timing-steps 30 --max-width 32 --threads $(strip $(BENCH_THREADS)) --costs-out $$out \
+			|| exit 1; \
+	done
+
+bench-fast-run: demo-pair  # every method eager and fast on a prompt before the next prompt, one process per set
+	for set in $(BENCH_FAST_SETS); do \
+		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(BENCH_FAST_PROMPTS)) \
+			max_new_tokens=$(strip $(BENCH_FAST_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
+			'fast=[null,$(fast)]' 'out=results/$(bench_fast_out)/$${prompts.name}/$${method.name}' \
+			$(BENCH_FAST_COMPARISON) || exit 1; \
+	done
+
+bench-fast: bench-fast-costs bench-fast-run  # resumable: rerun to continue; rm -rf results/bench_fast reports/bench_fast to start over
+	$(PYTHON) -m infer.report results/$(bench_fast_out) --out reports/$(bench_fast_out) --costs $(BENCH_FAST_COSTS)
+	@echo "report in reports/$(bench_fast_out)/report.md"
 
 # -- speculative cascades (LOSSY; docs/infer.md, "Speculative cascades") --------------------------------------
 CASCADE_PROMPTS ?= 8          # per prompt set (bundled test, HumanEval test), decoded by every method
