@@ -33,6 +33,9 @@ DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_TRAINER ?= cpu           # conf/trainer: cpu, or gpu (bf16-mixed on CUDA; scripts/gpu_checks.sh)
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
+DEMO_FAST ?= null             # infer's fast path: null (eager; at these sizes compiling costs more than it saves, docs/demo.md), static or compile
+demo_fast := $(filter static compile,$(strip $(DEMO_FAST)))
+DEMO_COSTS := reports/demo/costs.json $(if $(demo_fast),reports/demo/costs_fast-$(demo_fast).json)
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
@@ -67,9 +70,11 @@ demo-head: demo-data
 	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=$(strip $(DEMO_TRAINER)) logger=none
 
-demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs)
+demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs); with DEMO_FAST, on that path too
 	test -f reports/demo/costs.json || $(PYTHON) -m infer.costs --limit 1 --max-new-tokens 16 \
 		--timing-steps 20 --out reports/demo/pair.json --costs-out reports/demo/costs.json
+	$(if $(demo_fast),test -f reports/demo/costs_fast-$(demo_fast).json || $(PYTHON) -m infer.costs --fast $(demo_fast) \
+		--limit 1 --max-new-tokens 16 --timing-steps 20 --costs-out reports/demo/costs_fast-$(demo_fast).json)
 
 demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
 	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \
@@ -77,13 +82,15 @@ demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no de
 
 demo-infer: demo-potential  # interleaved: every method on a prompt before the next (load drift touches all alike)
 	$(PYTHON) -m infer.sweep pair=demo prompts=bundled prompts.limit=$(strip $(DEMO_TEST_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true \
+		fast=$(strip $(DEMO_FAST)) $(DEMO_COMPARISON)
 	$(PYTHON) -m infer.sweep pair=demo prompts=humaneval prompts.limit=$(strip $(DEMO_HUMANEVAL_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true \
+		fast=$(strip $(DEMO_FAST)) $(DEMO_COMPARISON)
 
 demo-report: demo-infer  # allowed: first score HumanEval rows decoded before it was (infer.rescore --unscored)
 	$(if $(score_code),$(PYTHON) -m infer.rescore results/demo/humaneval --unscored)
-	$(PYTHON) -m infer.report results/demo --out reports/demo --costs reports/demo/costs.json
+	$(PYTHON) -m infer.report results/demo --out reports/demo --costs $(DEMO_COSTS)
 
 demo: install
 	@start=$$(date +%s); $(MAKE) --no-print-directory demo-report && \
