@@ -164,7 +164,7 @@ def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> di
 
 
 @functools.cache
-def _machine(device: str, threads: int) -> str:
+def _machine(device: str, threads: int) -> str:  # threads: a key of the cache (the description names them)
     return machine_description(device)
 
 
@@ -176,8 +176,8 @@ def machine_of(device: torch.device) -> str:
 
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
-    """One result row, with the machine it was decoded on (``machine_description``: the report names it). ``lossy``: the method's output does not follow the target's distribution
-    (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
+    """One result row, with the machine it was decoded on (the report names it). ``lossy``: the
+    method's output does not follow the target's distribution (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured

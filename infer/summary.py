@@ -262,10 +262,9 @@ def costs_by_fast(costs: Costs | Sequence[Costs] | None) -> dict[str | None, Cos
     return out
 
 
-def baseline_of(entries: list[dict], fast: str | None) -> dict | None:
-    """What a group's speedups are taken over: its target-only entry (the group's rows share one
-    ``fast``, so a fast method is compared with fast target-only, an eager one with eager)."""
-    base = next((e for e in entries if e["method"] == "target_only"), None)
+def baseline_of(base: dict | None, fast: str | None) -> dict | None:
+    """What a group's speedups are taken over: its target-only entry ``base`` (the group's rows
+    share one ``fast``, so a fast method is compared with fast target-only, an eager one with eager)."""
     if base is None:
         return None
     return {"method": "target_only", "tag": base["tag"], "fast": fast, "tokens_per_s": base["tokens_per_s"],
@@ -315,7 +314,7 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
             "greedy": rows[0]["sampling"]["temperature"] == 0,
-            "baseline": baseline_of(entries, rows[0].get("fast") or None), "costs": costs_summary(costs),
+            "baseline": baseline_of(base, rows[0].get("fast") or None), "costs": costs_summary(costs),
             "machines": machines(rows)}
 
 
