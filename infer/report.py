@@ -127,6 +127,17 @@ def baseline_lines(group: dict) -> str:
         "\n".join(lines)
 
 
+def eager_lines(group: dict) -> str:
+    """A fast table: each method's tokens/s over its own eager run (paired over prompts)."""
+    cells = [f"{e['method']} {e['tag'] if e['settings'] else '-'} {v['ratio']:.2f}x"
+             + (f" {_interval(v['ci95'], v.get('ci_n', 0))}" if v.get("ci95") else "")
+             for e in group["entries"] if (v := e.get("vs_eager"))]
+    if not cells:
+        return ""
+    return (f"Fast over eager, each method on {_fast_name(group['fast'])} against its own eager run of the same "
+            "prompts (tokens/s ratio, paired 95% interval): " + "; ".join(cells) + ".")
+
+
 def fit_line(group: dict) -> str:
     fit = group["fit"]
     if fit is None:
@@ -146,7 +157,8 @@ def legend_line(group: dict) -> str:
     """The one line under a group's table (the definitions are in docs/infer.md)."""
     few = any(_few(ci, n) for e in group["entries"] for ci, n in
               [(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)), (e.get("task_score_ci95"), e.get("task_n", 0)),
-               *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values())])
+               *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values()),
+               *([(e["vs_eager"]["ci95"], e["vs_eager"].get("ci_n", 0))] if e.get("vs_eager") else [])])
     return LEGEND + (f" {FEW_NOTE}" if few else "")
 
 
@@ -227,6 +239,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
         ]
         if unscored_line(g, results_dir):
             sections.append(unscored_line(g, results_dir) + "\n")
+        if eager_lines(g):
+            sections.append(eager_lines(g) + "\n")
         if baseline_lines(g):
             sections.append(baseline_lines(g) + "\n")
         if tree_lines(g):

@@ -247,6 +247,30 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                                         "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
 
 
+def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by run (:func:`_run_key` of their entry): method, settings, and (batches) whether rows
+    filled the round."""
+    by_run = defaultdict(list)
+    for row in rows:
+        by_run[(row["method"], row["tag"] + ("+fill" if row.get("batch_fill") else ""),
+                repr(sorted(row["settings"].items())))].append(row)
+    return by_run
+
+
+def add_eager_ratios(entries: list[dict], rows: list[dict], eager_rows: list[dict]) -> None:
+    """Each timed fast entry's tokens/s over the same method's (same settings') eager run, with the
+    paired 95% bootstrap interval over the prompts timed in both: ``entry["vs_eager"] = {"ratio",
+    "ci95", "ci_n"}``, None where the table of eager rows has no such run."""
+    mine, eager = runs(rows), runs(eager_rows)
+    for e in entries:
+        theirs = eager.get(_run_key(e))
+        e["vs_eager"] = None
+        if theirs and e["tokens_per_s"] and all(r.get("timed") for r in theirs):
+            ratio = e["tokens_per_s"] / (sum(r["n_generated"] for r in theirs) / pooled_wall(theirs))
+            e["vs_eager"] = {"ratio": ratio, "ci95": paired_speedup_ci(mine[_run_key(e)], theirs),
+                             "ci_n": len(paired_units(mine[_run_key(e)], theirs))}
+
+
 def costs_by_fast(costs: Costs | Sequence[Costs] | None) -> dict[str | None, Costs]:
     """The measured costs by the fast path they were measured on (``meta["fast"]``, written by
     ``python -m infer.costs [--fast B]``; a file without it is eager): a group's Eq. 2.3 with
@@ -286,10 +310,7 @@ def machines(rows: list[dict]) -> dict[str, int]:
 
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
-    by_run = defaultdict(list)
-    for row in rows:  # a run: method, settings, and (batches) whether rows filled the round
-        by_run[(row["method"], row["tag"] + ("+fill" if row.get("batch_fill") else ""),
-                repr(sorted(row["settings"].items())))].append(row)
+    by_run = runs(rows)
     entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
     base = next((e for e in entries if e["method"] == "target_only"), None)
     base_rows = by_run.get(_run_key(base)) if base else None
@@ -323,11 +344,15 @@ def summarize_results(rows: list[dict], costs: Costs | Sequence[Costs] | None = 
     ``costs`` (``specdecpp.analysis.costmodel.Costs`` with target_by_width, or several, one per fast
     path: :func:`costs_by_fast`) adds Eq. 2.3 with the width-dependent target cost to the groups of
     the same ``fast``; ``costs_missing`` marks a group that costs were given for, but none of its
-    fast path."""
-    by_fast = costs_by_fast(costs)
+    fast path. A fast group beside its eager one gets each method's ratio over its eager self
+    (:func:`add_eager_ratios`)."""
+    by_fast, groups = costs_by_fast(costs), group_rows(rows)
     out = []
-    for key, group in group_rows(rows).items():
+    for key, group in groups.items():
         fast = key[-1] or None
-        out.append({**dict(zip(GROUP_KEYS, key, strict=True)), "fast": fast,
-                    **summarize_group(group, by_fast.get(fast)), "costs_missing": bool(by_fast) and fast not in by_fast})
+        summary = summarize_group(group, by_fast.get(fast))
+        if fast and key[:-1] + ("",) in groups:  # the same table's eager rows: each method fast over eager
+            add_eager_ratios(summary["entries"], group, groups[key[:-1] + ("",)])
+        out.append({**dict(zip(GROUP_KEYS, key, strict=True)), "fast": fast, **summary,
+                    "costs_missing": bool(by_fast) and fast not in by_fast})
     return out

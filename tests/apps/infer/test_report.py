@@ -172,6 +172,7 @@ def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs
     target-only (the report says which), and Eq. 2.3 with t_target(n) uses the costs file measured
     on the table's own path; recomputed here from the rows and the two synthetic cost curves."""
     from infer import report as cli
+    from infer.summary import paired_speedup_ci
 
     eager = Costs(0.006, 0.060, {1: 0.060, 2: 0.066, 4: 0.070})
     fast = Costs(0.004, 0.040, {1: 0.040, 2: 0.041, 4: 0.044}, {"fast": "compile"})
@@ -211,6 +212,14 @@ def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs
         predicted = costs.t_target / ((4 * 20 * costs.t_draft + 40 * costs.target_cost(3)) / n)
         assert entries["k2"]["speedup_width_predicted"] == pytest.approx(predicted)
     assert {e["method"] for e in groups[None]["entries"]} == {"target_only", "fixed_k", "hf_assisted"}
+    for e in groups["compile"]["entries"]:  # each fast method over its own eager run, paired over prompts
+        mine = [r for r in rows if r["tag"] == e["tag"] and r["fast"] == "compile"]
+        theirs = [r for r in rows if r["tag"] == e["tag"] and r["fast"] is None]
+        ratio = (sum(r["n_generated"] for r in mine) / sum(r["wall_time_s"] for r in mine)) / (
+            sum(r["n_generated"] for r in theirs) / sum(r["wall_time_s"] for r in theirs))
+        assert e["vs_eager"]["ratio"] == pytest.approx(ratio) and e["vs_eager"]["ci_n"] == 4
+        assert e["vs_eager"]["ci95"] == pytest.approx(paired_speedup_ci(mine, theirs))
+    assert all("vs_eager" not in e for e in groups[None]["entries"])
     assert groups["compile"]["entries"][1]["speedup_width_predicted"] != pytest.approx(
         groups[None]["entries"][1]["speedup_width_predicted"])  # the two paths' costs differ
     text = report["text"]
@@ -219,6 +228,9 @@ def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs
     assert "Speedups are over target-only on the same path: eager (fast=null), 4 prompts" in text
     assert f"costs measured fast=compile (`{paths[1]}`; t_draft 4.00 ms, t_target 40.00 ms)" in text
     assert text.count("Machine: Test CPU, 2 cores.") == 2
+    k2 = groups["compile"]["entries"][1]["vs_eager"]
+    assert "Fast over eager, each method on fast=compile against its own eager run of the same prompts" in text
+    assert f"fixed_k k2 {k2['ratio']:.2f}x [{k2['ci95'][0]:.2f}, {k2['ci95'][1]:.2f}]†" in text
     # eager costs only: the fast table gets no t_target(n) prediction and says which file is missing
     only_eager = build_report(res.parent, tmp_path / "report_eager", costs=paths[0])
     g = {g["fast"]: g for g in only_eager["groups"]}["compile"]
