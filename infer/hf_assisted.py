@@ -20,9 +20,22 @@ one logit by slicing the hidden state; on a CPU in bf16 that slice sends oneDNN 
 (the demo draft's call costs about 7 ms instead of 2-4). ``GatherKeptLogits`` hands both models an
 index tensor instead during ``generate`` (the same logits, as our engine computes them), so HF is
 timed on the same footing as our methods.
+
+transformers' assisted generation calls the draft's own ``generate`` every round
+(``AssistedCandidateGenerator._generate_candidates``) with a ``generation_config`` together with
+``min_new_tokens`` / ``max_new_tokens`` and the target's ``use_cache``. transformers 5.x logs that
+as deprecated ("Passing `generation_config` together with generation-related arguments"), 4.56
+logs that the draft's generation config changed defaults (our ``num_assistant_tokens``, ...).
+Neither is about our call (which passes a ``generation_config`` and no generation argument), and
+a plain ``target.generate(ids, assistant_model=draft, max_new_tokens=8)`` logs the same: while we
+decode, :func:`quiet_assistant_calls` drops exactly those two messages, and only inside the
+draft's own ``generate``.
 """
 
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -41,6 +54,40 @@ from .meters import ForwardMeter
 # distribution as our engine.
 NEUTRAL = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
+
+
+# What transformers logs about its own call of the draft's generate (see the module docstring):
+# 5.x, then 4.56. Dropped inside that call only.
+ASSISTANT_CALL_MESSAGES = ("Passing `generation_config` together with generation-related arguments",
+                           "`generation_config` default values have been modified to match model-specific defaults")
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ASSISTANT_CALL_MESSAGES)
+
+
+@contextmanager
+def quiet_assistant_calls(draft):
+    """While active, ``draft.generate`` (called by transformers' assisted generation, once per
+    round) runs with :data:`ASSISTANT_CALL_MESSAGES` dropped from transformers' generation log;
+    every other message, and every message of the target's own ``generate``, passes."""
+    log = logging.getLogger("transformers.generation.utils")
+    drop = _DropMessages()
+    own = draft.generate
+
+    def generate(*args, **kwargs):
+        log.addFilter(drop)
+        try:
+            return own(*args, **kwargs)
+        finally:
+            log.removeFilter(drop)
+
+    draft.generate = generate
+    try:
+        yield
+    finally:
+        del draft.generate
 
 
 class _RoundStreamer:
@@ -122,7 +169,8 @@ class HFAssistedRunner:
             seen[0] = draft_meter.calls
 
         torch.manual_seed(seed)  # transformers samples from the global generator
-        with decode_attention(self.target.device), GatherKeptLogits(self.draft, self.target), draft_meter, \
+        with decode_attention(self.target.device), GatherKeptLogits(self.draft, self.target), \
+                quiet_assistant_calls(self.draft), draft_meter, \
                 ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
