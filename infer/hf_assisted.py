@@ -62,6 +62,18 @@ ASSISTANT_CALL_MESSAGES = ("Passing `generation_config` together with generation
                            "`generation_config` default values have been modified to match model-specific defaults")
 
 
+def generation_settings(sampling: SamplingConfig, max_new_tokens: int, eos_token_id) -> dict:
+    """transformers' generation settings for our sampling: the same warped distribution as our
+    engine (:data:`NEUTRAL` switches off what a checkpoint's generation_config.json could add),
+    ``max_new_tokens`` and the EOS set (the first EOS id pads)."""
+    eos = sorted(token_set(eos_token_id))
+    settings = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
+                    pad_token_id=eos[0] if eos else 0, do_sample=not sampling.greedy)
+    if not sampling.greedy:
+        settings.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return settings
+
+
 class _DropMessages(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(ASSISTANT_CALL_MESSAGES)
@@ -142,23 +154,13 @@ class HFAssistedRunner:
         self.clock = Clock(target.device)  # wall time
         self.meter_clock = Clock(target.device, sync=profile)  # per forward: syncs only when profiling
 
-    def _generation_config(self, max_new_tokens: int, eos_token_id):
-        from transformers import GenerationConfig
-
-        s = self.sampling
-        eos = sorted(token_set(eos_token_id))
-        pad = eos[0] if eos else 0
-        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
-                  pad_token_id=pad, do_sample=not s.greedy)
-        if not s.greedy:
-            kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        return GenerationConfig(**kw)
-
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
         for key, value in self.assistant_settings.items():
             setattr(self.draft.generation_config, key, value)
-        config = self._generation_config(max_new_tokens, eos_token_id)
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(**generation_settings(self.sampling, max_new_tokens, eos_token_id))
         streamer = _RoundStreamer()
         draft_meter = ForwardMeter(self.draft, self.meter_clock)
         candidate_lengths: list[int] = []
