@@ -49,12 +49,7 @@ from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import Clock
 from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
-from specdecpp.models.fit import (
-    check_draft_fit,
-    check_labels_fit,
-    check_sampling_fit,
-    config_hidden_size,
-)
+from specdecpp.models.fit import check_head_fit, config_hidden_size
 
 from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
@@ -131,13 +126,9 @@ def load_checked_head(m, draft_ref: str, sampling: SamplingConfig, cascade: dict
         raise ValueError(f"method {m.get('name')}: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
     head = load_head(str(head_path))
-    artifact = f"method.head {str(head_path)!r}"
-    check_draft_fit(artifact, "head", head.draft, head.hidden_size, draft_ref, config_hidden_size(load_config(draft_ref)),
-                    "method.allow_draft_mismatch", bool(m.get("allow_draft_mismatch", False)))
-    check_sampling_fit(artifact, head.dataset_meta.get("sampling"), sampling, "method.allow_sampling_mismatch",
-                       bool(m.get("allow_sampling_mismatch", False)))
-    check_labels_fit(artifact, (head.dataset_meta.get("labels") or {}).get("cascade"), cascade,
-                     "method.allow_label_mismatch", bool(m.get("allow_label_mismatch", False)))
+    check_head_fit(f"method.head {str(head_path)!r}", head, draft_ref, config_hidden_size(load_config(draft_ref)),
+                   sampling, cascade, "method.allow_{}_mismatch",
+                   {x: m.get(f"allow_{x}_mismatch", False) for x in ("draft", "sampling", "label")})
     return head
 
 
