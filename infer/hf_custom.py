@@ -15,6 +15,7 @@ from torch's global generator).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,20 @@ from .meters import ForwardMeter
 
 if TYPE_CHECKING:
     from .methods import MethodSpec
+
+
+def door_call(**keywords) -> tuple:
+    """``(custom_generate, keywords for generate)``: ``specdecpp.hf.generate`` and the door's own
+    keywords as a user passes them to ``generate``, where this transformers passes a callable the
+    keywords its signature names (5.x); 4.56 does not, so there they are bound in the callable
+    (``functools.partial``, as docs/hf.md says for 4.56)."""
+    from transformers import GenerationMixin
+
+    from specdecpp.hf import generate
+
+    if hasattr(GenerationMixin, "_extract_generation_mode_kwargs"):
+        return generate, keywords
+    return functools.partial(generate, **keywords), {}
 
 
 class HFCustom:
@@ -57,17 +72,15 @@ class HFCustomRunner:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
-        from specdecpp.hf import generate as door
-
         settings = generation_settings(self.sampling, max_new_tokens, eos_token_id)
+        door, extra = door_call(draft_model=self.draft, stop_policy=self.policy)
         torch.manual_seed(seed)  # generate samples from torch's global generator
         with ForwardMeter(self.draft, self.meter_clock) as d, ForwardMeter(self.target, self.meter_clock) as t:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), custom_generate=door,
-                                       draft_model=self.draft, stop_policy=self.policy,
-                                       return_dict_in_generate=True, **settings)
+                                       return_dict_in_generate=True, **extra, **settings)
             wall = self.clock.now() - t0
-        stats = out.stats
+        stats = out.run_stats[0]
         inner = stats.wall_time_s
         stats.wall_time_s = wall  # the door's cost is in the measurement: generate's preparation included
         forward = d.seconds + t.seconds if self.meter_clock.exact else None
