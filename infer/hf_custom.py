@@ -48,32 +48,35 @@ def door_call(**keywords) -> tuple:
 class HFCustom:
     """The method ``hf_custom`` (conf/method/hf_custom.yaml): the door around ``policy``, the stop
     policy's own method (``resolve_method`` of conf/method/<stop>.yaml), whose settings (and so
-    whose tag) it keeps, after ``stop``."""
+    whose tag) it keeps, after ``stop``; ``allowed``: its ``allow_*_mismatch`` switches, which the
+    door's own head check gets too."""
 
-    def __init__(self, stop: str, policy: MethodSpec) -> None:
+    def __init__(self, stop: str, policy: MethodSpec, allowed: dict | None = None) -> None:
         if policy.name != stop or not isinstance(policy.method, StopPolicy):
             raise ValueError(f"hf_custom: stop={stop!r} needs that stop policy's method, got {policy.name!r}")
-        self.stop, self.policy = stop, policy
+        self.stop, self.policy, self.allowed = stop, policy, dict(allowed or {})
 
     def settings(self) -> dict:
         return {"stop": self.stop, **self.policy.settings}
 
     def runner(self, draft, target, sampling: SamplingConfig, profile: bool = False) -> HFCustomRunner:
-        return HFCustomRunner(draft, target, sampling, self.policy.method, profile=profile)
+        return HFCustomRunner(draft, target, sampling, self.policy.method, self.allowed, profile=profile)
 
 
 class HFCustomRunner:
     timed = True
 
-    def __init__(self, draft, target, sampling: SamplingConfig, policy: StopPolicy, profile: bool = False) -> None:
+    def __init__(self, draft, target, sampling: SamplingConfig, policy: StopPolicy, allowed: dict | None = None,
+                 profile: bool = False) -> None:
         self.draft, self.target, self.sampling, self.policy = draft, target, sampling, policy
+        self.allowed = dict(allowed or {})  # allow_*_mismatch: the door checks a head as infer does
         self.clock = Clock(target.device)  # wall time
         self.meter_clock = Clock(target.device, sync=profile)  # per forward: syncs only when profiling
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
         settings = generation_settings(self.sampling, max_new_tokens, eos_token_id)
-        door, extra = door_call(draft_model=self.draft, stop_policy=self.policy)
+        door, extra = door_call(draft_model=self.draft, stop_policy=self.policy, **self.allowed)
         torch.manual_seed(seed)  # generate samples from torch's global generator
         with ForwardMeter(self.draft, self.meter_clock) as d, ForwardMeter(self.target, self.meter_clock) as t:
             t0 = self.clock.now()

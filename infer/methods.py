@@ -159,9 +159,11 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     name = m.get("name")
     m = method_config(name, m)
     if name == "hf_custom":  # the door around a policy built as method=<stop> builds it
-        policy = resolve_method(door_policy_config(m), draft_ref, sampling)
+        inner = door_policy_config(m)
+        policy = resolve_method(inner, draft_ref, sampling)
+        allowed = {k: bool(inner[k]) for k in APP_KEYS if k.startswith("allow_") and k in inner}  # the door checks too
         method = instantiate_method(OmegaConf.create({k: m.get(k) for k in ("_target_", "name", "stop")}),
-                                    policy=policy)
+                                    policy=policy, allowed=allowed)
         settings = method.settings()
         return MethodSpec(name, settings, method_tag(name, settings), policy.head, method)
     objects, head, settings = {}, None, {}

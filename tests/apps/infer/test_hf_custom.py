@@ -96,3 +96,17 @@ def test_hf_custom_bad_settings_fail_before_loading(setup, tiny_pair, tmp_path):
                                f"method.head={head}"))  # no pair.*: the head's, as under method=specdecpp
     assert (job.pair["draft"], job.pair["target"]) == (tiny_pair.draft, tiny_pair.target)
     assert job.spec.head.draft == tiny_pair.draft and job.spec.settings["stop"] == "specdecpp"
+
+
+def test_hf_custom_passes_the_allow_switches_to_the_doors_head_check(setup, tiny_pair, tmp_path):
+    """A head trained under sampling, decoding greedily: refused by infer's check without
+    method.allow_sampling_mismatch, and with it the door (which checks the head again) decodes."""
+    sampled = tmp_path / "head_t1_k50"
+    AcceptanceHead(tiny_pair.draft_hidden, 1, draft=tiny_pair.draft).save_pretrained(
+        sampled, training={"dataset_meta": {"sampling": {"temperature": 1.0, "top_k": 50, "top_p": 1.0}}})
+    base = [*setup.base, "method=hf_custom", "method.stop=specdecpp", f"method.head={sampled}", "sampling=greedy",
+            "prompts.limit=1", "max_new_tokens=3", f"out={tmp_path}/out"]
+    with pytest.raises(ValueError, match="method.allow_sampling_mismatch=true"):
+        app.run(make_cfg(*base))
+    rows = read_rows(Path(app.run(make_cfg(*base, "method.allow_sampling_mismatch=true"))["path"]))
+    assert [(r["method"], r["n_generated"]) for r in rows] == [("hf_custom", 3)]
