@@ -5,7 +5,7 @@ draft_model=draft, stop_policy=policy, ...)``: the stop policy built exactly as 
 builds it for the direct decoder (:func:`infer.methods.door_policy_config`), the sampling and
 the EOS set passed as ``generate``'s own arguments (no ``generation_config`` object: one or the
 other, see infer/hf_assisted.py), the checkpoint's extra logits processors switched off as for
-``hf_assisted``. Run beside the direct decoder with the same policy, interleaved, it shows what
+``hf_assisted`` (so ``generate`` builds none but the sampling warpers). Run beside the direct decoder with the same policy, interleaved, it shows what
 the door costs: the wall time is taken around ``generate`` (its preparation included), the two
 models' forward passes are timed by the same hooks as every runner, and the row adds the
 decoder's own wall time inside ``generate`` (``door_inner_wall_time_s``). Each prompt is seeded
@@ -75,7 +75,11 @@ class HFCustomRunner:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
-        settings = generation_settings(self.sampling, max_new_tokens, eos_token_id)
+        # as generate's own arguments, None overrides a checkpoint's min_new_tokens; hf_assisted's 0 (its
+        # generation_config object would take the checkpoint's value for a None) adds a MinLengthLogitsProcessor
+        # that changes nothing but that the door would apply to both models' logits at every position
+        settings = {**generation_settings(self.sampling, max_new_tokens, eos_token_id), "min_new_tokens": None,
+                    "min_length": 0}
         door, extra = door_call(draft_model=self.draft, stop_policy=self.policy, **self.allowed)
         torch.manual_seed(seed)  # generate samples from torch's global generator
         with ForwardMeter(self.draft, self.meter_clock) as d, ForwardMeter(self.target, self.meter_clock) as t:

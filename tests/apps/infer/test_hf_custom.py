@@ -48,8 +48,15 @@ def _run(setup, sampling: str) -> dict:
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "paper"])
-def test_hf_custom_rows_equal_the_direct_decoders_rows(setup, sampling):
+def test_hf_custom_rows_equal_the_direct_decoders_rows(setup, sampling, monkeypatch):
+    import specdecpp.hf
+
+    built, split = [], specdecpp.hf.split_processors
+    monkeypatch.setattr(specdecpp.hf, "split_processors",
+                        lambda processors, *a: built.append({type(p).__name__ for p in processors}) or split(processors, *a))
     runs = _run(setup, sampling)
+    # generate builds the sampling warpers and nothing else (no no-op processor the door would apply per position)
+    assert built and all(b == (set() if sampling == "greedy" else {"TopKLogitsWarper"}) for b in built), built
     door = {key: rows for key, rows in runs.items() if key[0] == "hf_custom"}
     assert sorted(tag for _, tag in door) == ["head_h0.5_min1_max20", "k2", "svip_h0.5_c0.15_max40"]
     for (_, tag), rows in door.items():
