@@ -31,7 +31,16 @@ from transformers.generation import (
 )
 
 import specdecpp.hf as hf
-from specdecpp import SVIP, FixedK, NextTokenHead, TargetOnly, load_head
+from specdecpp import (
+    SVIP,
+    Cascade,
+    FixedK,
+    NextTokenHead,
+    SamplingConfig,
+    SpeculativeDecoder,
+    TargetOnly,
+    load_head,
+)
 from specdecpp.models.loading import load_model
 from tests.helpers.paths import REPO
 from tests.helpers.stats import chi_square_pvalue, sequence_distribution
@@ -348,6 +357,21 @@ def test_bad_calls_get_clear_errors(pair, tmp_path, monkeypatch):
         gen(custom_generate=door(pair, head="no-such-org/no-such-head"))
 
 
+def test_a_cascade_is_opt_in_and_runs_as_the_decoder_does(pair):
+    """``cascade=`` decodes as ``SpeculativeDecoder(..., cascade=...)`` (lossy); with processors it is refused."""
+    cascade = Cascade("opt", 0.1)
+    decoder = SpeculativeDecoder(pair.draft, pair.target, FixedK(3), SamplingConfig(temperature=0), cascade=cascade)
+    for text in PROMPTS:
+        ids = encode(pair.tok, text)
+        out = pair.target.generate(ids, max_new_tokens=20, do_sample=False,
+                                   custom_generate=door(pair, stop_policy=FixedK(3), cascade=cascade))
+        ref = decoder.generate(ids, max_new_tokens=20, eos_token_id=pair.tok.eos_token_id)
+        assert out.tolist() == ref.tokens.tolist()
+    with pytest.raises(ValueError, match="cannot run with the logits processors"):
+        pair.target.generate(ids, max_new_tokens=5, repetition_penalty=1.2,
+                             custom_generate=door(pair, stop_policy=FixedK(3), cascade=cascade))
+
+
 def test_batch_errors(tiny_models, pair):
     draft, target = tiny_models  # no pad and no EOS token
     assert target.generation_config.pad_token_id is None and target.generation_config.eos_token_id is None
@@ -356,6 +380,10 @@ def test_batch_errors(tiny_models, pair):
         target.generate(ids, max_new_tokens=3, custom_generate=functools.partial(hf.generate, draft_model=draft,
                                                                                  stop_policy=FixedK(2)))
     ids, mask = left_padded(pair.tok, PROMPTS)
+    text, out = stream(lambda s: pair.target.generate(ids, attention_mask=mask, max_new_tokens=3, streamer=s,
+                                                      custom_generate=FOLDER, trust_remote_code=True,
+                                                      draft_model=pair.draft, stop_policy=FixedK(2)), pair.tok)
+    assert isinstance(out, ValueError)  # a streamer takes one row (transformers' own or ours says so)
     with pytest.raises(ValueError, match="not left-padded"):
         pair.target.generate(ids, attention_mask=mask.flip(1), max_new_tokens=3,
                              custom_generate=door(pair, stop_policy=FixedK(2)))
