@@ -497,5 +497,16 @@ def hub_generate(*args, model=None, **kwargs):
             config.stop_strings = None
         elif config is None and model.generation_config.stop_strings:
             kwargs["stop_strings"] = None  # not the model's own either
-    call = functools.partial(generate, streamer=streamer, tokenizer=tokenizer, **extras)
-    return GenerationMixin.generate(model, *args, streamer=streamer, custom_generate=call, **kwargs)
+    bound, started = functools.partial(generate, streamer=streamer, tokenizer=tokenizer, **extras), []
+
+    @functools.wraps(generate)
+    def call(*call_args, **call_kwargs):
+        started.append(True)  # from here on generate ends the streamer
+        return bound(*call_args, **call_kwargs)
+
+    try:
+        return GenerationMixin.generate(model, *args, streamer=streamer, custom_generate=call, **kwargs)
+    except BaseException:
+        if streamer is not None and not started:  # generate failed before the decoding (e.g. its prompt put)
+            streamer.end()
+        raise
