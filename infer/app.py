@@ -125,7 +125,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
 def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
     """``fast`` for this method: checked (a bad value, ``graphs`` not built, PEARL compiled and
     batches are refused), None for a method that does not decode with our engine's runners
-    (hf_assisted, oracle: they ignore it, and their rows say fast: null)."""
+    (hf_assisted, hf_custom, oracle: they ignore it, and their rows say fast: null)."""
     fast = check_fast("infer", cfg.get("fast"))
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",

@@ -17,7 +17,7 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 
 The fast path (``fast``, docs/engine.md "The fast path") reaches every method that decodes with our
 engine's runners (:func:`takes_fast`: the stop policies, cascades, PEARL (static only), Sequoia);
-``hf_assisted`` (transformers' own generate) and ``oracle`` (untimed counts) ignore it.
+``hf_assisted``, ``hf_custom`` (transformers' generate) and ``oracle`` (untimed counts) ignore it.
 """
 
 from __future__ import annotations
