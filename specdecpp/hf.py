@@ -44,6 +44,7 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -248,6 +249,20 @@ def _callers_streamer():
     return frame.f_locals.get("streamer") if frame.f_code is code else None
 
 
+def loaded_head(ref: str) -> AcceptanceHead:
+    """``load_head(ref)``, kept for later calls while a local head's files are unchanged (a hub id: for
+    the process), so a call pays no loading (nor a hub lookup) for a head it used before."""
+    path = Path(ref).expanduser()
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()) if f.is_file()) \
+        if path.is_dir() else None
+    return _load_head(ref, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_head(ref: str, stamp) -> AcceptanceHead:
+    return load_head(ref)
+
+
 def resolve_policy(model, draft_model, head, threshold, stop_policy, sampling: SamplingConfig,
                    cascade: Cascade | None, allowed: dict) -> tuple[StopPolicy, object]:
     """The stop policy and the draft of a call: ``stop_policy`` as given, or SpecDec++ with ``head``
@@ -262,9 +277,9 @@ def resolve_policy(model, draft_model, head, threshold, stop_policy, sampling: S
     if head is not None:
         if isinstance(head, AcceptanceHead):
             artifact = "head"
-        elif isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):
+        elif isinstance(head, str) or hasattr(head, "__fspath__"):
             artifact = f"head {str(head)!r}"
-            head = load_head(head)
+            head = loaded_head(str(head))
         else:
             raise TypeError(f"head must be a head directory, a hub id or a specdecpp AcceptanceHead, got "
                             f"{type(head).__name__}")

@@ -152,8 +152,9 @@ class AcceptanceHead(nn.Module):
         if kind != cls.kind:
             raise ValueError(f"acceptance head {str(path)!r} is of kind {kind!r}, not {cls.kind!r} "
                              f"({cls.__name__}): load it with specdecpp.load_head, which returns the right kind")
-        head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
-                   **cls._init_kwargs(config))
+        with torch.random.fork_rng(devices=[]):  # the random init is overwritten: loading leaves the global RNG as it was
+            head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
+                       **cls._init_kwargs(config))
         head.meta = {k: v for k, v in config.items()
                      if k not in ("model_type", "kind", "hidden_size", "depth", "draft", *cls._init_kwargs(config))}
         state = load_file(str(weights), device=str(map_location))

@@ -37,6 +37,7 @@ from specdecpp import (
     FixedK,
     NextTokenHead,
     SamplingConfig,
+    SpecDecPP,
     SpeculativeDecoder,
     TargetOnly,
     load_head,
@@ -239,6 +240,22 @@ def test_global_rng_seeds_the_samples(pair):
     assert run(1) != run(2)
 
 
+def test_same_seed_same_samples_as_the_decoder_called_directly(pair):
+    """generate's preparation and loading the head inside the call draw nothing from the global RNG."""
+    head = load_head(pair.head)
+    decoder = SpeculativeDecoder(pair.draft, pair.target, SpecDecPP(head, 0.5), SamplingConfig(0.8, 20, 0.95))
+    call = door(pair, head=pair.head, threshold=0.5, allow_sampling_mismatch=True)
+    for seed, text in enumerate(PROMPTS):
+        ids = encode(pair.tok, text)
+        torch.manual_seed(seed)
+        direct = decoder.generate(ids, max_new_tokens=20, eos_token_id=pair.tok.eos_token_id).tokens
+        hf._load_head.cache_clear()  # the call loads the head itself
+        torch.manual_seed(seed)
+        out = pair.target.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=20, top_p=0.95,
+                                   custom_generate=call)
+        assert out.tolist() == direct.tolist()
+
+
 def stream(call_generate, tok):
     """The text a TextIteratorStreamer yields while ``call_generate(streamer)`` runs in a thread, and the output."""
     streamer, result = TextIteratorStreamer(tok, skip_prompt=True, timeout=60), {}
@@ -349,6 +366,10 @@ def test_bad_calls_get_clear_errors(pair, tmp_path, monkeypatch):
     gen(custom_generate=door(pair, head=str(tmp_path / "renamed"), allow_draft_mismatch=True))
     with pytest.raises(ValueError, match="trained on labels sampled under another setting"):  # a greedy head, sampled
         gen(do_sample=True, temperature=0.7, custom_generate=door(pair, head=pair.head))
+    cascade = Cascade("opt", 0.1)  # the head learned the exact rule's acceptance, not the cascade's
+    with pytest.raises(ValueError, match="trained on labels of exact min"):
+        gen(custom_generate=door(pair, head=pair.head, cascade=cascade))
+    gen(custom_generate=door(pair, head=pair.head, cascade=cascade, allow_label_mismatch=True))
     with pytest.raises(ValueError, match="stop_strings need the model's tokenizer"):
         hf.hub_generate(pair.target, ids, max_new_tokens=5, stop_strings=["a"], draft_model=pair.draft,
                         stop_policy=FixedK(2))
