@@ -55,14 +55,15 @@ class Job:
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
     """``pair.draft`` / ``pair.target`` left unset are taken from an acceptance head's config.json
-    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp,
-    else ``head_path``. Values given on the command line win (a draft that differs from the head's
-    is refused later, by the head check)."""
+    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp
+    (or hf_custom with stop=specdecpp), else ``head_path``. Values given on the command line win (a
+    draft that differs from the head's is refused later, by the head check)."""
     missing = [k for k in ("draft", "target") if OmegaConf.is_missing(cfg.pair, k)]
     if not missing:
         return
-    if cfg.method.get("name") == "specdecpp" and cfg.method.get("head"):
-        head_path = cfg.method.head
+    m = cfg.method
+    if m.get("head") and (m.get("name") == "specdecpp" or (m.get("name"), m.get("stop")) == ("hf_custom", "specdecpp")):
+        head_path = m.head
     if not head_path:
         raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
                          "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
@@ -126,7 +127,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
 def job_fast(cfg, spec: MethodSpec, batch_size: int) -> str | None:
     """``fast`` for this method: checked (a bad value, ``graphs`` not built, PEARL compiled and
     batches are refused), None for a method that does not decode with our engine's runners
-    (hf_assisted, oracle: they ignore it, and their rows say fast: null)."""
+    (hf_assisted, hf_custom, oracle: they ignore it, and their rows say fast: null)."""
     fast = cfg.get("fast")
     if isinstance(fast, ListConfig | list):
         raise ValueError(f"fast={list(fast)}: one run takes one fast path; python -m infer.sweep runs every method "

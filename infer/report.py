@@ -108,17 +108,20 @@ def tree_lines(group: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratio_cell(v: dict, method: str) -> str:
+    """``1.052x [0.98, 1.11] over fixed_k k4 (not told apart)``: a tokens/s ratio, its paired interval
+    and what the interval says."""
+    ci = v["ci95"]
+    verdict = "" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1 else " (not told apart)"
+    return (f"{v['ratio']:.3f}x" + (f" {_interval(ci, v.get('ci_n', 0), 3)}" if ci else "")
+            + f" over {method} {v['tag']}{verdict}")
+
+
 def baseline_lines(group: dict) -> str:
     """Each method against the fastest fixed K and the fastest SVIP of the same table, paired."""
     lines = []
     for e in group["entries"]:
-        cells = []
-        for method, v in e.get("vs_best", {}).items():
-            ci = v["ci95"]
-            verdict = ("" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1
-                       else " (not told apart)")
-            cells.append(f"{v['ratio']:.3f}x" + (f" {_interval(ci, v.get('ci_n', 0), 3)}" if ci else "")
-                         + f" over {method} {v['tag']}{verdict}")
+        cells = [_ratio_cell(v, method) for method, v in e.get("vs_best", {}).items()]
         if cells and e["method"] not in ("fixed_k", "svip"):
             lines.append(f"- {e['method']} {e['tag'] if e['settings'] else '-'}: " + "; ".join(cells))
     if not lines:
@@ -136,6 +139,28 @@ def eager_lines(group: dict) -> str:
         return ""
     return (f"Fast over eager, each method on {_fast_name(group['fast'])} against its own eager run of the same "
             "prompts (tokens/s ratio, paired 95% interval): " + "; ".join(cells) + ".")
+
+
+def door_lines(group: dict) -> str:
+    """Each door entry (hf_custom: the decoder through transformers' ``generate``) against the direct
+    decoder with the same policy and settings: tokens/s, paired, and the prompts with the same tokens."""
+    lines = []
+    for e in group["entries"]:
+        if "vs_direct" not in e:
+            continue
+        v = e["vs_direct"]
+        if v is None:
+            lines.append(f"- {e['method']} {e['tag']}: no direct {e['settings']['stop']} run with these settings in "
+                         "this table (run both, interleaved: docs/infer.md, method hf_custom)")
+            continue
+        stop = e["settings"]["stop"]
+        speed = _ratio_cell(v, stop) if v["ratio"] is not None else f"tokens/s not compared (untimed) with {stop} {v['tag']}"
+        lines.append(f"- {e['method']} {e['tag']}: {speed}; the same tokens on {v['same_tokens']} of "
+                     f"{v['n_compared']} prompts")
+    if not lines:
+        return ""
+    return ("Through transformers' `generate` (custom_generate) against the direct decoder with the same policy "
+            "(tokens/s ratio, paired 95% interval; output tokens compared prompt by prompt):\n\n" + "\n".join(lines))
 
 
 def fit_line(group: dict) -> str:
@@ -158,7 +183,8 @@ def legend_line(group: dict) -> str:
     few = any(_few(ci, n) for e in group["entries"] for ci, n in
               [(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)), (e.get("task_score_ci95"), e.get("task_n", 0)),
                *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values()),
-               *([(e["vs_eager"]["ci95"], e["vs_eager"].get("ci_n", 0))] if e.get("vs_eager") else [])])
+               *([(e["vs_eager"]["ci95"], e["vs_eager"].get("ci_n", 0))] if e.get("vs_eager") else []),
+               *((v["ci95"], v.get("ci_n", 0)) for v in [e.get("vs_direct")] if v)])
     return LEGEND + (f" {FEW_NOTE}" if few else "")
 
 
@@ -243,6 +269,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
             sections.append(eager_lines(g) + "\n")
         if baseline_lines(g):
             sections.append(baseline_lines(g) + "\n")
+        if door_lines(g):
+            sections.append(door_lines(g) + "\n")
         if tree_lines(g):
             sections.append(tree_lines(g) + "\n")
         if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):

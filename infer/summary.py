@@ -28,6 +28,9 @@ ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
 SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode",
          "sequoia": "tree_size", "cascade": "alpha"}
+# The direct decoder through transformers' ``generate`` (custom_generate): settings {"stop": <its
+# policy's method>, **that method's settings}; swept and compared as that method.
+DOOR_METHODS = ("hf_custom",)
 # Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
 CONCURRENT_METHODS = ("pearl",)
 # Token trees: a draft forward feeds a level of several nodes, so Eq. 2.3's constant t_draft per
@@ -131,10 +134,21 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def policy_method(entry: dict) -> str:
+    """The method whose stop policy an entry runs: its own, or a door's (hf_custom: its ``stop``)."""
+    return entry["settings"].get("stop", "") if entry["method"] in DOOR_METHODS else entry["method"]
+
+
+def swept_key(entry: dict) -> str | None:
+    """The setting an entry's series is swept over (:data:`SWEPT`; a door's: its policy's)."""
+    return SWEPT.get(policy_method(entry))
+
+
 def _order(entry: dict) -> tuple:
-    swept = entry["settings"].get(SWEPT.get(entry["method"], ""), "")
+    key = swept_key(entry)
+    swept = entry["settings"].get(key or "", "")
     return (METHODS.index(entry["method"]) if entry["method"] in METHODS else len(METHODS),
-            str({k: v for k, v in entry["settings"].items() if k != SWEPT.get(entry["method"])}),
+            str({k: v for k, v in entry["settings"].items() if k != key}),
             swept if isinstance(swept, (int, float)) else 0, str(swept))
 
 
@@ -247,6 +261,30 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                                         "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
 
 
+def add_door_ratios(entries: list[dict], by_run: dict) -> None:
+    """Each door entry (:data:`DOOR_METHODS`) against the direct decoder with the same policy and
+    settings in the same table, if there is one: ``entry["vs_direct"] = {"tag", "ratio" (tokens/s
+    over the direct's), "ci95" (paired over prompts), "ci_n", "same_tokens", "n_compared"}`` (the
+    prompts decoded by both whose output tokens are equal, of those decoded by both); else None."""
+    for e in entries:
+        if e["method"] not in DOOR_METHODS:
+            continue
+        settings = {k: v for k, v in e["settings"].items() if k != "stop"}
+        direct = next((d for d in entries if d["method"] == policy_method(e) and d["settings"] == settings), None)
+        e["vs_direct"] = None
+        if direct is None:
+            continue
+        mine, theirs = by_run[_run_key(e)], by_run[_run_key(direct)]
+        tokens = {r["prompt_id"]: r["output_ids"] for r in theirs}
+        both = [r for r in mine if r["prompt_id"] in tokens]
+        timed = e["tokens_per_s"] and direct["tokens_per_s"]
+        e["vs_direct"] = {"tag": direct["tag"], "ratio": e["tokens_per_s"] / direct["tokens_per_s"] if timed else None,
+                          "ci95": paired_speedup_ci(mine, theirs) if timed else None,
+                          "ci_n": len(paired_units(mine, theirs)),
+                          "same_tokens": sum(r["output_ids"] == tokens[r["prompt_id"]] for r in both),
+                          "n_compared": len(both)}
+
+
 def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Rows by run (:func:`_run_key` of their entry): method, settings, and (batches) whether rows
     filled the round."""
@@ -332,6 +370,7 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
             latency = latency_of(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
     add_best_baseline_ratios(entries, by_run)
+    add_door_ratios(entries, by_run)
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
             "greedy": rows[0]["sampling"]["temperature"] == 0,

@@ -247,3 +247,44 @@ def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs
     assert "No target-only rows on this path (fast=compile): no measured speedup" in text
     cli.main([str(res.parent), "--out", str(tmp_path / "cli"), "--costs", *map(str, paths)])  # --costs FILE FILE
     assert "costs measured fast=compile" in capsys.readouterr().out
+
+
+def test_report_pairs_each_door_run_with_the_direct_decoder_of_the_same_policy(tmp_path):
+    """hf_custom (the decoder through transformers' generate) against the direct run with the same
+    policy and settings: the tokens/s ratio recomputed from the rows with its paired interval, and
+    the prompts whose tokens are equal; a door run without its direct run says so."""
+    from infer.summary import paired_speedup_ci
+
+    rng = np.random.default_rng(2)
+    rows, head = [], {"head": "heads/h", "head_sha": "abc", "threshold": 0.5}
+    for i in range(12):
+        noise = rng.uniform(0.9, 1.1)
+        for method, tag, settings, wall in (("fixed_k", "k2", {"k": 2}, 0.8), ("hf_custom", "k2", {"stop": "fixed_k", "k": 2}, 0.8),
+                                            ("specdecpp", "h_h0.5", head, 0.7),
+                                            ("hf_custom", "h_h0.5", {"stop": "specdecpp", **head}, 0.6),
+                                            ("hf_custom", "k3", {"stop": "fixed_k", "k": 3}, 0.8)):
+            row = _row(method, tag, settings, f"p{i}", 14, 12, 25, wall * noise * rng.uniform(0.99, 1.01))
+            row["output_ids"] = [i, 1] if (method, tag, i) != ("hf_custom", "k2", 3) else [i, 2]  # one prompt differs
+            rows.append(row)
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report(res.parent, tmp_path / "report")
+    entries = {(e["method"], e["tag"]): e for e in report["groups"][0]["entries"]}
+    by = {key: [r for r in rows if (r["method"], r["tag"]) == key] for key in entries}
+
+    def tps(key):
+        return sum(r["n_generated"] for r in by[key]) / sum(r["wall_time_s"] for r in by[key])
+
+    k2 = entries["hf_custom", "k2"]["vs_direct"]
+    assert k2["tag"] == "k2" and k2["ratio"] == pytest.approx(tps(("hf_custom", "k2")) / tps(("fixed_k", "k2")))
+    assert k2["ci95"] == pytest.approx(paired_speedup_ci(by["hf_custom", "k2"], by["fixed_k", "k2"]))
+    assert k2["ci95"][0] < 1 < k2["ci95"][1] and (k2["same_tokens"], k2["n_compared"]) == (11, 12)
+    spp = entries["hf_custom", "h_h0.5"]["vs_direct"]
+    assert spp["ci95"][0] > 1 and (spp["same_tokens"], spp["n_compared"]) == (12, 12)
+    assert entries["hf_custom", "k3"]["vs_direct"] is None and "vs_direct" not in entries["fixed_k", "k2"]
+    text = report["report"].read_text()
+    assert f"- hf_custom k2: {k2['ratio']:.3f}x" in text and "over fixed_k k2 (not told apart); the same tokens on " \
+        "11 of 12 prompts" in text
+    assert "over specdecpp h_h0.5 (faster); the same tokens on 12 of 12 prompts" in text
+    assert "- hf_custom k3: no direct fixed_k run with these settings" in text
