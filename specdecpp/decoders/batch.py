@@ -42,6 +42,7 @@ from .rounds import (
     RunStats,
     TokenBuffer,
     check_generate_args,
+    check_hooks,
     device_generator,
     finish,
 )
@@ -307,7 +308,7 @@ class BatchDrafter:
     def processed(process, seqs: list, drafting: list[bool], k: int, logits: torch.Tensor) -> torch.Tensor:
         """The drafting rows' logits [B, V] (each after its row's ``n + k - 1`` tokens) through ``process``."""
         rows = [b for b, d in enumerate(drafting) if d]
-        out = logits.clone()
+        out = logits.to(torch.float32, copy=True)  # the processed rows are float32 (transformers' processors run so)
         out[rows] = process([seqs[b].row for b in rows], [seqs[b].tokens for b in rows],
                             [seqs[b].n + k - 1 for b in rows], logits[rows])
         return out
@@ -464,6 +465,7 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size)
+    check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")
     run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches, hooks)

@@ -101,6 +101,11 @@ class CallHooks:
     committed: Callable | None = None
 
 
+def check_hooks(hooks) -> None:
+    if hooks is not None and not isinstance(hooks, CallHooks):
+        raise TypeError(f"hooks must be a specdecpp.decoders.rounds.CallHooks or None, got {type(hooks).__name__}")
+
+
 def processed(process: Callable | None, row: int, tokens: torch.Tensor, ends: list[int],
               logits: torch.Tensor) -> torch.Tensor:
     """One row's logits rows [R, V] (row r after ``tokens[:ends[r]]``) through ``process`` (None: as they are)."""
@@ -275,8 +280,7 @@ def start_generate(prompt_ids, max_new_tokens, eos_token_id, generator: torch.Ge
     models' device, the call's clock (synchronised), the round marks (``sync=profile``) and the
     prompt's :class:`TokenBuffer` (row 0, with the call's ``hooks``)."""
     check_generate_args(prompt_ids, max_new_tokens)
-    if hooks is not None and not isinstance(hooks, CallHooks):
-        raise TypeError(f"hooks must be a specdecpp.decoders.rounds.CallHooks or None, got {type(hooks).__name__}")
+    check_hooks(hooks)
     return (device_generator(generator, device), Clock(device), Clock(device, sync=profile),
             TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device, hooks=hooks))
 
