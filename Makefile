@@ -4,6 +4,9 @@
 # make potential: the stop-potential analysis of the demo pair on held-out prompts (docs/demo.md), and the
 #   what-if grid of how much more the draft would have to accept (docs/potential.md).
 # make bench: the benchmark of docs/benchmarks.md (resumable; about 50 minutes in bf16 on this 2-core CPU, 90 in float32).
+# make bench-fast: target-only and the main methods eager and on the fast path (FAST=compile | static), one
+#   interleaved run per prompt set, each speedup over target-only on its own path beside Eq. 2.3 with that path's
+#   costs (docs/benchmarks.md; resumable).
 # make bench-cascade: speculative cascades (LOSSY) on held-out prompts (bundled test, HumanEval): every rule over
 #   alphas beside target-only and fixed K, quality (target log-lik, greedy match, HumanEval pass@1) and tokens/s with
 #   intervals, and a head trained on the cascade's labels against fixed K and the exact-label reference head under the
@@ -30,6 +33,9 @@ DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_TRAINER ?= cpu           # conf/trainer: cpu, or gpu (bf16-mixed on CUDA; scripts/gpu_checks.sh)
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
+DEMO_FAST ?= null             # infer's fast path: null (eager; at these sizes compiling costs more than it saves, docs/demo.md), static or compile
+demo_fast := $(filter static compile,$(strip $(DEMO_FAST)))
+DEMO_COSTS := reports/demo/costs.json $(if $(demo_fast),reports/demo/costs_fast-$(demo_fast).json)
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset
 
@@ -46,7 +52,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
-	bench-cascade cascade-head
+	bench-cascade cascade-head bench-fast bench-fast-costs bench-fast-run
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -64,9 +70,11 @@ demo-head: demo-data
 	$(PYTHON) -m train '+experiment=[wrej6_d3,$(strip $(DEMO_HEAD_PRESET))]' pair=demo data.path=data/demo/bundled out=$(DEMO_HEAD) \
 		trainer=$(strip $(DEMO_TRAINER)) logger=none
 
-demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs)
+demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs); with DEMO_FAST, on that path too
 	test -f reports/demo/costs.json || $(PYTHON) -m infer.costs --limit 1 --max-new-tokens 16 \
 		--timing-steps 20 --out reports/demo/pair.json --costs-out reports/demo/costs.json
+	$(if $(demo_fast),test -f reports/demo/costs_fast-$(demo_fast).json || $(PYTHON) -m infer.costs --fast $(demo_fast) \
+		--limit 1 --max-new-tokens 16 --timing-steps 20 --costs-out reports/demo/costs_fast-$(demo_fast).json)
 
 demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
 	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \
@@ -74,13 +82,15 @@ demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no de
 
 demo-infer: demo-potential  # interleaved: every method on a prompt before the next (load drift touches all alike)
 	$(PYTHON) -m infer.sweep pair=demo prompts=bundled prompts.limit=$(strip $(DEMO_TEST_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true \
+		fast=$(strip $(DEMO_FAST)) $(DEMO_COMPARISON)
 	$(PYTHON) -m infer.sweep pair=demo prompts=humaneval prompts.limit=$(strip $(DEMO_HUMANEVAL_PROMPTS)) \
-		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true $(DEMO_COMPARISON)
+		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true \
+		fast=$(strip $(DEMO_FAST)) $(DEMO_COMPARISON)
 
 demo-report: demo-infer  # allowed: first score HumanEval rows decoded before it was (infer.rescore --unscored)
 	$(if $(score_code),$(PYTHON) -m infer.rescore results/demo/humaneval --unscored)
-	$(PYTHON) -m infer.report results/demo --out reports/demo --costs reports/demo/costs.json
+	$(PYTHON) -m infer.report results/demo --out reports/demo --costs $(DEMO_COSTS)
 
 demo: install
 	@start=$$(date +%s); $(MAKE) --no-print-directory demo-report && \
@@ -170,6 +180,41 @@ bench-batch: demo-pair  # docs/batch.md: B = 1, 4, 16; target-only, fixed K, Spe
 
 bench: install bench-report bench-batch  # resumable: rerun to continue; `rm -rf results/bench reports/bench` to start over
 	@echo "report in reports/bench/report.md"
+
+# -- the fast path against eager (docs/benchmarks.md, "make bench-fast"; docs/engine.md, "The fast path") ----------
+FAST ?= compile              # the fast path beside eager: compile (torch.compile per width bucket) or static
+BENCH_FAST_PROMPTS ?= 10     # per prompt set (held out: bundled test, HumanEval)
+BENCH_FAST_TOKENS ?= 96
+BENCH_FAST_SETS ?= bundled humaneval
+BENCH_FAST_HEAD ?= demo/heads/next_wrej1_d1  # the demo's lag-free reference head ...
+BENCH_FAST_THRESHOLD ?= 0.5                  # ... at its dev-split threshold (demo/heads/selection.json)
+BENCH_FAST_OUT ?= bench_fast  # results/$(BENCH_FAST_OUT), reports/$(BENCH_FAST_OUT)
+fast := $(strip $(FAST))
+bench_fast_out := $(strip $(BENCH_FAST_OUT))
+BENCH_FAST_COSTS := reports/$(bench_fast_out)/costs.json reports/$(bench_fast_out)/costs_fast-$(fast).json
+BENCH_FAST_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' 'comparison.svip.threshold=[0.5]' '~comparison.specdecpp' \
+	'+comparison.specdecpp={head:$(strip $(BENCH_FAST_HEAD)),threshold:$(strip $(BENCH_FAST_THRESHOLD))}' \
+	'~comparison.hf_assisted' '~comparison.oracle'
+
+bench-fast-costs: demo-pair  # t_draft, t_target(n) up to 32 tokens, eager and on the fast path (the report's Eq. 2.3)
+	for path in null $(fast); do \
+		out=reports/$(bench_fast_out)/costs$$(test $$path = null || echo _fast-$$path).json; \
+		test -f $$out || $(PYTHON) -m infer.costs $$(test $$path = null || echo --fast $$path) --limit 2 \
+			--max-new-tokens 32 --timing-steps 30 --max-width 32 --threads $(strip $(BENCH_THREADS)) --costs-out $$out \
+			|| exit 1; \
+	done
+
+bench-fast-run: demo-pair  # every method eager and fast on a prompt before the next prompt, one process per set
+	for set in $(BENCH_FAST_SETS); do \
+		$(PYTHON) -m infer.sweep pair=demo prompts=$$set prompts.limit=$(strip $(BENCH_FAST_PROMPTS)) \
+			max_new_tokens=$(strip $(BENCH_FAST_TOKENS)) num_threads=$(strip $(BENCH_THREADS)) interleave=true \
+			'fast=[null,$(fast)]' 'out=results/$(bench_fast_out)/$${prompts.name}/$${method.name}' \
+			$(BENCH_FAST_COMPARISON) || exit 1; \
+	done
+
+bench-fast: bench-fast-costs bench-fast-run  # resumable: rerun to continue; rm -rf results/bench_fast reports/bench_fast to start over
+	$(PYTHON) -m infer.report results/$(bench_fast_out) --out reports/$(bench_fast_out) --costs $(BENCH_FAST_COSTS)
+	@echo "report in reports/$(bench_fast_out)/report.md"
 
 # -- speculative cascades (LOSSY; docs/infer.md, "Speculative cascades") --------------------------------------
 CASCADE_PROMPTS ?= 8          # per prompt set (bundled test, HumanEval test), decoded by every method

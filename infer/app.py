@@ -7,18 +7,20 @@ next run in the same process, so a Hydra multirun or ``python -m infer.sweep`` l
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 from tqdm import tqdm
 
 from specdecpp import StopPolicy
 from specdecpp.analysis.quality import target_quality
 from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.timing import machine_description
 from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
@@ -53,14 +55,15 @@ class Job:
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
     """``pair.draft`` / ``pair.target`` left unset are taken from an acceptance head's config.json
-    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp,
-    else ``head_path``. Values given on the command line win (a draft that differs from the head's
-    is refused later, by the head check)."""
+    (the draft it was trained on, the target of its dataset): ``method.head`` under method=specdecpp
+    (or hf_custom with stop=specdecpp), else ``head_path``. Values given on the command line win (a
+    draft that differs from the head's is refused later, by the head check)."""
     missing = [k for k in ("draft", "target") if OmegaConf.is_missing(cfg.pair, k)]
     if not missing:
         return
-    if cfg.method.get("name") == "specdecpp" and cfg.method.get("head"):
-        head_path = cfg.method.head
+    m = cfg.method
+    if m.get("head") and (m.get("name") == "specdecpp" or (m.get("name"), m.get("stop")) == ("hf_custom", "specdecpp")):
+        head_path = m.head
     if not head_path:
         raise ValueError(f"pair.{missing[0]} is not set: pass pair=demo, or pair=custom pair.draft=PATH "
                          "pair.target=PATH (with method=specdecpp the pair can come from method.head)")
@@ -124,8 +127,12 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
 def job_fast(cfg, spec: MethodSpec) -> str | None:
     """``fast`` for this method: checked (a bad value, ``graphs`` not built and PEARL compiled are
     refused), None for a method that does not decode with our engine's runners (hf_assisted,
-    oracle: they ignore it, and their rows say fast: null)."""
-    fast = check_fast("infer", cfg.get("fast"))
+    hf_custom, oracle: they ignore it, and their rows say fast: null)."""
+    fast = cfg.get("fast")
+    if isinstance(fast, ListConfig | list):
+        raise ValueError(f"fast={list(fast)}: one run takes one fast path; python -m infer.sweep runs every method "
+                         "on each path of a list (make bench-fast)")
+    fast = check_fast("infer", fast)
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
                  spec.name, fast)
@@ -154,17 +161,28 @@ def task_score(job: Job, prompt: Prompt, output_ids: list[int], tokenizer) -> di
     return score_output(job.run_keys["prompts"]["source"], prompt.id, prompt.answer, text, job.allow_code_execution)
 
 
+@functools.cache
+def _machine(device: str, threads: int) -> str:  # threads: a key of the cache (the description names them)
+    return machine_description(device)
+
+
+def machine_of(device: torch.device) -> str:
+    """``specdecpp.core.timing.machine_description`` (the CPU or GPU, torch, threads), read once per
+    device and thread count."""
+    return _machine(str(device), torch.get_num_threads())
+
+
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
-    """One result row. ``lossy``: the method's output does not follow the target's distribution
-    (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
+    """One result row, with the machine it was decoded on (the report names it). ``lossy``: the
+    method's output does not follow the target's distribution (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
-        "device": str(device), "dtype": dtype_name(dtype), "timed": timed,
+        "device": str(device), "machine": machine_of(device), "dtype": dtype_name(dtype), "timed": timed,
         "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
         "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
         "candidate_lengths": stats.candidate_lengths, **times,

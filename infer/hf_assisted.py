@@ -20,9 +20,22 @@ one logit by slicing the hidden state; on a CPU in bf16 that slice sends oneDNN 
 (the demo draft's call costs about 7 ms instead of 2-4). ``GatherKeptLogits`` hands both models an
 index tensor instead during ``generate`` (the same logits, as our engine computes them), so HF is
 timed on the same footing as our methods.
+
+transformers' assisted generation calls the draft's own ``generate`` every round
+(``AssistedCandidateGenerator._generate_candidates``) with a ``generation_config`` together with
+``min_new_tokens`` / ``max_new_tokens`` and the target's ``use_cache``. transformers 5.x logs that
+as deprecated ("Passing `generation_config` together with generation-related arguments"), 4.56
+logs that the draft's generation config changed defaults (our ``num_assistant_tokens``, ...).
+Neither is about our call (which passes a ``generation_config`` and no generation argument), and
+a plain ``target.generate(ids, assistant_model=draft, max_new_tokens=8)`` logs the same: while we
+decode, :func:`quiet_assistant_calls` drops exactly those two messages, and only inside the
+draft's own ``generate``.
 """
 
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -41,6 +54,52 @@ from .meters import ForwardMeter
 # distribution as our engine.
 NEUTRAL = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
+
+
+# What transformers logs about its own call of the draft's generate (see the module docstring):
+# 5.x, then 4.56. Dropped inside that call only.
+ASSISTANT_CALL_MESSAGES = ("Passing `generation_config` together with generation-related arguments",
+                           "`generation_config` default values have been modified to match model-specific defaults")
+
+
+def generation_settings(sampling: SamplingConfig, max_new_tokens: int, eos_token_id) -> dict:
+    """transformers' generation settings for our sampling: the same warped distribution as our
+    engine (:data:`NEUTRAL` switches off what a checkpoint's generation_config.json could add),
+    ``max_new_tokens`` and the EOS set (the first EOS id pads)."""
+    eos = sorted(token_set(eos_token_id))
+    settings = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
+                    pad_token_id=eos[0] if eos else 0, do_sample=not sampling.greedy)
+    if not sampling.greedy:
+        settings.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return settings
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ASSISTANT_CALL_MESSAGES)
+
+
+@contextmanager
+def quiet_assistant_calls(draft):
+    """While active, ``draft.generate`` (called by transformers' assisted generation, once per
+    round) runs with :data:`ASSISTANT_CALL_MESSAGES` dropped from transformers' generation log;
+    every other message, and every message of the target's own ``generate``, passes."""
+    log = logging.getLogger("transformers.generation.utils")
+    drop = _DropMessages()
+    own = draft.generate
+
+    def generate(*args, **kwargs):
+        log.addFilter(drop)
+        try:
+            return own(*args, **kwargs)
+        finally:
+            log.removeFilter(drop)
+
+    draft.generate = generate
+    try:
+        yield
+    finally:
+        del draft.generate
 
 
 class _RoundStreamer:
@@ -95,23 +154,13 @@ class HFAssistedRunner:
         self.clock = Clock(target.device)  # wall time
         self.meter_clock = Clock(target.device, sync=profile)  # per forward: syncs only when profiling
 
-    def _generation_config(self, max_new_tokens: int, eos_token_id):
-        from transformers import GenerationConfig
-
-        s = self.sampling
-        eos = sorted(token_set(eos_token_id))
-        pad = eos[0] if eos else 0
-        kw = dict(NEUTRAL, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
-                  pad_token_id=pad, do_sample=not s.greedy)
-        if not s.greedy:
-            kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        return GenerationConfig(**kw)
-
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int, eos_token_id):
         for key, value in self.assistant_settings.items():
             setattr(self.draft.generation_config, key, value)
-        config = self._generation_config(max_new_tokens, eos_token_id)
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(**generation_settings(self.sampling, max_new_tokens, eos_token_id))
         streamer = _RoundStreamer()
         draft_meter = ForwardMeter(self.draft, self.meter_clock)
         candidate_lengths: list[int] = []
@@ -122,7 +171,8 @@ class HFAssistedRunner:
             seen[0] = draft_meter.calls
 
         torch.manual_seed(seed)  # transformers samples from the global generator
-        with decode_attention(self.target.device), GatherKeptLogits(self.draft, self.target), draft_meter, \
+        with decode_attention(self.target.device), GatherKeptLogits(self.draft, self.target), \
+                quiet_assistant_calls(self.draft), draft_meter, \
                 ForwardMeter(self.target, self.meter_clock, on_call=round_started) as target_meter:
             t0 = self.clock.now()
             out = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),

@@ -1,8 +1,11 @@
-"""The runners' forward-pass meter: how long each model spent in its forward passes during one
-decode (``forward_time_s`` of a row), read on the library's clock (``specdecpp.core.timing.Clock``)
-through forward hooks, the same for every runner."""
+"""The runners' forward-pass meters: how long each model spent in its forward passes during one
+decode (``forward_time_s`` of a row), read on the library's clock (``specdecpp.core.timing.Clock``):
+through forward hooks for the eager runners (:class:`ForwardMeter`), around the static runners'
+steps for the fast path, whose steps bypass the hooks (:class:`FeedMeters`)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 from specdecpp.core.timing import Clock
 
@@ -35,3 +38,104 @@ class ForwardMeter:
     def _post(self, module, args, output):
         self.seconds += self.clock.now() - self._start
         self.calls += 1
+
+
+PHASES = ("prefill", "round")  # a runner's first feed of a call (the prompt) and every later one
+PARTS = ("feed", "step", "mask")  # a whole feed; inside it the model's forward step and (static) its mask
+
+
+class FeedMeters:
+    """A decoder's runner factory (its ``runners``: ``specdecpp.models.static.CallRunners``) whose
+    runners time their work from outside, on ``clock``: every ``feed``, and inside a static
+    runner's feed its forward step (compiled or eager) and its mask building. A runner's first feed
+    of a call is the ``prefill`` (the prompt, and for the target the first round's verification
+    with it), every later one a ``round`` feed. ``seconds[(role, phase, part)]`` sums them over
+    calls; ``role`` is ``roles[id(model)]`` ("draft", "target"). Everything else is passed through,
+    so a decoder runs unchanged with ``decoder.runners = FeedMeters(decoder.runners, ...)``.
+
+    The wrappers cost two clock readings per timed call (about 0.2 us each on a CPU), not counted
+    anywhere but in the loop's own time."""
+
+    def __init__(self, runners, roles: dict[int, str], clock: Clock) -> None:
+        self.inner, self.roles, self.clock = runners, roles, clock
+        self.seconds: dict[tuple[str, str, str], float] = {}
+        self.calls: dict[tuple[str, str, str], int] = {}
+
+    def __call__(self, *args, **kwargs):
+        make = self.inner(*args, **kwargs)
+
+        def timed(model, vocab: int, want_hidden: bool):
+            return TimedRunner(make(model, vocab, want_hidden), self.roles.get(id(model), "model"), self)
+
+        return timed
+
+    def __getattr__(self, name):  # warm_up, fast, size, ...: the wrapped factory's
+        return getattr(self.inner, name)
+
+    def add(self, key: tuple[str, str, str], seconds: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def total(self, phase: str | None = None, part: str = "feed", role: str | None = None) -> float:
+        return sum(s for (r, p, q), s in self.seconds.items()
+                   if q == part and (phase is None or p == phase) and (role is None or r == role))
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class TimedRunner:
+    """One runner whose ``feed`` (and, for a static runner, its step and mask) the
+    :class:`FeedMeters` time; the runner's own methods are wrapped on the instance, its code is
+    not changed."""
+
+    def __init__(self, runner, role: str, meters: FeedMeters) -> None:
+        self.runner, self.role, self.meters, self.phase = runner, role, meters, "prefill"
+        self._feed = self._timed(runner.feed, "feed")
+        if hasattr(runner, "_step") and hasattr(runner, "_mask"):  # specdecpp.models.static.StaticRunner
+            step, steps = runner._step, {}
+
+            def timed_step(width: int):
+                fn = step(width)  # the bucket's step (compiled on its first use); kept per step function
+                if fn not in steps:
+                    steps[fn] = self._timed(fn, "step", forward_step=True)
+                return steps[fn]
+
+            runner._step = timed_step
+            runner._mask = self._timed(runner._mask, "mask")
+
+    def _timed(self, fn, part: str, forward_step: bool = False):
+        """``fn`` timed into ``part``; a forward step is called through :func:`run_forward_step`, so
+        a profile tells the forwards' callees from the loop's (scripts/bench_fast.py)."""
+        clock, meters = self.meters.clock, self.meters
+        inner = partial(run_forward_step, fn) if forward_step else fn
+
+        def call(*args, **kwargs):
+            t0 = clock.now()
+            out = inner(*args, **kwargs)
+            meters.add((self.role, self.phase, part), clock.now() - t0)
+            return out
+
+        return call
+
+    def feed(self, *args, **kwargs):
+        out = self._feed(*args, **kwargs)
+        self.phase = "round"
+        return out
+
+    def __enter__(self):
+        self.runner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.runner.__exit__(*exc)
+
+    def __getattr__(self, name):  # length, cache, rollback, compact, ...
+        return getattr(self.runner, name)
+
+
+def run_forward_step(step, *args, **kwargs):
+    """Calls a static runner's forward step (:class:`TimedRunner`): a function of its own name, the
+    root of the forwards in a profile."""
+    return step(*args, **kwargs)

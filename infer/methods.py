@@ -4,8 +4,9 @@ A method config (conf/method/<name>.yaml) names what it builds with ``_target_``
 the library (``specdecpp.FixedK``, ``specdecpp.SVIP``, ``specdecpp.SpecDecPP``,
 ``specdecpp.TargetOnly``), run by our engine, or a method of this app that is no stop policy
 (:class:`infer.hf_assisted.HFAssisted`, :class:`infer.oracle.Oracle`, :class:`PEARLMethod`,
-:class:`SequoiaMethod`), which
-makes its own runner. ``hydra.utils.instantiate`` calls the target with the config's settings, so
+:class:`SequoiaMethod`, :class:`infer.hf_custom.HFCustom`), which
+makes its own runner. ``hf_custom`` (transformers' ``custom_generate`` door) wraps a stop policy
+that :func:`resolve_method` builds exactly as ``method=<stop>`` would (:func:`door_policy_config`). ``hydra.utils.instantiate`` calls the target with the config's settings, so
 its constructor is the one check of them; only ``name`` and the head's pair checks
 (``allow_*_mismatch``) are infer's own keys.
 
@@ -16,7 +17,7 @@ by the same hooks for every runner (wall time minus it is the decoding loop's ow
 
 The fast path (``fast``, docs/engine.md "The fast path") reaches every method that decodes with our
 engine's runners (:func:`takes_fast`: the stop policies, cascades, PEARL (static only), Sequoia);
-``hf_assisted`` (transformers' own generate) and ``oracle`` (untimed counts) ignore it.
+``hf_assisted``, ``hf_custom`` (transformers' generate) and ``oracle`` (untimed counts) ignore it.
 """
 
 from __future__ import annotations
@@ -48,19 +49,15 @@ from specdecpp.analysis.tree_search import choose_tree
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import Clock
 from specdecpp.decoders.pearl import MAX_AUTO_GAMMA
-from specdecpp.models.fit import (
-    check_draft_fit,
-    check_labels_fit,
-    check_sampling_fit,
-    config_hidden_size,
-)
+from specdecpp.models.fit import check_head_fit, config_hidden_size
 
 from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
-from .meters import ForwardMeter
+from .meters import FeedMeters, ForwardMeter
 from .tags import method_tag
 
-METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "oracle", "cascade")
+METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "hf_custom", "oracle",
+           "cascade")
 LOSSY_METHODS = ("cascade",)  # their rows say lossy: true; the report shows them with their quality
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 # keys of a method config that infer reads itself; every other key goes to the ``_target_``
@@ -129,14 +126,31 @@ def load_checked_head(m, draft_ref: str, sampling: SamplingConfig, cascade: dict
         raise ValueError(f"method {m.get('name')}: set method.head to a head directory (heads/<experiment>, "
                          "written by `python -m train +experiment=...`)")
     head = load_head(str(head_path))
-    artifact = f"method.head {str(head_path)!r}"
-    check_draft_fit(artifact, "head", head.draft, head.hidden_size, draft_ref, config_hidden_size(load_config(draft_ref)),
-                    "method.allow_draft_mismatch", bool(m.get("allow_draft_mismatch", False)))
-    check_sampling_fit(artifact, head.dataset_meta.get("sampling"), sampling, "method.allow_sampling_mismatch",
-                       bool(m.get("allow_sampling_mismatch", False)))
-    check_labels_fit(artifact, (head.dataset_meta.get("labels") or {}).get("cascade"), cascade,
-                     "method.allow_label_mismatch", bool(m.get("allow_label_mismatch", False)))
+    check_head_fit(f"method.head {str(head_path)!r}", head, draft_ref, config_hidden_size(load_config(draft_ref)),
+                   sampling, cascade, "method.allow_{}_mismatch",
+                   {x: m.get(f"allow_{x}_mismatch", False) for x in ("draft", "sampling", "label")})
     return head
+
+
+DOOR_STOPS = ("fixed_k", "svip", "specdecpp")  # the policies method=hf_custom runs through transformers' door
+
+
+def door_policy_config(m) -> DictConfig:
+    """The config of the stop policy that ``method=hf_custom`` (conf/method/hf_custom.yaml) runs:
+    conf/method/<stop>.yaml with the hf_custom keys that are set (null: that file's value). A key
+    set that the policy has not is refused, naming it."""
+    stop = m.get("stop")
+    if stop not in DOOR_STOPS:
+        raise ValueError(f"hf_custom: stop must be one of {', '.join(DOOR_STOPS)}, got {stop!r} "
+                         "(method.stop=...)")
+    policy = method_config(stop)
+    own = {"_target_", "name", "stop"}
+    given = {k: v for k, v in OmegaConf.to_container(m, resolve=True).items() if k not in own and v is not None}
+    foreign = sorted(set(given) - set(policy))
+    if foreign:
+        raise ValueError(f"hf_custom: stop={stop} has no setting {', '.join(foreign)} (conf/method/{stop}.yaml "
+                         f"has {', '.join(k for k in policy if k not in own) or 'none'})")
+    return OmegaConf.merge(policy, given)
 
 
 def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
@@ -144,6 +158,14 @@ def resolve_method(m, draft_ref: str, sampling: SamplingConfig) -> MethodSpec:
     checked against the pair and the sampling first)."""
     name = m.get("name")
     m = method_config(name, m)
+    if name == "hf_custom":  # the door around a policy built as method=<stop> builds it
+        inner = door_policy_config(m)
+        policy = resolve_method(inner, draft_ref, sampling)
+        allowed = {k: bool(inner[k]) for k in APP_KEYS if k.startswith("allow_") and k in inner}  # the door checks too
+        method = instantiate_method(OmegaConf.create({k: m.get(k) for k in ("_target_", "name", "stop")}),
+                                    policy=policy, allowed=allowed)
+        settings = method.settings()
+        return MethodSpec(name, settings, method_tag(name, settings), policy.head, method)
     objects, head, settings = {}, None, {}
     if name == "specdecpp" or (name in ("pearl", "cascade") and m.get("stop") == "specdecpp"):
         head = load_checked_head(m, draft_ref, sampling,
@@ -267,8 +289,10 @@ class CascadeMethod:
 
 class EngineRunner:
     """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
-    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA);
-    on the fast path they are off (``forward_time_s`` None: its steps bypass the models' hooks)."""
+    synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA).
+    On the fast path, whose steps bypass the models' hooks, ``forward_time_s`` is the time inside
+    the static runners' forward steps (``meters.FeedMeters``; the mask and the padding around a
+    step count as the loop's, as transformers' own mask building counts as the forward's eagerly)."""
 
     timed = True
 
@@ -282,13 +306,20 @@ class EngineRunner:
         return self.decoder.warm_up(prompt_len, max_new_tokens, batch_size)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
-        metered = self.decoder.fast is None
-        with ForwardMeter(self.decoder.draft, self.clock, enabled=metered) as d, \
-                ForwardMeter(self.decoder.target, self.clock, enabled=metered) as t:
-            out = self.decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
-                                        eos_token_id=eos_token_id)
-        forward = d.seconds + t.seconds if self.clock.exact and metered else None
-        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {"forward_time_s": forward}
+        decoder, hooked = self.decoder, self.decoder.fast is None
+        runners = decoder.runners
+        if not hooked:  # the fast path's steps bypass the models' hooks: time them around the runners' steps
+            decoder.runners = FeedMeters(runners, {id(decoder.draft): "draft", id(decoder.target): "target"}, self.clock)
+        try:
+            with ForwardMeter(decoder.draft, self.clock, enabled=hooked) as d, \
+                    ForwardMeter(decoder.target, self.clock, enabled=hooked) as t:
+                out = decoder.generate(prompt_ids, max_new_tokens, torch.Generator().manual_seed(seed),
+                                       eos_token_id=eos_token_id)
+        finally:
+            meters, decoder.runners = decoder.runners, runners
+        seconds = d.seconds + t.seconds if hooked else meters.total(part="step")
+        return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {
+            "forward_time_s": seconds if self.clock.exact else None}
 
     def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):
         """``generate`` for a list of prompt_ids [1, L], ``batch_size`` rows at once (continuous

@@ -11,12 +11,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .summary import SWEPT  # noqa: E402
+from .summary import DOOR_METHODS, policy_method, swept_key  # noqa: E402
 
 STYLE = {"fixed_k": ("tab:blue", "o"), "svip": ("tab:green", "^"), "specdecpp": ("tab:red", "s"),
          "hf_assisted constant": ("tab:purple", "D"), "hf_assisted heuristic": ("tab:brown", "P"),
          "hf_assisted confidence": ("tab:pink", "v"), "target_only": ("black", "x"), "oracle": ("gold", "*"),
-         "pearl": ("tab:orange", "h"), "sequoia": ("tab:cyan", "p")}
+         "pearl": ("tab:orange", "h"), "sequoia": ("tab:cyan", "p"), "hf_custom": ("tab:olive", "d")}
 HF_LINES = {"hf_assisted constant": "--", "hf_assisted heuristic": "-.", "hf_assisted confidence": (0, (5, 1, 1, 1))}
 
 
@@ -28,10 +28,12 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
     """Entries of one method that differ only in the swept setting, ordered by it."""
     out = defaultdict(list)
     for e in entries:
-        swept = SWEPT.get(e["method"])
+        swept = swept_key(e)
         rest = {k: v for k, v in e["settings"].items() if k != swept}
         label = e["method"] + (f" {Path(str(rest['head'])).name}" if "head" in rest else "")
-        if e["method"] == "hf_assisted":
+        if e["method"] in DOOR_METHODS:  # e.g. "hf_custom specdecpp next_wrej1_d1"
+            label = f"{e['method']} {rest['stop']}" + (f" {Path(str(rest['head'])).name}" if "head" in rest else "")
+        elif e["method"] == "hf_assisted":
             label = f"hf_assisted {e['settings']['mode']}"
         elif e["method"] == "pearl" and rest.get("stop"):
             label += f" +{rest['stop']} h={rest.get('threshold'):g}"
@@ -48,8 +50,8 @@ def series(entries: list[dict]) -> dict[str, list[dict]]:
 
 
 def _point_label(e: dict) -> str:
-    swept = SWEPT.get(e["method"])
-    if e["method"] == "fixed_k":
+    swept = swept_key(e)
+    if policy_method(e) == "fixed_k":
         return f"k={e['settings']['k']}"
     if e["method"] == "pearl":
         return f"γ={e['settings']['gamma']}"
@@ -93,12 +95,13 @@ def throughput_plot(group: dict, path: Path) -> Path:
         items = [e for e in items if e["tokens_per_s"] is not None]
         if not items:
             continue
-        if method in ("specdecpp", "svip"):
+        line = "--" if method in DOOR_METHODS else "-"  # a door beside its direct decoder
+        if policy_method(items[0]) in ("specdecpp", "svip"):
             ax_h.plot([e["settings"]["threshold"] for e in items], [e["tokens_per_s"] for e in items],
-                      marker=marker, color=color, label=label)
-        elif method == "fixed_k":
+                      marker=marker, color=color, label=label, linestyle=line)
+        elif policy_method(items[0]) == "fixed_k":
             ax_k.plot([e["settings"]["k"] for e in items], [e["tokens_per_s"] for e in items],
-                      marker=marker, color=color, label=label)
+                      marker=marker, color=color, label=label, linestyle=line)
         elif method == "pearl":  # against the block length gamma it ran with (auto: Theorem 1's)
             points = sorted((max(e["gamma_used"] or [0]), e["tokens_per_s"]) for e in items)
             ax_k.plot([g for g, _ in points], [t for _, t in points], marker=marker, color=color,

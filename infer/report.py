@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from specdecpp.analysis.costmodel import Costs, load_costs
@@ -106,23 +108,59 @@ def tree_lines(group: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratio_cell(v: dict, method: str) -> str:
+    """``1.052x [0.98, 1.11] over fixed_k k4 (not told apart)``: a tokens/s ratio, its paired interval
+    and what the interval says."""
+    ci = v["ci95"]
+    verdict = "" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1 else " (not told apart)"
+    return (f"{v['ratio']:.3f}x" + (f" {_interval(ci, v.get('ci_n', 0), 3)}" if ci else "")
+            + f" over {method} {v['tag']}{verdict}")
+
+
 def baseline_lines(group: dict) -> str:
     """Each method against the fastest fixed K and the fastest SVIP of the same table, paired."""
     lines = []
     for e in group["entries"]:
-        cells = []
-        for method, v in e.get("vs_best", {}).items():
-            ci = v["ci95"]
-            verdict = ("" if ci is None else " (faster)" if ci[0] > 1 else " (slower)" if ci[1] < 1
-                       else " (not told apart)")
-            cells.append(f"{v['ratio']:.3f}x" + (f" {_interval(ci, v.get('ci_n', 0), 3)}" if ci else "")
-                         + f" over {method} {v['tag']}{verdict}")
+        cells = [_ratio_cell(v, method) for method, v in e.get("vs_best", {}).items()]
         if cells and e["method"] not in ("fixed_k", "svip"):
             lines.append(f"- {e['method']} {e['tag'] if e['settings'] else '-'}: " + "; ".join(cells))
     if not lines:
         return ""
     return "Against the fastest fixed K and SVIP of this table (tokens/s ratio, paired 95% interval):\n\n" + \
         "\n".join(lines)
+
+
+def eager_lines(group: dict) -> str:
+    """A fast table: each method's tokens/s over its own eager run (paired over prompts)."""
+    cells = [f"{e['method']} {e['tag'] if e['settings'] else '-'} {v['ratio']:.2f}x"
+             + (f" {_interval(v['ci95'], v.get('ci_n', 0))}" if v.get("ci95") else "")
+             for e in group["entries"] if (v := e.get("vs_eager"))]
+    if not cells:
+        return ""
+    return (f"Fast over eager, each method on {_fast_name(group['fast'])} against its own eager run of the same "
+            "prompts (tokens/s ratio, paired 95% interval): " + "; ".join(cells) + ".")
+
+
+def door_lines(group: dict) -> str:
+    """Each door entry (hf_custom: the decoder through transformers' ``generate``) against the direct
+    decoder with the same policy and settings: tokens/s, paired, and the prompts with the same tokens."""
+    lines = []
+    for e in group["entries"]:
+        if "vs_direct" not in e:
+            continue
+        v = e["vs_direct"]
+        if v is None:
+            lines.append(f"- {e['method']} {e['tag']}: no direct {e['settings']['stop']} run with these settings in "
+                         "this table (run both, interleaved: docs/infer.md, method hf_custom)")
+            continue
+        stop = e["settings"]["stop"]
+        speed = _ratio_cell(v, stop) if v["ratio"] is not None else f"tokens/s not compared (untimed) with {stop} {v['tag']}"
+        lines.append(f"- {e['method']} {e['tag']}: {speed}; the same tokens on {v['same_tokens']} of "
+                     f"{v['n_compared']} prompts")
+    if not lines:
+        return ""
+    return ("Through transformers' `generate` (custom_generate) against the direct decoder with the same policy "
+            "(tokens/s ratio, paired 95% interval; output tokens compared prompt by prompt):\n\n" + "\n".join(lines))
 
 
 def fit_line(group: dict) -> str:
@@ -144,7 +182,9 @@ def legend_line(group: dict) -> str:
     """The one line under a group's table (the definitions are in docs/infer.md)."""
     few = any(_few(ci, n) for e in group["entries"] for ci, n in
               [(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)), (e.get("task_score_ci95"), e.get("task_n", 0)),
-               *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values())])
+               *((v["ci95"], v.get("ci_n", 0)) for v in e.get("vs_best", {}).values()),
+               *([(e["vs_eager"]["ci95"], e["vs_eager"].get("ci_n", 0))] if e.get("vs_eager") else []),
+               *((v["ci95"], v.get("ci_n", 0)) for v in [e.get("vs_direct")] if v)])
     return LEGEND + (f" {FEW_NOTE}" if few else "")
 
 
@@ -152,19 +192,59 @@ def _slug(*parts: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(parts)).strip("-")
 
 
-def report_costs(path: str | Path | None) -> Costs | None:
-    """The ``--costs`` file (``specdecpp.analysis.costmodel.load_costs``); the report uses its width curve."""
-    if path is None:
-        return None
-    costs = load_costs(path)
-    if not costs.target_by_width:
-        raise ValueError(f"costs file {str(path)!r} has no target_by_width curve, which the report's "
-                         "t_target(n) column needs; measure it with `python -m infer.costs --costs-out FILE`")
-    return costs
+def report_costs(paths: str | Path | Sequence[str | Path] | None) -> list[Costs]:
+    """The ``--costs`` files (``specdecpp.analysis.costmodel.load_costs``), each recording the fast path
+    it was measured on (``infer.costs --fast``; none: eager) and, as ``meta["file"]``, its path; the
+    report prices each group's Eq. 2.3 with t_target(n) by the file of the group's own fast path
+    (``infer.summary.costs_by_fast``)."""
+    if paths is None:
+        return []
+    out = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        costs = load_costs(path)
+        if not costs.target_by_width:
+            raise ValueError(f"costs file {str(path)!r} has no target_by_width curve, which the report's "
+                             "t_target(n) column needs; measure it with `python -m infer.costs --costs-out FILE`")
+        out.append(replace(costs, meta={**costs.meta, "file": str(path)}))
+    return out
 
 
-def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path | None = None) -> dict:
-    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries."""
+def _fast_name(fast: str | None) -> str:
+    return f"fast={fast}" if fast else "eager (fast=null)"
+
+
+def machine_line(group: dict) -> str:
+    """The machine(s) the group's rows were decoded on."""
+    found = group.get("machines") or {}
+    if len(found) == 1:
+        return f"Machine: {next(iter(found))}."
+    return "Machines (rows decoded on each; timings across machines do not compare): " + "; ".join(
+        f"{m} ({n} rows)" for m, n in found.items()) + "."
+
+
+def baseline_line(group: dict) -> str:
+    """What the group's speedups are over, and which measured costs its Eq. 2.3 with t_target(n) used."""
+    base, fast = group.get("baseline"), group.get("fast")
+    if base is None:
+        line = (f"No target-only rows on this path ({_fast_name(fast)}): no measured speedup; run method=target_only "
+                f"with fast={fast or 'null'} beside the others.")
+    else:
+        tps = f", {base['tokens_per_s']:.2f} tokens/s" if base.get("tokens_per_s") else ""
+        line = (f"Speedups are over target-only on the same path: {_fast_name(fast)}, {base['n_prompts']} prompts{tps}.")
+    costs = group.get("costs")
+    if costs:
+        line += (f" Eq. 2.3 with t_target(n): costs measured {_fast_name(costs['fast'])} (`{costs['file']}`; "
+                 f"t_draft {costs['t_draft'] * 1e3:.2f} ms, t_target {costs['t_target'] * 1e3:.2f} ms).")
+    elif group.get("costs_missing"):
+        line += (f" Eq. 2.3 with t_target(n): none of the costs files was measured {_fast_name(fast)}; add one "
+                 f"(`python -m infer.costs{' --fast ' + fast if fast else ''} --costs-out FILE`, then --costs ... FILE).")
+    return line
+
+
+def build_report(results_dir: str | Path, out_dir: str | Path,
+                 costs: str | Path | Sequence[str | Path] | None = None) -> dict:
+    """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries.
+    ``costs``: one costs.json or several, one per fast path (:func:`report_costs`)."""
     rows = read_result_dir(Path(results_dir))
     groups = summarize_results(rows, report_costs(costs))
     out = Path(out_dir)
@@ -179,13 +259,18 @@ def build_report(results_dir: str | Path, out_dir: str | Path, costs: str | Path
         sections += [
             f"## {g['pair']} / {g['prompts']} / {g['sampling']} / {g['device']}"
             + (f" / fast={g['fast']}" if g["fast"] else "") + "\n",
-            f"draft `{g['draft']}`, target `{g['target']}`\n", fit_line(g) + "\n", group_table(g) + "\n",
+            f"draft `{g['draft']}`, target `{g['target']}`\n", machine_line(g) + "\n", baseline_line(g) + "\n",
+            fit_line(g) + "\n", group_table(g) + "\n",
             legend_line(g) + "\n",
         ]
         if unscored_line(g, results_dir):
             sections.append(unscored_line(g, results_dir) + "\n")
+        if eager_lines(g):
+            sections.append(eager_lines(g) + "\n")
         if baseline_lines(g):
             sections.append(baseline_lines(g) + "\n")
+        if door_lines(g):
+            sections.append(door_lines(g) + "\n")
         if tree_lines(g):
             sections.append(tree_lines(g) + "\n")
         if g["greedy"] and not any(e["method"] == "oracle" for e in g["entries"]):
@@ -203,8 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m infer.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
     parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
-    parser.add_argument("--costs", help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): "
-                        "adds Eq. 2.3 with the width-dependent target cost")
+    parser.add_argument("--costs", nargs="+", metavar="FILE",
+                        help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): adds Eq. "
+                        "2.3 with the width-dependent target cost; one file per fast path (infer.costs --fast B "
+                        "records it), each pricing the tables of its own path")
     args = parser.parse_args(argv)
     out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,6 +28,9 @@ ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
 # The swept parameter of each method: one plotted series per method and its other settings.
 SWEPT = {"fixed_k": "k", "svip": "threshold", "specdecpp": "threshold", "pearl": "gamma", "hf_assisted": "mode",
          "sequoia": "tree_size", "cascade": "alpha"}
+# The direct decoder through transformers' ``generate`` (custom_generate): settings {"stop": <its
+# policy's method>, **that method's settings}; swept and compared as that method.
+DOOR_METHODS = ("hf_custom",)
 # Methods whose two models run at once: Eq. 2.3 (a sum of sequential forward costs) does not apply.
 CONCURRENT_METHODS = ("pearl",)
 # Token trees: a draft forward feeds a level of several nodes, so Eq. 2.3's constant t_draft per
@@ -130,10 +134,21 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def policy_method(entry: dict) -> str:
+    """The method whose stop policy an entry runs: its own, or a door's (hf_custom: its ``stop``)."""
+    return entry["settings"].get("stop", "") if entry["method"] in DOOR_METHODS else entry["method"]
+
+
+def swept_key(entry: dict) -> str | None:
+    """The setting an entry's series is swept over (:data:`SWEPT`; a door's: its policy's)."""
+    return SWEPT.get(policy_method(entry))
+
+
 def _order(entry: dict) -> tuple:
-    swept = entry["settings"].get(SWEPT.get(entry["method"], ""), "")
+    key = swept_key(entry)
+    swept = entry["settings"].get(key or "", "")
     return (METHODS.index(entry["method"]) if entry["method"] in METHODS else len(METHODS),
-            str({k: v for k, v in entry["settings"].items() if k != SWEPT.get(entry["method"])}),
+            str({k: v for k, v in entry["settings"].items() if k != key}),
             swept if isinstance(swept, (int, float)) else 0, str(swept))
 
 
@@ -246,12 +261,94 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                                         "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
 
 
-def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
-    fit = fit_group(rows)
+def add_door_ratios(entries: list[dict], by_run: dict) -> None:
+    """Each door entry (:data:`DOOR_METHODS`) against the direct decoder with the same policy and
+    settings in the same table, if there is one: ``entry["vs_direct"] = {"tag", "ratio" (tokens/s
+    over the direct's), "ci95" (paired over prompts), "ci_n", "same_tokens", "n_compared"}`` (the
+    prompts decoded by both whose output tokens are equal, of those decoded by both); else None."""
+    for e in entries:
+        if e["method"] not in DOOR_METHODS:
+            continue
+        settings = {k: v for k, v in e["settings"].items() if k != "stop"}
+        direct = next((d for d in entries if d["method"] == policy_method(e) and d["settings"] == settings), None)
+        e["vs_direct"] = None
+        if direct is None:
+            continue
+        mine, theirs = by_run[_run_key(e)], by_run[_run_key(direct)]
+        tokens = {r["prompt_id"]: r["output_ids"] for r in theirs}
+        both = [r for r in mine if r["prompt_id"] in tokens]
+        timed = e["tokens_per_s"] and direct["tokens_per_s"]
+        e["vs_direct"] = {"tag": direct["tag"], "ratio": e["tokens_per_s"] / direct["tokens_per_s"] if timed else None,
+                          "ci95": paired_speedup_ci(mine, theirs) if timed else None,
+                          "ci_n": len(paired_units(mine, theirs)),
+                          "same_tokens": sum(r["output_ids"] == tokens[r["prompt_id"]] for r in both),
+                          "n_compared": len(both)}
+
+
+def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by run (:func:`_run_key` of their entry): method, settings, and (batches) whether rows
+    filled the round."""
     by_run = defaultdict(list)
-    for row in rows:  # a run: method, settings, and (batches) whether rows filled the round
+    for row in rows:
         by_run[(row["method"], row["tag"] + ("+fill" if row.get("batch_fill") else ""),
                 repr(sorted(row["settings"].items())))].append(row)
+    return by_run
+
+
+def add_eager_ratios(entries: list[dict], rows: list[dict], eager_rows: list[dict]) -> None:
+    """Each timed fast entry's tokens/s over the same method's (same settings') eager run, with the
+    paired 95% bootstrap interval over the prompts timed in both: ``entry["vs_eager"] = {"ratio",
+    "ci95", "ci_n"}``, None where the table of eager rows has no such run."""
+    mine, eager = runs(rows), runs(eager_rows)
+    for e in entries:
+        theirs = eager.get(_run_key(e))
+        e["vs_eager"] = None
+        if theirs and e["tokens_per_s"] and all(r.get("timed") for r in theirs):
+            ratio = e["tokens_per_s"] / (sum(r["n_generated"] for r in theirs) / pooled_wall(theirs))
+            e["vs_eager"] = {"ratio": ratio, "ci95": paired_speedup_ci(mine[_run_key(e)], theirs),
+                             "ci_n": len(paired_units(mine[_run_key(e)], theirs))}
+
+
+def costs_by_fast(costs: Costs | Sequence[Costs] | None) -> dict[str | None, Costs]:
+    """The measured costs by the fast path they were measured on (``meta["fast"]``, written by
+    ``python -m infer.costs [--fast B]``; a file without it is eager): a group's Eq. 2.3 with
+    t_target(n) is priced with the costs of its own ``fast`` only. Two files of one ``fast`` are
+    refused, naming both."""
+    out: dict[str | None, Costs] = {}
+    for c in [costs] if isinstance(costs, Costs) else list(costs or ()):
+        fast = c.meta.get("fast") or None
+        if fast in out:
+            raise ValueError(f"two costs files measured with fast={fast}: {out[fast].meta.get('file', '?')} and "
+                             f"{c.meta.get('file', '?')}; give one per fast path")
+        out[fast] = c
+    return out
+
+
+def baseline_of(base: dict | None, fast: str | None) -> dict | None:
+    """What a group's speedups are taken over: its target-only entry ``base`` (the group's rows
+    share one ``fast``, so a fast method is compared with fast target-only, an eager one with eager)."""
+    if base is None:
+        return None
+    return {"method": "target_only", "tag": base["tag"], "fast": fast, "tokens_per_s": base["tokens_per_s"],
+            "n_prompts": base["n_prompts"]}
+
+
+def costs_summary(costs: Costs | None) -> dict | None:
+    if costs is None:
+        return None
+    return {"fast": costs.meta.get("fast") or None, "file": costs.meta.get("file"),
+            "measured_by": costs.meta.get("measured_by"), "t_draft": costs.t_draft, "t_target": costs.t_target}
+
+
+def machines(rows: list[dict]) -> dict[str, int]:
+    """The machines the rows were decoded on (``machine`` of a row, ``specdecpp.core.timing.
+    machine_description``; rows written before it was recorded: '?'), with their row counts."""
+    return dict(Counter(r.get("machine") or "?" for r in rows).most_common())
+
+
+def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
+    fit = fit_group(rows)
+    by_run = runs(rows)
     entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
     base = next((e for e in entries if e["method"] == "target_only"), None)
     base_rows = by_run.get(_run_key(base)) if base else None
@@ -273,14 +370,28 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
             latency = latency_of(e_rows, costs)
             e["speedup_width_predicted"] = base_width / latency if latency else None
     add_best_baseline_ratios(entries, by_run)
+    add_door_ratios(entries, by_run)
     return {"fit": fit.to_dict() if fit else None, "entries": entries,
             "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
-            "greedy": rows[0]["sampling"]["temperature"] == 0}
+            "greedy": rows[0]["sampling"]["temperature"] == 0,
+            "baseline": baseline_of(base, rows[0].get("fast") or None), "costs": costs_summary(costs),
+            "machines": machines(rows)}
 
 
-def summarize_results(rows: list[dict], costs: Costs | None = None) -> list[dict]:
-    """One summary per (pair, prompts, sampling) group, as plain data. ``costs`` (a
-    ``specdecpp.analysis.costmodel.Costs`` with target_by_width) adds Eq. 2.3 with the width-dependent
-    target cost."""
-    return [{**dict(zip(GROUP_KEYS, key, strict=True)), "fast": key[-1] or None, **summarize_group(group, costs)}
-            for key, group in group_rows(rows).items()]
+def summarize_results(rows: list[dict], costs: Costs | Sequence[Costs] | None = None) -> list[dict]:
+    """One summary per (pair, device, prompts, sampling, batch size, fast) group, as plain data.
+    ``costs`` (``specdecpp.analysis.costmodel.Costs`` with target_by_width, or several, one per fast
+    path: :func:`costs_by_fast`) adds Eq. 2.3 with the width-dependent target cost to the groups of
+    the same ``fast``; ``costs_missing`` marks a group that costs were given for, but none of its
+    fast path. A fast group beside its eager one gets each method's ratio over its eager self
+    (:func:`add_eager_ratios`)."""
+    by_fast, groups = costs_by_fast(costs), group_rows(rows)
+    out = []
+    for key, group in groups.items():
+        fast = key[-1] or None
+        summary = summarize_group(group, by_fast.get(fast))
+        if fast and key[:-1] + ("",) in groups:  # the same table's eager rows: each method fast over eager
+            add_eager_ratios(summary["entries"], group, groups[key[:-1] + ("",)])
+        out.append({**dict(zip(GROUP_KEYS, key, strict=True)), "fast": fast, **summary,
+                    "costs_missing": bool(by_fast) and fast not in by_fast})
+    return out

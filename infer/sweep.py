@@ -5,6 +5,10 @@ same pair, prompts, sampling and seeds. All runs are checked first, then the mod
 once and shared. Each run writes its own result file, resumable like ``python -m infer``.
 ``interleave=true`` runs every method on a prompt before the next prompt (load drift on a shared
 machine then touches all methods alike; what `make bench` uses).
+
+``fast`` may be a list here, e.g. ``'fast=[null,compile]'``: every method then runs on each of
+those paths (eager and compiled side by side, one result file each; a method that ignores ``fast``
+runs once), in one process, interleaved with the others (``make bench-fast``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,16 @@ def expand_comparison(comparison) -> list[DictConfig]:
     return configs
 
 
+def fast_paths(fast) -> list:
+    """The fast paths every method runs on: ``fast`` itself, or each entry of a list of them."""
+    if not isinstance(fast, ListConfig | list):
+        return [fast]
+    values = list(fast)
+    if not values or len(set(values)) < len(values):
+        raise ValueError(f"fast={values}: a list needs distinct fast paths, e.g. fast=[null,compile]")
+    return values
+
+
 def run(cfg) -> list[dict]:
     """Run every method of ``cfg.comparison``; return one summary per run."""
     set_threads(cfg)
@@ -50,15 +64,19 @@ def run(cfg) -> list[dict]:
     heads = [h for hs in heads for h in (hs if isinstance(hs, ListConfig | list) else [hs]) if h]
     # an unset pair comes from the (first) SpecDec++ head of the comparison, for every method
     first_head = heads[0] if heads else None
-    jobs = []
+    jobs, paths = [], set()
     for method in expand_comparison(cfg.comparison):
         if method.name == "oracle" and float(cfg.sampling.temperature) != 0:
             log.warning("comparison.oracle skipped: the oracle needs greedy decoding (sampling=greedy)")
             continue
-        sub = cfg.copy()
-        with open_dict(sub):
-            sub.method = method
-        jobs.append(prepare(sub, head_path=first_head))  # every check before any model loads
+        for fast in fast_paths(cfg.get("fast")):
+            sub = cfg.copy()
+            with open_dict(sub):
+                sub.method, sub.fast = method, fast
+            job = prepare(sub, head_path=first_head)  # every check before any model loads
+            if job.path not in paths:  # a method that ignores fast: one run, not one per path
+                paths.add(job.path)
+                jobs.append(job)
     if cfg.get("interleave") and jobs:
         pending = [job for job in jobs if job.todo]
         by_path = {job.path: s for job, s in zip(pending, execute(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}

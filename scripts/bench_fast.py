@@ -6,7 +6,8 @@
     python scripts/bench_fast.py --head demo/heads/next_wrej1_d1 --out reports/fast/bench.json
     python scripts/bench_fast.py --batch 4 8 --fast static compile --prompts 16 --max-new-tokens 32  # batches
 
-What it measures, on one device, greedy decoding, with ``--threads`` torch threads on a CPU:
+What it measures, on one device, greedy decoding (``--sampling paper``: temperature 1, top-k 50),
+with ``--threads`` torch threads on a CPU:
 
 1. Forwards: t_target(n) for n = 1, 2, 4, 8 and t_draft(1), n tokens after a cached context of
    ``--context`` tokens, eager (the engine's ModelRunner) and fast (the static runner, n padded to
@@ -22,8 +23,18 @@ What it measures, on one device, greedy decoding, with ``--threads`` torch threa
    method: tokens/s pooled over prompts, fast over eager and each backend over its own target-only
    with a paired 95% bootstrap interval over prompts (``infer.summary.paired_speedup_ci``:
    ``specdecpp.analysis.stats``), ms per round, and whether eager and fast produced the same
-   greedy tokens on every prompt (checked and printed; in bf16 a near-tie may flip, so a mismatch
+   tokens on every prompt (checked and printed; in bf16 a near-tie may flip, so a mismatch
    is reported, and fails the run only with ``--require-equal``).
+4. ``--breakdown``: where a round's time goes, per method and backend, timed from outside the
+   runners (``infer.meters.FeedMeters`` wraps each decoder's runner factory: CPU timers around each
+   ``feed`` and, inside a static runner's feed, around its forward step and its mask): the draft's
+   and the target's forwards (eager: the whole feed; fast: the step, compiled or not), the mask and
+   padding around a fast step, and the rest of the loop (sampling, the acceptance rule, the commit,
+   the policy, rollbacks) as a share of the round. The prefill (each runner's first feed of a
+   call) is left out of the rounds. ``--profile-outside N`` then runs each method once more on the
+   fast path under cProfile (prompt 0, untimed otherwise) and lists its N functions of most own
+   time, the forward steps among them: where the loop's time goes (cProfile slows Python code more
+   than the forwards, so read its list as a ranking, the breakdown for the shares).
 
 Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
 forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
@@ -44,13 +55,16 @@ decoders' ``warm_up(..., batch_size)``) comes first, untimed, with one untimed c
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from pathlib import Path
 
 import torch
 
 from infer.measure import step_times
+from infer.meters import FeedMeters
 from infer.results import prompt_seed
 from infer.summary import paired_speedup_ci
 from specdecpp import (
@@ -63,12 +77,12 @@ from specdecpp import (
     load_head,
     load_pair,
 )
-from specdecpp.core.timing import machine_description, time_forward
+from specdecpp.core.timing import Clock, machine_description, time_forward
 from specdecpp.data.labels import sample_responses
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
 from specdecpp.models.static import model_steps
 
-GREEDY = SamplingConfig(temperature=0)
+SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
 WIDTHS = (1, 2, 4, 8)
 # The demo target's config (SmolLM2-135M-Instruct, conf/pair/demo.yaml), for --random where the pair
 # is not materialised (a GPU machine without the GGUF); the materialised target's config.json wins.
@@ -192,20 +206,108 @@ def ratio(rows, base) -> dict:
     return {"ratio": pooled(rows) / pooled(base), "ci95": list(ci) if ci else None}
 
 
-def summarize(rows: dict, names, fast: str) -> dict:
-    out = {}
+def summarize(rows: dict, names, fast: str, meters: dict | None = None) -> dict:
+    out, meters = {}, meters or {}
     for name in names:
         eager, quick = rows[(name, None)], rows[(name, fast)]
         unequal = [r["prompt_id"] for r, q in zip(eager, quick, strict=True) if r["tokens"] != q["tokens"]]
         out[name] = {
             **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
-                         / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs)}
-               for backend, rs in (("eager", eager), ("fast", quick))},
+                         / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs),
+                         **({"breakdown": breakdown(meters[(name, b)], rs)} if (name, b) in meters else {})}
+               for backend, b, rs in (("eager", None, eager), ("fast", fast, quick))},
             "fast_over_eager": ratio(quick, eager),
             "eager_over_target_only": ratio(eager, rows[("target_only", None)]),
             "fast_over_fast_target_only": ratio(quick, rows[("target_only", fast)]),
             "greedy_equal": not unequal, "unequal_prompts": unequal}
     return out
+
+
+def breakdown(meters: FeedMeters, rows: list[dict]) -> dict:
+    """Seconds per round, and shares of the rounds' time, of one (method, backend)'s timed calls:
+    the rounds' time is the calls' wall time less their prefill feeds (:class:`FeedMeters`). A
+    model's forwards are its steps where the runner has them (fast), else its whole feeds (eager);
+    ``in_feed`` is the rest of the fast feeds (the mask, the padding), ``loop`` everything outside
+    the feeds; ``outside`` the two together."""
+    rounds = sum(r["rounds"] for r in rows)
+    wall = sum(r["wall_time_s"] for r in rows) - meters.total("prefill")
+    forward = {role: meters.total("round", "step", role) or meters.total("round", "feed", role)
+               for role in ("draft", "target")}
+    feeds = meters.total("round")
+    parts = {"draft_forward": forward["draft"], "target_forward": forward["target"],
+             "in_feed": feeds - sum(forward.values()), "mask": meters.total("round", "mask"), "loop": wall - feeds}
+    parts["outside"] = parts["in_feed"] + parts["loop"]
+    return {"rounds": rounds, "ms_per_round": 1e3 * wall / max(rounds, 1),
+            **{f"{k}_ms_per_round": 1e3 * v / max(rounds, 1) for k, v in parts.items()},
+            **{f"{k}_share": v / wall if wall > 0 else None for k, v in parts.items()}}
+
+
+def outside_own_times(stats: pstats.Stats) -> tuple[dict, float]:
+    """Each function's own seconds outside the forward steps, and the steps' cumulative seconds.
+    The steps are what :func:`infer.meters.run_forward_step` calls; a function called by one of
+    their callees (transitively) is inside, unless it is called from outside too: then only its
+    own time on the calls from outside callers counts (cProfile splits own time per caller)."""
+    roots = [f for f in stats.stats if f[2] == "run_forward_step"]
+    callees: dict = {}
+    for f, (_, _, _, _, callers) in stats.stats.items():
+        for c in callers:
+            callees.setdefault(c, set()).add(f)
+    inside, todo = set(), [g for r in roots for g in callees.get(r, ())]
+    while todo:
+        f = todo.pop()
+        if f not in inside:
+            inside.add(f)
+            todo += callees.get(f, ())
+    steps = sum(stats.stats[r][3] for r in roots)
+    own = {}
+    for f, (_, _, tt, _, callers) in stats.stats.items():
+        if f in roots:
+            continue
+        if f not in inside:
+            own[f] = tt
+        else:  # the calls from callers outside the forwards (edge: (cc, nc, tt, ct))
+            own[f] = sum(edge[2] for c, edge in callers.items() if c not in inside and c not in roots)
+    return own, steps
+
+
+def profile_outside(decoder, prompt, args, eos, top: int) -> dict:
+    """One call of ``decoder`` under cProfile: the forward steps' time and the ``top`` functions by
+    own time outside them (ms per round; shares of the profiled time)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    out = decoder.generate(prompt, args.max_new_tokens, torch.Generator().manual_seed(0), eos_token_id=eos)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rounds, total = max(1, len(out.stats.accept_lengths)), stats.total_tt
+    own, steps = outside_own_times(stats)
+    ranked = sorted(own.items(), key=lambda kv: kv[1], reverse=True)[:top]
+    return {"rounds": rounds, "profiled_s": total, "steps_share": steps / total if total else None,
+            "outside_share": sum(own.values()) / total if total else None, "top": [
+                {"function": f"{Path(file).name}:{line}({name})" if line else name,
+                 "calls": stats.stats[(file, line, name)][1],
+                 "own_ms_per_round": 1e3 * tt / rounds, "own_share": tt / total if total else None}
+                for (file, line, name), tt in ranked]}
+
+
+def breakdown_table(result: dict) -> str:
+    lines = ["## Where a round's time goes (ms per round; share of the round, prefill left out)", "",
+             "| method | backend | ms/round | draft forwards | target forwards | mask + padding (in feed) | "
+             "rest of the loop | outside the forwards |", "|---|---|---|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        for backend in ("eager", "fast"):
+            b = m[backend].get("breakdown")
+            if not b:
+                continue
+            cells = [f"{b[f'{k}_ms_per_round']:.2f} ({100 * b[f'{k}_share']:.1f}%)"
+                     for k in ("draft_forward", "target_forward", "in_feed", "loop", "outside")]
+            lines.append(f"| {name} | {backend} | {b['ms_per_round']:.2f} | " + " | ".join(cells) + " |")
+    for name, p in (result.get("profile_outside") or {}).items():
+        lines += ["", f"cProfile, {name} fast, one call ({p['rounds']} rounds, {p['profiled_s']:.2f} s profiled; "
+                  f"forward steps {100 * p['steps_share']:.1f}%, outside them {100 * p['outside_share']:.1f}%): "
+                  "own time outside the steps", "", "| function | calls | ms/round | share |", "|---|---|---|---|"]
+        lines += [f"| `{f['function']}` | {f['calls']} | {f['own_ms_per_round']:.3f} | {100 * f['own_share']:.1f}% |"
+                  for f in p["top"]]
+    return "\n".join(lines)
 
 
 def _x(r: dict) -> str:
@@ -226,9 +328,10 @@ def table(result: dict) -> str:
               f"{floor['bandwidth_gb_s']:.1f} GB/s; the target reads {floor['weight_mb']:.1f} MB of weights per "
               f"forward: floor {floor['floor_ms']:.2f} ms; one-token forward eager {floor['eager_over_floor']:.2f}x, "
               f"fast {floor['fast_over_floor']:.2f}x the floor.", "",
-              f"## Decoding ({result['prompts']} prompts, {result['max_new_tokens']} new tokens, greedy)", "",
+              f"## Decoding ({result['prompts']} prompts, {result['max_new_tokens']} new tokens, "
+              f"{result.get('sampling', 'greedy')})", "",
               "| method | eager tok/s | fast tok/s | fast / eager [95% CI] | eager / eager target-only | "
-              "fast / fast target-only | ms/round eager | ms/round fast | greedy equal |",
+              "fast / fast target-only | ms/round eager | ms/round fast | same tokens |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, m in result["methods"].items():
         lines.append(f"| {name} | {m['eager']['tokens_per_s']:.2f} | {m['fast']['tokens_per_s']:.2f} | "
@@ -239,6 +342,8 @@ def table(result: dict) -> str:
     comp = result["compile_seconds"]
     lines += ["", f"Compile time (not in any timing above): {sum(comp.values()):.1f} s" + (
         " (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")" if comp else "")]
+    if any("breakdown" in m["fast"] for m in result["methods"].values()):
+        lines += ["", breakdown_table(result)]
     return "\n".join(lines)
 
 
@@ -252,7 +357,7 @@ def batch_call(name: str, decoders: dict, backend, group: list[torch.Tensor], ma
     t0 = time.perf_counter()
     if name == "sample":
         target = decoders[("target_only", backend)].target
-        tokens = sample_responses(target, [p.tolist() for p in group], GREEDY, max_new_tokens,
+        tokens = sample_responses(target, [p.tolist() for p in group], SAMPLINGS["greedy"], max_new_tokens,
                                   [torch.Generator() for _ in group], eos_token_id=eos, batch_size=len(group),
                                   fast=backend)
     else:
@@ -266,7 +371,7 @@ def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
     """``--batch``: rows per (B, method, backend), one per call (module docstring)."""
     backends = [None, *args.fast]
     policies = {"target_only": TargetOnly(), "fixed_k2": FixedK(2)}
-    decoders = {(name, b): SpeculativeDecoder(draft, target, policy, GREEDY, fast=b)
+    decoders = {(name, b): SpeculativeDecoder(draft, target, policy, SAMPLINGS["greedy"], fast=b)
                 for name, policy in policies.items() for b in backends}
     prompts = [p[0] for p in ids]
     longest, widest = max(p.shape[0] for p in prompts), max(args.batch)
@@ -368,7 +473,14 @@ def main(argv=None) -> int:
                     "1024 MB on CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast greedy tokens differ")
+    ap.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
+                    help="greedy (default) or paper (temperature 1, top-k 50; the same seeds on both backends)")
+    ap.add_argument("--breakdown", action="store_true", help="time the draft's and the target's forwards, the "
+                    "mask and the rest of each round from outside the runners (docstring, 4.)")
+    ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
+                    help="with --breakdown: one more fast call per method under cProfile, its N functions of "
+                    "most own time")
+    ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
     ap.add_argument("--out", type=Path, help="write everything measured as JSON here")
     args = ap.parse_args(argv)
     if args.random and args.configs:
@@ -380,12 +492,16 @@ def main(argv=None) -> int:
     for name in ("prompts", "max_new_tokens", "context", "repeats", "threads", "prompt_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.profile_outside and not args.breakdown:
+        ap.error("--profile-outside needs --breakdown")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
     if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
         ap.error(f"--fast takes one backend (several, once each, only with --batch), got {' '.join(args.fast)}")
     if args.batch and (min(args.batch) < 1 or max(args.batch) > args.prompts or args.batch_repeats < 1):
         ap.error(f"--batch sizes must lie in [1, --prompts={args.prompts}] and --batch-repeats be >= 1")
+    if args.batch and (args.breakdown or args.sampling != "greedy"):
+        ap.error("--batch decodes greedily and has no --breakdown")
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     draft, target, tokenizer, pair = load(args, device)
@@ -418,20 +534,30 @@ def main(argv=None) -> int:
     print(f"forwards and bandwidth measured in {time.perf_counter() - t0:.0f} s", flush=True)
 
     policies = methods(args, draft)
-    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, GREEDY, fast=backend)
+    sampling = SAMPLINGS[args.sampling]
+    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, sampling, fast=backend)
                 for name, policy in policies.items() for backend in (None, args.fast)}
     longest = max(p.shape[1] for p in ids)
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
         decoder.warm_up(longest, args.max_new_tokens)
         decoder.generate(ids[0], min(8, args.max_new_tokens), torch.Generator().manual_seed(0), eos_token_id=eos)
+    meters = {}
+    if args.breakdown:  # from here on, every runner's feeds are timed from outside
+        roles = {id(draft): "draft", id(target): "target"}
+        for key, decoder in decoders.items():
+            decoder.runners = meters[key] = FeedMeters(decoder.runners, roles, Clock(device))
     t0 = time.perf_counter()
     rows = decode_all(decoders, ids, args, eos)
     print(f"decoded in {time.perf_counter() - t0:.0f} s", flush=True)
+    summary = summarize(rows, policies, args.fast, meters)  # before the profiled calls add to the meters
+    profiled = {name: profile_outside(decoders[(name, args.fast)], ids[0], args, eos, args.profile_outside)
+                for name in policies} if args.profile_outside else None
 
     result = {"machine": machine_description(device), "device": str(device), "dtype": dtype_name(target.dtype),
               "fast": args.fast, "threads": torch.get_num_threads(), "pair": pair, "prompts": len(ids),
-              "max_new_tokens": args.max_new_tokens, "context": args.context, "bandwidth_mb": mb,
-              "forwards": forwards, "floor": floor, "methods": summarize(rows, policies, args.fast),
+              "max_new_tokens": args.max_new_tokens, "sampling": args.sampling, "context": args.context,
+              "bandwidth_mb": mb, "forwards": forwards, "floor": floor,
+              "methods": summary, "profile_outside": profiled,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
     return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
 

@@ -36,11 +36,13 @@ from ..core.timing import Clock
 from ..models.runner import HiddenHook
 from ..stopping.policies import StopPolicy
 from .rounds import (
+    CallHooks,
     Candidates,
     GenerateOutput,
     RunStats,
     TokenBuffer,
     check_generate_args,
+    check_hooks,
     device_generator,
     finish,
 )
@@ -259,8 +261,10 @@ class BatchDrafter:
     def __exit__(self, *exc) -> None:
         self.runner.__exit__(*exc)
 
-    def block(self, seqs: list, counts: list[int], gens: list) -> BatchBlock:
-        """Draft at most ``counts[b]`` candidates into ``seqs[b].tokens[seqs[b].n:]``."""
+    def block(self, seqs: list, counts: list[int], gens: list, process=None) -> BatchBlock:
+        """Draft at most ``counts[b]`` candidates into ``seqs[b].tokens[seqs[b].n:]``; ``process``: a
+        :class:`~specdecpp.decoders.rounds.CallHooks` ``draft_logits`` hook for the rows q is drawn
+        from (the drafting rows'; the policy reads the raw ones)."""
         t0 = self.clock.now()
         runner, cfg, device = self.runner, self.sampling, self.runner.device
         rows = len(seqs)
@@ -285,10 +289,11 @@ class BatchDrafter:
             hidden = hidden[rows_index, last] if self.needs_hidden else None
             if kept is not None:
                 kept.append(logits)
+            scores = logits if process is None else self.processed(process, seqs, drafting, k, logits)
             if cfg.greedy:  # the argmax; verification needs no q
-                y = logits.argmax(-1)
+                y = scores.argmax(-1)
             else:
-                q = warp(logits, cfg)
+                q = warp(scores, cfg)
                 y = torch.stack([sample(q[b], gens[b]) if drafting[b] else q.new_zeros((), dtype=torch.long)
                                  for b in range(rows)])
                 q_steps.append(q)
@@ -300,6 +305,15 @@ class BatchDrafter:
             active = active & bounded & ~self.policy.stop_rows(k, logits, hidden, y, active)
             drafting = (bounded & active.any() if self.fill else active).tolist()  # the one host read of this step
         return BatchBlock(ks, q_steps, t0, self.clock.now(), kept)
+
+    @staticmethod
+    def processed(process, seqs: list, drafting: list[bool], k: int, logits: torch.Tensor) -> torch.Tensor:
+        """The drafting rows' logits [B, V] (each after its row's ``n + k - 1`` tokens) through ``process``."""
+        rows = [b for b, d in enumerate(drafting) if d]
+        out = logits.to(torch.float32, copy=True)  # the processed rows are float32 (transformers' processors run so)
+        out[rows] = process([seqs[b].row for b in rows], [seqs[b].tokens for b in rows],
+                            [seqs[b].n + k - 1 for b in rows], logits[rows])
+        return out
 
     def candidates(self, block: BatchBlock, seqs: list, b: int) -> Candidates:
         """Row b's candidates as a rule reads them."""
@@ -350,11 +364,12 @@ class BatchRun:
     device, policy, sampling, acceptance rule and ``profile``)."""
 
     def __init__(self, decoder, prompts: list[torch.Tensor], max_new_tokens: int, generators, eos_token_id,
-                 batch_size: int | None, fill: bool, return_caches: bool) -> None:
+                 batch_size: int | None, fill: bool, return_caches: bool, hooks: CallHooks | None = None) -> None:
         self.policy, self.rule, self.return_caches = decoder.policy, decoder.rule, return_caches
+        self.hooks = hooks or CallHooks()
         self.gens = [device_generator(g, decoder.device) for g in (generators or [None] * len(prompts))]
         self.clock, self.marks = Clock(decoder.device), Clock(decoder.device, sync=decoder.profile)
-        self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device) for p in prompts]
+        self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device, i, hooks) for i, p in enumerate(prompts)]
         self.slots = batch_size or len(prompts)
         tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
                                                                               max_new_tokens)
@@ -389,7 +404,7 @@ class BatchRun:
         """Every row drafts up to its policy's stop, never past its length limit."""
         live = self.live
         return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
-                                  [self.gens[i] for i in self.rows])
+                                  [self.gens[i] for i in self.rows], self.hooks.draft_logits)
 
     def verify(self, block: BatchBlock) -> tuple[list[tuple[int, int | None]], float]:
         """One target forward over every row's candidates (p_1..p_{K_b+1} per row), then each row's
@@ -397,8 +412,15 @@ class BatchRun:
         live, ks = self.live, block.ks
         chunks = [s.tokens[self.target.lengths[b] : s.n + k] for b, (s, k) in enumerate(zip(live, ks, strict=True))]
         logits = self.target.feed(chunks)[0]
-        verdicts = [self.rule(self.drafter.candidates(block, live, b), logits[b, : k + 1], self.gens[i])
-                    for b, (i, k) in enumerate(zip(self.rows, ks, strict=True))]
+        rows = [logits[b, : k + 1] for b, k in enumerate(ks)]
+        process = self.hooks.target_logits
+        if process is not None:  # every row's positions in one call
+            done = process([s.row for s, k in zip(live, ks, strict=True) for _ in range(k + 1)],
+                           [s.tokens for s, k in zip(live, ks, strict=True) for _ in range(k + 1)],
+                           [s.n + j for s, k in zip(live, ks, strict=True) for j in range(k + 1)], torch.cat(rows))
+            rows = list(done.split([k + 1 for k in ks]))
+        verdicts = [self.rule(self.drafter.candidates(block, live, b), rows[b], self.gens[i])
+                    for b, i in enumerate(self.rows)]
         return verdicts, self.marks.now()
 
     def commit(self, block: BatchBlock, verdicts: list[tuple[int, int | None]], t_verified: float) -> None:
@@ -443,13 +465,15 @@ class BatchRun:
 def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                    generators: list[torch.Generator | None] | None = None,
                    eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
-                   return_caches: bool = False, fill: bool = False) -> list[GenerateOutput]:
+                   return_caches: bool = False, fill: bool = False,
+                   hooks: CallHooks | None = None) -> list[GenerateOutput]:
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size)
+    check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")
-    run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches)
+    run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches, hooks)
     with run.drafter:
         while run.queue or run.rows:
             run.join_rows()

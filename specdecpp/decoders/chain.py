@@ -15,6 +15,7 @@ from ..stopping.policies import StopPolicy
 from .batch import generate_batch
 from .cascade import Cascade, CascadeRule
 from .rounds import (
+    CallHooks,
     Drafter,
     ExactRule,
     FastPlanned,
@@ -22,6 +23,7 @@ from .rounds import (
     RunStats,
     check_pair_devices,
     finish,
+    processed,
     start_generate,
 )
 
@@ -70,9 +72,13 @@ class SpeculativeDecoder(FastPlanned):
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
-                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
+                 eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False,
+                 hooks: CallHooks | None = None) -> GenerateOutput:
+        """``hooks``: what the caller adds to this call (:class:`~specdecpp.decoders.rounds.CallHooks`:
+        logits processing, a stop check, a commit callback; ``specdecpp.hf`` uses them)."""
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
-                                                self.profile)
+                                                self.profile, hooks)
+        process = hooks or CallHooks()
         tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy,
                           runners=self.runners(tokens, plan[0][1]))
@@ -84,9 +90,10 @@ class SpeculativeDecoder(FastPlanned):
             while not seq.finished:
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
                 block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen,
-                                      generated=n - seq.prompt_len)
+                                      generated=n - seq.prompt_len, process=process.draft_logits)
                 k = block.k
                 logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
+                logits = processed(process.target_logits, 0, seq.tokens, list(range(n, n + k + 1)), logits)
                 n_acc, token = self.rule(drafter.candidates(block, seq.tokens, n), logits, gen)
                 t_verified = marks.now()
                 kept = seq.commit(n_acc, token)
@@ -103,7 +110,8 @@ class SpeculativeDecoder(FastPlanned):
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,
                        generators: list[torch.Generator | None] | None = None,
                        eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
-                       return_caches: bool = False, fill: bool = False) -> list[GenerateOutput]:
+                       return_caches: bool = False, fill: bool = False,
+                       hooks: CallHooks | None = None) -> list[GenerateOutput]:
         """Decode a batch of prompts (1-D LongTensors of any lengths), each row stopping its draft
         at its own candidate length (the policy's ``stop_rows``; a row that stopped waits for the
         others), the target verifying every row's candidates in one forward and each row accepting,
@@ -117,8 +125,11 @@ class SpeculativeDecoder(FastPlanned):
         drafts, since in this layout its hole would be computed anyway (docs/batch.md); the round
         ends when every row's policy has stopped. Exact either way.
 
+        ``hooks``: as in :meth:`generate`; each hook is told the prompt's index as its row.
+
         With ``fast`` both models run on :class:`~specdecpp.models.static.StaticBatchRunner` (rows
         of their own lengths in a static cache, forwards padded to (batch, width) buckets, each
         compiled once under ``"compile"``; ``warm_up(prompt_len, max_new_tokens, batch_size)``
         compiles them before timing)."""
-        return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill)
+        return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill,
+                              hooks)

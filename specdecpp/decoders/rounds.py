@@ -12,7 +12,10 @@ repeats another's bookkeeping:
   :class:`Candidates`. A lossy rule (a cascade's target ``pi``) is another object with the same
   call; a tree's node-by-node rule has its own (specdecpp/decoders/sequoia.py).
 - :class:`TokenBuffer`: the committed tokens and the drafts after them in one buffer;
-  :meth:`TokenBuffer.commit` writes the verified tokens, cuts at EOS and says what was kept.
+  :meth:`TokenBuffer.commit` writes the verified tokens, cuts at EOS (or where a caller's stop
+  check says) and says what was kept.
+- :class:`CallHooks`: what a caller adds to one call (``specdecpp.hf``: transformers' logits
+  processors, stopping criteria and streamer); each hook left None costs nothing.
 - :class:`RunStats` counts a round (:meth:`RunStats.add_round`); :func:`finish` ends a
   ``generate`` with its :class:`GenerateOutput`.
 - The round's clocks (:class:`~specdecpp.core.timing.Clock`) and attention kernels
@@ -79,6 +82,36 @@ class Candidates:
     peek: Callable[[], torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class CallHooks:
+    """What a caller adds to one ``generate`` / ``generate_batch`` call; a hook left None costs nothing.
+
+    - ``draft_logits`` / ``target_logits``: ``(rows, tokens, ends, logits) -> logits``, the draft's
+      (target's) raw logits rows [R, V] before they are warped (q and p; a greedy argmax reads them
+      too), where row r scores the token after ``tokens[r][:ends[r]]`` of the call's prompt
+      ``rows[r]`` (``tokens[r]``: that row's token buffer). The stop policy reads the draft's raw rows.
+    - ``stop``: ``(row, tokens, start, count) -> int | None``, after a round's verdict: the first i
+      < ``count`` whose prefix ``tokens[:start + i + 1]`` ends the row (the tokens after it are cut,
+      as after an EOS), or None.
+    - ``committed``: ``(row, new_tokens)``, the tokens a round kept (a streamer's ``put``)."""
+
+    draft_logits: Callable | None = None
+    target_logits: Callable | None = None
+    stop: Callable | None = None
+    committed: Callable | None = None
+
+
+def check_hooks(hooks) -> None:
+    if hooks is not None and not isinstance(hooks, CallHooks):
+        raise TypeError(f"hooks must be a specdecpp.decoders.rounds.CallHooks or None, got {type(hooks).__name__}")
+
+
+def processed(process: Callable | None, row: int, tokens: torch.Tensor, ends: list[int],
+              logits: torch.Tensor) -> torch.Tensor:
+    """One row's logits rows [R, V] (row r after ``tokens[:ends[r]]``) through ``process`` (None: as they are)."""
+    return logits if process is None else process([row] * len(ends), [tokens] * len(ends), ends, logits)
+
+
 class Drafter:
     """Drafts candidate blocks with the draft model under a stop policy.
 
@@ -107,19 +140,21 @@ class Drafter:
         self.runner.__exit__(*exc)
 
     def block(self, seq: torch.Tensor, start: int, count: int, gen: torch.Generator | None,
-              generated: int | None = None) -> Block:
+              generated: int | None = None, process: Callable | None = None) -> Block:
         """Draft at most ``count`` candidates into ``seq[start:]`` after ``seq[:start]``; ``generated``:
-        the response tokens before ``start`` (``StopPolicy.begin_round``)."""
+        the response tokens before ``start`` (``StopPolicy.begin_round``); ``process``: a
+        :class:`CallHooks` ``draft_logits`` hook (row 0) for the rows q is drawn from."""
         t0 = self.clock.now()
         cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
         kept_logits = []
         policy.begin_round(generated)
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])
+            scores = logits[-1] if process is None else processed(process, 0, seq, [start + k], logits[-1:])[0]
             if cfg.greedy:  # the argmax; verification needs no q
-                y = logits[-1].argmax(-1)
+                y = scores.argmax(-1)
             else:
-                q_k = warp(logits[-1], cfg)
+                q_k = warp(scores, cfg)
                 y = sample(q_k, gen)
                 q_rows.append(q_k)
             seq[start + k] = y
@@ -173,7 +208,10 @@ class TokenBuffer:
     the prompt plus ``max_new_tokens`` plus one."""
 
     def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | Iterable[int] | None, device: torch.device) -> None:
+                 eos_token_id: int | Iterable[int] | None, device: torch.device, row: int = 0,
+                 hooks: CallHooks | None = None) -> None:
+        """``row``: the prompt's index in its call (what ``hooks`` are told)."""
+        self.row, self.hooks = row, hooks
         self.prompt_len = prompt_ids.shape[-1]
         self.end = self.prompt_len + max_new_tokens  # no token is committed at or beyond it
         self.eos = token_set(eos_token_id)
@@ -193,15 +231,23 @@ class TokenBuffer:
 
     def commit(self, n_accepted: int, token: int | None) -> int:
         """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
-        from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS
-        is cut and ends the sequence. Returns how many tokens were kept."""
+        from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS,
+        or after the first prefix the ``stop`` hook ends, is cut and ends the sequence. Returns how
+        many tokens were kept (told to the ``committed`` hook)."""
         if token is not None:
             self.tokens[self.n + n_accepted] = token
         new = self.tokens[self.n : self.n + n_accepted + (token is not None)].tolist()
         hit = next((i for i, t in enumerate(new) if t in self.eos), None)
+        hooks = self.hooks
+        before = len(new) if hit is None else hit  # the tokens before an EOS, which ends the row anyway
+        if hooks is not None and hooks.stop is not None and before:
+            cut = hooks.stop(self.row, self.tokens, self.n, before)
+            hit = hit if cut is None else cut
         kept = len(new) if hit is None else hit + 1
         self.n += kept
         self.finished = hit is not None or self.n >= self.end
+        if hooks is not None and hooks.committed is not None and kept:
+            hooks.committed(self.row, self.tokens[self.n - kept : self.n])
         return kept
 
     def output(self) -> torch.Tensor:
@@ -228,13 +274,15 @@ def device_generator(generator: torch.Generator | None, device: torch.device):
 
 
 def start_generate(prompt_ids, max_new_tokens, eos_token_id, generator: torch.Generator | None,
-                   device: torch.device, profile: bool) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
+                   device: torch.device, profile: bool,
+                   hooks: CallHooks | None = None) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
     """The opening of a one-generator ``generate``: the argument checks, the generator on the
     models' device, the call's clock (synchronised), the round marks (``sync=profile``) and the
-    prompt's :class:`TokenBuffer`."""
+    prompt's :class:`TokenBuffer` (row 0, with the call's ``hooks``)."""
     check_generate_args(prompt_ids, max_new_tokens)
+    check_hooks(hooks)
     return (device_generator(generator, device), Clock(device), Clock(device, sync=profile),
-            TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device))
+            TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device, hooks=hooks))
 
 
 def check_pair_devices(draft, target) -> torch.device:

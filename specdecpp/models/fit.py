@@ -86,3 +86,20 @@ def check_labels_fit(artifact: str, recorded: dict | None, cascade: dict | None,
     raise ValueError(f"{artifact} was trained on labels of {_rule(recorded)}, but this method verifies with "
                      f"{_rule(cascade)}; train a head on data_gen labels of this rule (labels.cascade=...), or pass "
                      f"{allow}=true to use it anyway")
+
+
+def check_head_fit(artifact: str, head, draft: str, draft_hidden: int | None, sampling: SamplingConfig,
+                   cascade: dict | None = None, allow: str = "allow_{}_mismatch", allowed: dict | None = None,
+                   compare_names: bool = True) -> None:
+    """A loaded head (its recorded ``draft``, ``hidden_size`` and ``dataset_meta``) against the draft
+    in use, the sampling and the rule (``cascade``, None: exact): the three checks above, as ``python
+    -m infer`` and ``specdecpp.hf`` run them. ``allow.format(x)`` names the setting that accepts a
+    mismatch of ``x`` in ``draft``, ``sampling``, ``label``; ``allowed[x]`` says it is set."""
+    allowed = allowed or {}
+    meta = head.dataset_meta
+    check_draft_fit(artifact, "head", head.draft, head.hidden_size, draft, draft_hidden, allow.format("draft"),
+                    bool(allowed.get("draft", False)), compare_names)
+    check_sampling_fit(artifact, meta.get("sampling"), sampling, allow.format("sampling"),
+                       bool(allowed.get("sampling", False)))
+    check_labels_fit(artifact, (meta.get("labels") or {}).get("cascade"), cascade, allow.format("label"),
+                     bool(allowed.get("label", False)))

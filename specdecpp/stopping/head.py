@@ -152,8 +152,9 @@ class AcceptanceHead(nn.Module):
         if kind != cls.kind:
             raise ValueError(f"acceptance head {str(path)!r} is of kind {kind!r}, not {cls.kind!r} "
                              f"({cls.__name__}): load it with specdecpp.load_head, which returns the right kind")
-        head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
-                   **cls._init_kwargs(config))
+        with torch.random.fork_rng(devices=[]):  # the random init is overwritten: loading leaves the global RNG as it was
+            head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
+                       **cls._init_kwargs(config))
         head.meta = {k: v for k, v in config.items()
                      if k not in ("model_type", "kind", "hidden_size", "depth", "draft", *cls._init_kwargs(config))}
         state = load_file(str(weights), device=str(map_location))
@@ -379,12 +380,21 @@ def _model_name(model) -> str:
 
 
 def _hub_snapshot(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
+    """A head that is not a local directory: ``repo_id`` ("org/name") fetched into huggingface_hub's
+    cache (its cache, token and ``HF_HUB_OFFLINE`` apply). A reference that cannot be a hub id is a
+    missing local path, and the hub is not asked."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    hint = "train one with `python -m train +experiment=wrej6_d3` or pass the directory it was saved to"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise FileNotFoundError(f"acceptance head path {repo_id!r} does not exist (and is no hub id 'org/name'); "
+                                f"{hint}") from None
+    try:
         return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]))
-    except Exception as exc:  # offline, unknown repo, bad id
+    except Exception as exc:  # offline, unknown repo, no access
         raise FileNotFoundError(
-            f"acceptance head path {repo_id!r} does not exist locally and could not be fetched "
-            f"from the Hugging Face hub ({type(exc).__name__}); train one with "
-            f"`python -m train +experiment=wrej6_d3` or pass the directory it was saved to") from exc
+            f"acceptance head path {repo_id!r} does not exist locally and could not be fetched from the Hugging "
+            f"Face hub ({type(exc).__name__}: {exc}); {hint}") from exc

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def write_configs(folder) -> None:
+    """Tiny random Llamas' configs, draft.json and target.json (--configs)."""
     base = {"vocab_size": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "initializer_range": 0.4,
             "num_attention_heads": 4, "num_key_value_heads": 2}
     for role, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
@@ -50,6 +51,40 @@ def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_fast.main(["--random", "--configs", str(tmp_path)])
     assert "not both" in capsys.readouterr().err
+
+
+def test_bench_fast_breakdown_splits_each_round_and_profiles_the_loop(tmp_path, capsys):
+    """--breakdown: per method and backend, the draft's and the target's forwards, the rest of the
+    fast feeds and the loop add up to the rounds' time; --profile-outside ranks the loop's functions."""
+    import bench_fast
+
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--sampling", "paper", "--require-equal",
+                            "--breakdown", "--profile-outside", "5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Where a round's time goes" in printed and "cProfile, svip fast" in printed
+    result = json.loads(out.read_text())
+    assert result["sampling"] == "paper"
+    for name, m in result["methods"].items():
+        assert m["greedy_equal"], name  # float32, the same seeds: the same sampled tokens
+        for backend in ("eager", "fast"):
+            b = m[backend]["breakdown"]
+            parts = ("draft_forward", "target_forward", "in_feed", "loop")
+            assert sum(b[f"{k}_share"] for k in parts) == pytest.approx(1.0), (name, backend)
+            assert b["outside_share"] == pytest.approx(b["in_feed_share"] + b["loop_share"])
+            assert b["target_forward_share"] > 0 and b["rounds"] > 0
+            assert (b["draft_forward_share"] == 0) == (name == "target_only"), (name, backend)
+            assert (b["in_feed_share"] == 0) == (backend == "eager"), (name, backend)  # eager: the feed is the forward
+            assert b["mask_share"] > 0 if backend == "fast" else b["mask_share"] == 0
+    for name, p in result["profile_outside"].items():
+        assert len(p["top"]) == 5 and 0 < p["steps_share"] < 1, name
+        assert all("static_step" not in f["function"] for f in p["top"]), name  # the forwards are not listed
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--profile-outside", "3"])
+    assert "--profile-outside needs --breakdown" in capsys.readouterr().err
 
 
 def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):

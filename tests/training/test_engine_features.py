@@ -151,10 +151,10 @@ def test_batch_engine_hands_the_lag_free_head_the_features_train_computes(tiny_p
     live = {}
     original = batch_mod.BatchDrafter.block
 
-    def block(self, seqs, counts, gens):
+    def block(self, seqs, counts, gens, *rest):
         live["seqs"] = list(seqs)  # which prompts the round's rows are, and their committed response lengths
         live["starts"] = [s.n - s.prompt_len for s in seqs]
-        return original(self, seqs, counts, gens)
+        return original(self, seqs, counts, gens, *rest)
 
     monkeypatch.setattr(batch_mod.BatchDrafter, "block", block)
 

@@ -65,13 +65,19 @@ def test_fast_rows_equal_eager_ones_and_get_their_own_table(base, tmp_path):
     reference = {r["prompt_id"]: r["output_ids"] for r in rows[("target_only", "null")]}
     for (name, fast), rs in rows.items():
         assert {r["fast"] for r in rs} == {None if fast == "null" else fast}, (name, fast)
-        assert all((r["forward_time_s"] is None) == (fast == "static") for r in rs)  # no hooks on the fast path
+        # eager: the models' hooks; fast: around the static runners' steps (infer.meters.FeedMeters)
+        assert all(0 < r["forward_time_s"] < r["wall_time_s"] for r in rs), (name, fast)
         assert {r["prompt_id"]: r["output_ids"] for r in rs} == reference, (name, fast)
     report = build_report(out, tmp_path / "report")
     groups = {g["fast"]: g for g in report["groups"]}
     assert set(groups) == {None, "static"}
     assert {e["method"] for e in groups["static"]["entries"]} == {"target_only", "fixed_k", "sequoia"}
     assert all(e["speedup"] is not None for e in groups["static"]["entries"])  # against fast target-only
+    assert all(0 < e["outside_forward_share"] < 1 for e in groups["static"]["entries"])
+    assert groups["static"]["baseline"] == {"method": "target_only", "tag": "base", "fast": "static",
+                                            "tokens_per_s": groups["static"]["entries"][0]["tokens_per_s"],
+                                            "n_prompts": 2}
+    assert "Speedups are over target-only on the same path: fast=static, 2 prompts" in report["text"]
     assert " / fast=static\n" in report["text"] and report["text"].count("## ") == 2
 
 
@@ -85,6 +91,38 @@ def test_fast_batches_equal_eager_ones(base, tmp_path):
         assert {(r["fast"], r["batch_size"]) for r in rows} == {(None if fast == "null" else fast, 2)}
         outputs[fast] = {r["prompt_id"]: r["output_ids"] for r in rows}
     assert outputs["static"] == outputs["null"] and len(outputs["null"]) == 2
+
+
+def test_sweep_runs_every_method_eager_and_fast_interleaved_in_one_process(base, tmp_path, monkeypatch):
+    """infer.sweep 'fast=[null,static]' (make bench-fast): each method on both paths, a prompt's every
+    run before the next prompt, one result file per path; hf_assisted (which ignores fast) once; a
+    rerun resumes; a single infer run refuses a list."""
+    from infer import sweep
+
+    common = [*base, "interleave=true", "comparison.fixed_k.k=[2]", "~comparison.svip", "~comparison.specdecpp",
+              "~comparison.oracle", "comparison.hf_assisted.mode=[constant]", "comparison.hf_assisted.num_assistant_tokens=2",
+              f"out={tmp_path}/res/${{method.name}}"]
+    calls = []
+    real = app.make_row
+    monkeypatch.setattr(app, "make_row", lambda job, prompt, *a: calls.append((prompt.id, job.path.name))
+                        or real(job, prompt, *a))
+    summaries = sweep.run(make_cfg(*common, "fast=[null,static]"))
+    names = [Path(s["path"]).name for s in summaries]
+    assert names == ["base__greedy__s0.jsonl", "base_fast-static__greedy__s0.jsonl", "k2__greedy__s0.jsonl",
+                     "k2_fast-static__greedy__s0.jsonl", "constant_n2__greedy__s0.jsonl"]
+    assert [name for _, name in calls[:5]] == names and len({p for p, _ in calls[:5]}) == 1  # interleaved
+    rows = {name: read_rows(Path(s["path"])) for name, s in zip(names, summaries, strict=True)}
+    for eager, fast in ((names[0], names[1]), (names[2], names[3])):  # float32: the same greedy tokens
+        assert [r["output_ids"] for r in rows[eager]] == [r["output_ids"] for r in rows[fast]]
+        assert {r["fast"] for r in rows[fast]} == {"static"} and {r["fast"] for r in rows[eager]} == {None}
+    report = build_report(tmp_path / "res", tmp_path / "report")
+    methods = {g["fast"]: sorted(e["method"] for e in g["entries"]) for g in report["groups"]}
+    assert methods == {None: ["fixed_k", "hf_assisted", "target_only"], "static": ["fixed_k", "target_only"]}
+    assert [s["new_rows"] for s in sweep.run(make_cfg(*common, "fast=[null,static]"))] == [0] * 5  # resumed
+    with pytest.raises(ValueError, match=r"a list needs distinct fast paths"):
+        sweep.run(make_cfg(*common, "fast=[static,static]"))
+    with pytest.raises(ValueError, match=r"one run takes one fast path; python -m infer.sweep"):
+        app.prepare(make_cfg(*base, "method=fixed_k", "fast=[null,static]", f"out={tmp_path}/one"))
 
 
 def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):

@@ -28,6 +28,10 @@ TAGS = [
     ("cascade", {"stop": "svip", "threshold": 0.45}, "opt_a0.1_svip_h0.45"),
     ("cascade", {"stop": "specdecpp", "head": "HEADS/next_wrej1_d1/", "threshold": 0.3, "rule": "token_v2",
                  "alpha": 0.05, "allow_label_mismatch": True}, "token_v2_a0.05_next_wrej1_d1_h0.3"),
+    # the door: the tag of its policy's own method (in its own directory, results/.../hf_custom)
+    ("hf_custom", {"stop": "fixed_k", "k": 2}, "k2"), ("hf_custom", {"stop": "svip"}, "svip_h0.3_c0.15_max40"),
+    ("hf_custom", {"stop": "specdecpp", "head": "HEADS/next_wrej1_d1/", "threshold": 0.35},
+     "next_wrej1_d1_h0.35_min1_max20"),
 ]
 
 

@@ -165,3 +165,126 @@ def test_report_pairs_each_method_with_the_fastest_fixed_k_and_svip(tmp_path):
     text = report["report"].read_text()
     assert f"- specdecpp fast: {tps('fast') / tps('k1'):.3f}x" in text and "over fixed_k k1 (faster)" in text
     assert "over svip h0.5 (slower)" in text
+
+
+def test_fast_rows_are_compared_with_fast_target_only_and_priced_with_fast_costs(tmp_path, capsys):
+    """Rows of one prompt set, eager and fast=compile: each table's speedups are over its own
+    target-only (the report says which), and Eq. 2.3 with t_target(n) uses the costs file measured
+    on the table's own path; recomputed here from the rows and the two synthetic cost curves."""
+    from infer import report as cli
+    from infer.summary import paired_speedup_ci
+
+    eager = Costs(0.006, 0.060, {1: 0.060, 2: 0.066, 4: 0.070})
+    fast = Costs(0.004, 0.040, {1: 0.040, 2: 0.041, 4: 0.044}, {"fast": "compile"})
+
+    def width_walls(costs, n_draft, widths):  # Eq. 2.1 with t_target(n) per round
+        return n_draft * costs.t_draft + sum(costs.target_cost(w) for w in widths)
+
+    rows = []
+    for i in range(4):
+        n = 24 + i
+        for backend, costs, slower in ((None, eager, 1.0), ("compile", fast, 1.1)):  # fast: 10% off its model
+            base = _row("target_only", "base", {}, f"p{i}", 0, n, n, slower * n * costs.target_cost(1))
+            k2 = _row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, n, slower * width_walls(costs, 20, [3] * 10))
+            base["candidate_lengths"], k2["candidate_lengths"] = [0] * n, [2] * 10
+            rows += [{**r, "fast": backend, "machine": "Test CPU, 2 cores"} for r in (base, k2)]
+        rows.append({**_row("hf_assisted", "constant_n2", {"mode": "constant"}, f"p{i}", 20, 10, n, 1.0),
+                     "fast": None, "machine": "Test CPU, 2 cores"})  # ignores fast: compared with eager target-only
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = [save_costs(eager, tmp_path / "costs.json"), save_costs(fast, tmp_path / "costs_fast-compile.json")]
+    report = build_report(res.parent, tmp_path / "report", costs=paths)
+    groups = {g["fast"]: g for g in report["groups"]}
+    assert set(groups) == {None, "compile"}
+    for backend, costs in ((None, eager), ("compile", fast)):
+        group = groups[backend]
+        assert group["baseline"]["fast"] == backend and group["baseline"]["tag"] == "base"
+        assert group["costs"]["fast"] == backend and group["costs"]["file"] == str(paths[backend is not None])
+        mine = {t: [r for r in rows if r["tag"] == t and r["fast"] == backend] for t in ("base", "k2")}
+
+        def tps(tag, mine=mine):
+            return sum(r["n_generated"] for r in mine[tag]) / sum(r["wall_time_s"] for r in mine[tag])
+
+        entries = {e["tag"]: e for e in group["entries"]}
+        assert entries["k2"]["speedup"] == pytest.approx(tps("k2") / tps("base"))
+        n = sum(r["n_generated"] for r in mine["k2"])
+        predicted = costs.t_target / ((4 * 20 * costs.t_draft + 40 * costs.target_cost(3)) / n)
+        assert entries["k2"]["speedup_width_predicted"] == pytest.approx(predicted)
+    assert {e["method"] for e in groups[None]["entries"]} == {"target_only", "fixed_k", "hf_assisted"}
+    for e in groups["compile"]["entries"]:  # each fast method over its own eager run, paired over prompts
+        mine = [r for r in rows if r["tag"] == e["tag"] and r["fast"] == "compile"]
+        theirs = [r for r in rows if r["tag"] == e["tag"] and r["fast"] is None]
+        ratio = (sum(r["n_generated"] for r in mine) / sum(r["wall_time_s"] for r in mine)) / (
+            sum(r["n_generated"] for r in theirs) / sum(r["wall_time_s"] for r in theirs))
+        assert e["vs_eager"]["ratio"] == pytest.approx(ratio) and e["vs_eager"]["ci_n"] == 4
+        assert e["vs_eager"]["ci95"] == pytest.approx(paired_speedup_ci(mine, theirs))
+    assert all("vs_eager" not in e for e in groups[None]["entries"])
+    assert groups["compile"]["entries"][1]["speedup_width_predicted"] != pytest.approx(
+        groups[None]["entries"][1]["speedup_width_predicted"])  # the two paths' costs differ
+    text = report["text"]
+    fast_tps = groups["compile"]["baseline"]["tokens_per_s"]
+    assert f"Speedups are over target-only on the same path: fast=compile, 4 prompts, {fast_tps:.2f} tokens/s." in text
+    assert "Speedups are over target-only on the same path: eager (fast=null), 4 prompts" in text
+    assert f"costs measured fast=compile (`{paths[1]}`; t_draft 4.00 ms, t_target 40.00 ms)" in text
+    assert text.count("Machine: Test CPU, 2 cores.") == 2
+    k2 = groups["compile"]["entries"][1]["vs_eager"]
+    assert "Fast over eager, each method on fast=compile against its own eager run of the same prompts" in text
+    assert f"fixed_k k2 {k2['ratio']:.2f}x [{k2['ci95'][0]:.2f}, {k2['ci95'][1]:.2f}]†" in text
+    # eager costs only: the fast table gets no t_target(n) prediction and says which file is missing
+    only_eager = build_report(res.parent, tmp_path / "report_eager", costs=paths[0])
+    g = {g["fast"]: g for g in only_eager["groups"]}["compile"]
+    assert g["costs"] is None and g["costs_missing"] and all(e["speedup_width_predicted"] is None for e in g["entries"])
+    assert "none of the costs files was measured fast=compile" in only_eager["text"]
+    assert "python -m infer.costs --fast compile --costs-out FILE" in only_eager["text"]
+    with pytest.raises(ValueError, match="two costs files measured with fast=None"):
+        build_report(res.parent, tmp_path / "r2", costs=[paths[0], paths[0]])
+    # a fast table without fast target-only: no speedup, and the report says why
+    no_base = tmp_path / "no_base" / "run.jsonl"
+    no_base.parent.mkdir()
+    no_base.write_text("".join(json.dumps(r) + "\n" for r in rows if not (r["fast"] and r["method"] == "target_only")))
+    text = build_report(no_base.parent, tmp_path / "report_no_base")["text"]
+    assert "No target-only rows on this path (fast=compile): no measured speedup" in text
+    cli.main([str(res.parent), "--out", str(tmp_path / "cli"), "--costs", *map(str, paths)])  # --costs FILE FILE
+    assert "costs measured fast=compile" in capsys.readouterr().out
+
+
+def test_report_pairs_each_door_run_with_the_direct_decoder_of_the_same_policy(tmp_path):
+    """hf_custom (the decoder through transformers' generate) against the direct run with the same
+    policy and settings: the tokens/s ratio recomputed from the rows with its paired interval, and
+    the prompts whose tokens are equal; a door run without its direct run says so."""
+    from infer.summary import paired_speedup_ci
+
+    rng = np.random.default_rng(2)
+    rows, head = [], {"head": "heads/h", "head_sha": "abc", "threshold": 0.5}
+    for i in range(12):
+        noise = rng.uniform(0.9, 1.1)
+        for method, tag, settings, wall in (("fixed_k", "k2", {"k": 2}, 0.8), ("hf_custom", "k2", {"stop": "fixed_k", "k": 2}, 0.8),
+                                            ("specdecpp", "h_h0.5", head, 0.7),
+                                            ("hf_custom", "h_h0.5", {"stop": "specdecpp", **head}, 0.6),
+                                            ("hf_custom", "k3", {"stop": "fixed_k", "k": 3}, 0.8)):
+            row = _row(method, tag, settings, f"p{i}", 14, 12, 25, wall * noise * rng.uniform(0.99, 1.01))
+            row["output_ids"] = [i, 1] if (method, tag, i) != ("hf_custom", "k2", 3) else [i, 2]  # one prompt differs
+            rows.append(row)
+    res = tmp_path / "results" / "run.jsonl"
+    res.parent.mkdir()
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = build_report(res.parent, tmp_path / "report")
+    entries = {(e["method"], e["tag"]): e for e in report["groups"][0]["entries"]}
+    by = {key: [r for r in rows if (r["method"], r["tag"]) == key] for key in entries}
+
+    def tps(key):
+        return sum(r["n_generated"] for r in by[key]) / sum(r["wall_time_s"] for r in by[key])
+
+    k2 = entries["hf_custom", "k2"]["vs_direct"]
+    assert k2["tag"] == "k2" and k2["ratio"] == pytest.approx(tps(("hf_custom", "k2")) / tps(("fixed_k", "k2")))
+    assert k2["ci95"] == pytest.approx(paired_speedup_ci(by["hf_custom", "k2"], by["fixed_k", "k2"]))
+    assert k2["ci95"][0] < 1 < k2["ci95"][1] and (k2["same_tokens"], k2["n_compared"]) == (11, 12)
+    spp = entries["hf_custom", "h_h0.5"]["vs_direct"]
+    assert spp["ci95"][0] > 1 and (spp["same_tokens"], spp["n_compared"]) == (12, 12)
+    assert entries["hf_custom", "k3"]["vs_direct"] is None and "vs_direct" not in entries["fixed_k", "k2"]
+    text = report["report"].read_text()
+    assert f"- hf_custom k2: {k2['ratio']:.3f}x" in text and "over fixed_k k2 (not told apart); the same tokens on " \
+        "11 of 12 prompts" in text
+    assert "over specdecpp h_h0.5 (faster); the same tokens on 12 of 12 prompts" in text
+    assert "- hf_custom k3: no direct fixed_k run with these settings" in text
