@@ -92,9 +92,10 @@ def join_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> tor
 
 def trim_left(cache, mask: torch.Tensor) -> torch.Tensor:
     """Drop the leading cache columns that no row attends to (left by rows that finished)."""
-    if mask.shape[1] == 0 or not bool(mask.any()):
-        return mask[:, mask.shape[1]:]
-    first = int(mask.any(0).int().argmax())
+    if mask.shape[1] == 0:
+        return mask
+    # no row attends to any column: every column goes (the cache's with the mask's)
+    first = int(mask.any(0).int().argmax()) if bool(mask.any()) else mask.shape[1]
     if first > 0:
         for layer in cache.layers:
             if _filled(layer):

@@ -291,3 +291,26 @@ def test_bad_batch_arguments_are_clear_errors(cpu_pair32, kwargs, match):
     args = {"prompts": tensors(PROMPTS[:2], "cpu"), "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         dec.generate_batch(**args)
+
+
+def test_trim_left_drops_the_cache_columns_with_the_mask_columns():
+    """trim_left keeps the cache and the mask the same width: leading columns no row attends to go
+    from both, also when no row attends to any column."""
+    from transformers import DynamicCache
+
+    from specdecpp.decoders.batch import trim_left
+
+    def cache_of(width):
+        cache = DynamicCache()
+        cache.update(torch.randn(2, 1, width, 4), torch.randn(2, 1, width, 4), 0)
+        return cache
+
+    cache = cache_of(5)
+    keys = cache.layers[0].keys.clone()
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    kept = trim_left(cache, mask)
+    assert kept.tolist() == mask[:, 2:].tolist()
+    assert torch.equal(cache.layers[0].keys, keys[:, :, 2:])
+    cache = cache_of(3)
+    kept = trim_left(cache, torch.zeros(2, 3, dtype=torch.bool))
+    assert kept.shape == (2, 0) and cache.layers[0].keys.shape[2] == 0 and cache.layers[0].values.shape[2] == 0
