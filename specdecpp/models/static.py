@@ -103,6 +103,8 @@ log = logging.getLogger(__name__)
 TARGET_BUCKETS = (1, 2, 4, 8, 16, 32)
 DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs")
+GRAPHS_DEVICE_TYPES = ("cuda",)  # where fast="graphs" runs (tests add "cpu" beside a fake capture_graph)
+GRAPH_WARMUP = 3  # eager forwards on a side stream before a bucket's capture
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
 MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
 
@@ -113,11 +115,9 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
     static cache (:func:`check_static_model`) when ``fast`` is set."""
     if fast not in FAST_BACKENDS:
         raise ValueError(f"{where}: fast must be one of {', '.join(map(repr, FAST_BACKENDS))}, got {fast!r}")
-    if fast == "graphs":
-        device = None if device is None else torch.device(device)
-        need = "needs CUDA" if device is not None and device.type != "cuda" else "is not built yet (issue 33)"
-        raise ValueError(f"{where}: fast='graphs' {need}" + (f"; the models are on {device}" if device else "")
-                         + ". Use fast='compile' or 'static'")
+    if fast == "graphs" and device is not None and torch.device(device).type not in GRAPHS_DEVICE_TYPES:
+        raise ValueError(f"{where}: fast='graphs' needs CUDA (CUDA graphs); the models are on {torch.device(device)}. "
+                         "Use fast='compile' or 'static'")
     if fast is not None:
         for model in models:
             check_static_model(model)
@@ -127,7 +127,7 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
 def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
                buckets: tuple[int, ...] = TARGET_BUCKETS):
     """The runner the ``fast`` switch chooses (module docstring): ``None`` gives the eager
-    :class:`ModelRunner`, ``"static"`` / ``"compile"`` a :class:`StaticRunner`."""
+    :class:`ModelRunner`, ``"static"`` / ``"compile"`` / ``"graphs"`` a :class:`StaticRunner`."""
     if fast is None:
         return ModelRunner(model, vocab, want_hidden)
     return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
@@ -192,8 +192,8 @@ class CallRunners:
         tokens (one forward of each width; the steps are kept for the process) unless compiled
         already; with ``rows``, those of a batch call of at most ``rows`` rows at once instead
         (every batch bucket up to the one that holds ``rows``, times every width). Returns the
-        seconds it took (0 unless ``fast="compile"``)."""
-        if self.fast != "compile":
+        seconds it took (0 unless ``fast`` is "compile" or "graphs", whose buckets it captures)."""
+        if self.fast not in ("compile", "graphs"):
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
@@ -255,8 +255,8 @@ class StaticKV:
 
     is_compileable = True  # read by some transformers mask code; never reached with our 4-D masks
 
-    def __init__(self, config, size: int, dtype: torch.dtype, device) -> None:
-        self.keys, self.values = kv_buffers(config, 1, size, dtype, device)
+    def __init__(self, config, size: int, dtype: torch.dtype, device, buffers: tuple | None = None) -> None:
+        self.keys, self.values = buffers or kv_buffers(config, 1, size, dtype, device)  # buffers: a GraphSet's
         self.size, self.length = size, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -327,6 +327,9 @@ class _ModelSteps:
     compile_seconds: dict = field(default_factory=dict)
     warned_wide: bool = False
     warned_rows: bool = False
+    graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
+    capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds
+    captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -362,6 +365,119 @@ def compiled_step(model, step, key: tuple, name: str):
 
     steps.compiled[key] = first
     return first
+
+
+def capture_graph(run, pool, warmup: int = GRAPH_WARMUP):
+    """``run()`` (a forward over static input tensors; it returns a tuple of tensors) captured as a
+    ``torch.cuda.CUDAGraph`` in memory ``pool``, after ``warmup`` eager runs on a side stream (they
+    pick the kernels and fill the allocator before capture). Returns ``(replay, outputs)``:
+    ``replay()`` reruns the forward on whatever the static inputs hold and rewrites ``outputs``
+    (tensors of the pool: the next replay of any graph of the pool may overwrite them)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph.replay, outputs
+
+
+def stage_inputs(static: tuple, given: tuple) -> None:
+    """Copy a forward's ``given`` tensors into a captured step's ``static`` ones (the addresses its
+    graph reads), which must match them in shape and dtype (a bucket's key fixes both)."""
+    if len(static) != len(given):
+        raise ValueError(f"a captured step takes {len(static)} inputs, got {len(given)}")
+    for i, (dst, src) in enumerate(zip(static, given, strict=True)):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"input {i} of a captured step is {tuple(src.shape)} {src.dtype}; the graph was captured "
+                             f"for {tuple(dst.shape)} {dst.dtype}")
+        dst.copy_(src, non_blocking=True)
+
+
+def graph_outputs(replayed: bool, logits: torch.Tensor, hidden: torch.Tensor | None):
+    """What a runner hands out of a forward: ``logits`` and ``hidden`` (or None) as they are, or,
+    when they are views of a replayed graph's outputs (``replayed``), copies (the next replay would
+    overwrite them)."""
+    if not replayed:
+        return logits, hidden
+    return logits.clone(), None if hidden is None else hidden.clone()
+
+
+class CapturedStep:
+    """One bucket's step as a CUDA graph: built from a first forward's inputs (copied into static
+    tensors of its own), the step's ``fixed`` leading arguments (decoder, output layer, cache
+    argument, the cache over a :class:`GraphSet`'s buffers) run :data:`GRAPH_WARMUP` times eagerly,
+    then captured (:func:`capture_graph`). Calling it stages the inputs and replays; it returns the
+    graph's own outputs, which the next replay overwrites (the runners clone what they hand out).
+    Nothing of the Python forward is kept (no reference to the model)."""
+
+    def __init__(self, step, fixed: tuple, inputs: tuple, pool) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)
+        static = self.inputs
+
+        def run():
+            return step(*fixed, *static)
+
+        with torch.no_grad():
+            self.replay, self.outputs = capture_graph(run, pool)
+
+    def __call__(self, *inputs) -> tuple:
+        stage_inputs(self.inputs, inputs)
+        self.replay()
+        return self.outputs
+
+
+class GraphSet:
+    """What ``fast="graphs"`` keeps of a model for the whole process, per (buffer rows, cache
+    size, dtype): KV buffers at a static address (a CUDA graph reads and writes them by address:
+    rollback, compaction and row moves stay in place), the :class:`CapturedStep` of each bucket
+    over them, and one memory pool their graphs share (they never run at once; outputs are cloned
+    before the next replay). A runner leases a set (:func:`lease_graph_set`) for its lifetime; a
+    second live runner of the same model and size gets a set of its own (buffers and captures)."""
+
+    def __init__(self, config, rows: int, size: int, dtype: torch.dtype, device) -> None:
+        self.keys, self.values = kv_buffers(config, rows, size, dtype, device)
+        self.rows, self.size = rows, size
+        self.graphs: dict = {}
+        self.pool = None  # torch.cuda.graph_pool_handle(), taken at the first capture
+        self.owner = None  # weakref to the runner that holds the set
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
+
+    def run(self, steps: _ModelSteps, key: tuple, name: str, step, fixed: tuple, inputs: tuple) -> tuple:
+        """``step(*fixed, *inputs)`` through bucket ``key``'s graph, captured on its first use (timed
+        into ``steps.capture_seconds[key]``, counted in ``steps.captures``)."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            t0 = time.perf_counter()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+            try:
+                graph = CapturedStep(step, fixed, inputs, self.pool)
+            except RuntimeError as exc:
+                raise RuntimeError(f"fast='graphs': capturing {name} failed ({exc}); use fast='compile' or 'static'") from exc
+            self.graphs[key] = graph
+            steps.captures += 1
+            steps.capture_seconds[key] = time.perf_counter() - t0
+            log.info("captured %s in %.2f s", name, steps.capture_seconds[key])
+        return graph(*inputs)
+
+
+def lease_graph_set(model, owner, rows: int, size: int, dtype: torch.dtype, device) -> GraphSet:
+    """A free :class:`GraphSet` of ``model`` for ``rows`` buffer rows of ``size`` slots (a new one
+    if every such set is held by a live runner), now held by ``owner`` until it is garbage or
+    :meth:`release <GraphSet>`\ d by setting ``owner`` to None."""
+    sets = model_steps(model).graph_sets.setdefault((rows, size, dtype), [])
+    graph_set = next((s for s in sets if s.free()), None)
+    if graph_set is None:
+        graph_set = GraphSet(model.config, rows, size, dtype, device)
+        sets.append(graph_set)
+    graph_set.owner = weakref.ref(owner)
+    return graph_set
 
 
 def check_static_model(model) -> None:
@@ -411,7 +527,8 @@ class StaticModel(HiddenHook):
                  buckets: tuple[int, ...]) -> None:
         self.device = next(model.parameters()).device
         if fast is None:
-            raise ValueError(f"{type(self).__name__}: fast must be 'static' or 'compile' (fast=None is the eager runner)")
+            raise ValueError(f"{type(self).__name__}: fast must be 'static', 'compile' or 'graphs' (fast=None is the eager "
+                             "runner)")
         check_fast(type(self).__name__, fast, self.device, model)
         self.model, self.vocab, self.want_hidden, self.fast = model, vocab, want_hidden, fast
         self.buckets = check_buckets(buckets)
@@ -445,7 +562,12 @@ class StaticRunner(StaticModel):
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
         super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
-        self.cache = StaticKV(model.config, self.max_len + self.buckets[-1], self.dtype, self.device)
+        size = self.max_len + self.buckets[-1]
+        buffers = None
+        if fast == "graphs":  # the buffers the captured graphs of this model and size read (static addresses)
+            self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
+            buffers = (self.graph_set.keys, self.graph_set.values)
+        self.cache = StaticKV(model.config, size, self.dtype, self.device, buffers)
 
     @property
     def length(self) -> int:
@@ -476,7 +598,8 @@ class StaticRunner(StaticModel):
                                            slots, mask)
         self.cache.length = start + n
         rows = slice(n - n_logits, n)
-        return logits[rows, : self.vocab], hidden[rows] if self.want_hidden else None
+        return graph_outputs(self.fast == "graphs" and width in self.buckets, logits[rows, : self.vocab],
+                             hidden[rows] if self.want_hidden else None)
 
     def _mask(self, n: int, width: int, allowed: torch.Tensor | None) -> torch.Tensor:
         """The additive mask [1, 1, width, size]: real rows see the cache causally (or as
@@ -497,9 +620,13 @@ class StaticRunner(StaticModel):
         return mask.masked_fill_(~grid, self.mask_min)[None, None]
 
     def _step(self, width: int):
-        """The step for a forward of ``width`` tokens: eager, or this bucket's compiled step."""
-        if self.fast != "compile" or width not in self.buckets:
+        """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
+        if self.fast not in ("compile", "graphs") or width not in self.buckets:
             return static_step
+        if self.fast == "graphs":
+            key = ("graphs", width, self.cache.size)
+            return lambda *args: self.graph_set.run(self.steps, key, f"static_step_w{width}_s{self.cache.size}",
+                                                    static_step, args[:4], args[4:])
         return compiled_step(self.model, static_step, (width, self.cache.size),
                              f"static_step_w{width}_s{self.cache.size}")
 
@@ -585,7 +712,14 @@ class StaticBatchRunner(StaticModel):
         capacity = next((b for b in self.batch_buckets if b >= rows), rows)
         if capacity <= self.capacity:
             return
-        keys, values = kv_buffers(self.model.config, capacity, self.size, self.dtype, self.device)
+        if self.fast == "graphs":  # a leased set of that many rows (static addresses); the old one is released
+            old_set = getattr(self, "graph_set", None)
+            self.graph_set = lease_graph_set(self.model, self, capacity, self.size, self.dtype, self.device)
+            keys, values = self.graph_set.keys, self.graph_set.values
+            if old_set is not None:
+                old_set.owner = None
+        else:
+            keys, values = kv_buffers(self.model.config, capacity, self.size, self.dtype, self.device)
         for new, old in zip((*keys, *values), (*self.keys, *self.values), strict=False):
             new[: self.capacity] = old
         self.keys, self.values, self.capacity = keys, values, capacity
@@ -617,7 +751,7 @@ class StaticBatchRunner(StaticModel):
             lengths[slot], real[slot] = self.lengths[b], m[b]
             if m[b]:
                 ids[slot, : m[b]] = chunk
-        compiled = self.fast == "compile" and batch in self.batch_buckets and padded in self.buckets
+        compiled = self.fast in ("compile", "graphs") and batch in self.batch_buckets and padded in self.buckets
         logits, hidden = self._forward(ids, lengths, real, None, compiled)
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
         keep = width if n_logits is None else min(n_logits, width)
@@ -625,7 +759,7 @@ class StaticBatchRunner(StaticModel):
             order = torch.tensor(self.slot_of, device=self.device)
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
         logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
-        return logits, hidden if self.want_hidden else None
+        return graph_outputs(compiled and self.fast == "graphs", logits, hidden if self.want_hidden else None)
 
     def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
                  compiled: bool):
@@ -646,6 +780,10 @@ class StaticBatchRunner(StaticModel):
         else:
             window = RowWindow(self.keys, self.values, rows)
         step = batch_step
+        if compiled and self.fast == "graphs":
+            key, args = ("graphs", width, self.size, batch), (ids, positions, slots, mask)
+            return self.graph_set.run(self.steps, key, f"batch_step_b{batch}_w{width}_s{self.size}", batch_step,
+                                      (self.decoder, self.head, self.cache_arg, window), args)
         if compiled:
             key = (width, self.size, batch)
             step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}")
