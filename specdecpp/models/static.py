@@ -469,8 +469,8 @@ class GraphSet:
 
 def lease_graph_set(model, owner, rows: int, size: int, dtype: torch.dtype, device) -> GraphSet:
     """A free :class:`GraphSet` of ``model`` for ``rows`` buffer rows of ``size`` slots (a new one
-    if every such set is held by a live runner), now held by ``owner`` until it is garbage or
-    :meth:`release <GraphSet>`\ d by setting ``owner`` to None."""
+    if every such set is held by a live runner), now held by ``owner`` until the runner is garbage
+    (or the set's ``owner`` is set to None)."""
     sets = model_steps(model).graph_sets.setdefault((rows, size, dtype), [])
     graph_set = next((s for s in sets if s.free()), None)
     if graph_set is None:

@@ -1,0 +1,165 @@
+"""fast='graphs' (specdecpp.models.static: CUDA graphs per bucket over leased KV buffers). On CUDA
+(marked ``gpu``) the real capture; on the CPU the same bookkeeping with :func:`capture_graph`
+replaced by a fake whose replay rewrites the captured outputs in place, as a CUDA graph's does (so
+a runner that handed out uncloned outputs would fail here): the logits equal the static and
+dynamic runners' after random feeds, rollbacks and compactions (one row and batches), each bucket
+is captured once per process and never again after a warm-up, a second live runner gets buffers
+of its own, and 'graphs' is refused on a CPU with the device named."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdecpp.decoders.batch import BatchRunner
+from specdecpp.models import static
+from specdecpp.models.runner import ModelRunner
+from specdecpp.models.static import CallRunners, StaticBatchRunner, StaticRunner, model_steps, stage_inputs
+from tests.helpers.tiny import tiny_lm
+from tests.models.test_static_batch_runner import run_random
+from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
+
+DEVICES = [pytest.param("cpu", id="cpu-fake"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def fake_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
+    """A CPU stand-in for a CUDA graph: the outputs are fixed tensors that every replay rewrites."""
+    for _ in range(warmup):
+        run()
+    outputs = run()
+
+    def replay():
+        with torch.no_grad():
+            for out, new in zip(outputs, run(), strict=True):
+                out.copy_(new)
+
+    return replay, outputs
+
+
+@pytest.fixture
+def graphs_on(monkeypatch):
+    """``graphs_on(device)``: the device's model setup for fast='graphs' (the fake on a CPU)."""
+    def setup(device: str) -> None:
+        if device == "cpu":
+            monkeypatch.setattr(static, "GRAPHS_DEVICE_TYPES", ("cuda", "cpu"))
+            monkeypatch.setattr(static, "capture_graph", fake_capture)
+    return setup
+
+
+def fresh(device: str, seed: int = 5):
+    return on(device, tiny_lm(VOCAB, 32, 2, seed=seed, scale=0.6))  # a model of its own: its captures start at 0
+
+
+def test_graphs_refused_on_cpu():
+    model = tiny_lm(VOCAB, 32, 2, seed=5, scale=0.6)
+    for build in (lambda: StaticRunner(model, VOCAB, want_hidden=False, fast="graphs"),
+                  lambda: StaticBatchRunner(model, VOCAB, want_hidden=False, fast="graphs"),
+                  lambda: CallRunners("graphs", (model,))(64)(model, VOCAB, False)):
+        with pytest.raises(ValueError, match="fast='graphs' needs CUDA \\(CUDA graphs\\); the models are on cpu"):
+            build()
+    assert static.check_fast("infer", "graphs") == "graphs"  # the device not known yet: checked when models load
+
+
+def test_stage_inputs_checks_shape_and_dtype():
+    dst = (torch.zeros(4, dtype=torch.long), torch.zeros(1, 1, 4, 8))
+    stage_inputs(dst, (torch.arange(4), torch.ones(1, 1, 4, 8)))
+    assert dst[0].tolist() == [0, 1, 2, 3] and bool((dst[1] == 1).all())
+    with pytest.raises(ValueError, match="input 0 of a captured step is \\(2,\\) torch.int64; the graph was captured "
+                       "for \\(4,\\)"):
+        stage_inputs(dst, (torch.arange(2), torch.ones(1, 1, 4, 8)))
+    with pytest.raises(ValueError, match="input 1 .* torch.float16"):
+        stage_inputs(dst, (torch.arange(4), torch.ones(1, 1, 4, 8, dtype=torch.float16)))
+    with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
+        stage_inputs(dst, (torch.arange(4),))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_graphs_match_the_static_and_dynamic_runners(graphs_on, device, seed):
+    graphs_on(device)
+    model = fresh(device)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    runners = [ModelRunner(model, VOCAB, want_hidden=True),
+               StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN),
+               StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, fast="graphs"),
+               StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="graphs")]
+    with runners[0]:
+        run_both(rng, model, runners, device, steps=40)
+    steps = model_steps(model)
+    assert steps.captures == len(steps.capture_seconds) > 0
+    assert {len(s) for s in steps.graph_sets.values()} == {1}  # two live runners of two sizes: a set each
+    assert runners[2].cache.keys[0].data_ptr() == runners[2].graph_set.keys[0].data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_outputs_are_cloned(graphs_on, device):
+    """Logits handed out survive the next replay of the same bucket (the graph's outputs do not)."""
+    graphs_on(device)
+    model = fresh(device)
+    runner = StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="graphs")
+    first, first_hidden = runner.feed(torch.tensor([3], device=device))
+    kept, kept_hidden = first.clone(), first_hidden.clone()
+    runner.feed(torch.tensor([9], device=device))
+    torch.testing.assert_close(first, kept, atol=0, rtol=0)
+    torch.testing.assert_close(first_hidden, kept_hidden, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_bucket_captured_once_then_never(graphs_on, device):
+    """warm_up captures every bucket once; later runners (one at a time) lease the same buffers and
+    graphs and capture nothing, across every bucket; a second live runner gets a set of its own."""
+    graphs_on(device)
+    model = fresh(device)
+    runners = CallRunners("graphs", (model,))
+    runners.warm_up(40, [(model, (1, 2, 4))])
+    steps = model_steps(model)
+    assert steps.captures == 3
+    for seed in (0, 1):
+        graph_runner = runners(40, (1, 2, 4))(model, VOCAB, True)
+        ref = StaticRunner(model, VOCAB, want_hidden=True, max_len=graph_runner.max_len, buckets=(1, 2, 4))
+        run_both(random.Random(seed), model, [ref, graph_runner], device, steps=30)
+        del graph_runner
+    assert steps.captures == 3
+    held = runners(40, (1, 2, 4))(model, VOCAB, True)
+    other = runners(40, (1, 2, 4))(model, VOCAB, True)
+    assert other.graph_set is not held.graph_set
+    other.feed(torch.zeros(2, dtype=torch.long, device=device))
+    assert steps.captures == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batch_graphs_match_the_eager_batch_runner(graphs_on, device, seed):
+    graphs_on(device)
+    model = fresh(device)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    runners = [BatchRunner(model, VOCAB, want_hidden=True),
+               StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, rows=3, fast="graphs")]
+    with runners[0]:
+        run_random(rng, runners, device, steps=60, max_rows=6)
+    graph_runner, steps = runners[1], model_steps(model)
+    assert graph_runner.capacity == 8 and graph_runner.graph_set.rows == 8
+    assert graph_runner.keys[0].data_ptr() == graph_runner.graph_set.keys[0].data_ptr()
+    assert graph_runner.n_moved_rows > 0 and steps.captures > 0
+    assert steps.graph_sets[(4, graph_runner.size, graph_runner.dtype)][0].free()  # released when it grew
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_buckets_captured_once_after_warm_up(graphs_on, device):
+    graphs_on(device)
+    model = fresh(device)
+    runners = CallRunners("graphs", (model,))
+    runners.warm_up(40, [(model, (1, 2))], rows=2)
+    steps = model_steps(model)
+    assert steps.captures == 4  # batches 1, 2 x widths 1, 2
+    for seed in (0, 1):
+        ref = BatchRunner(model, VOCAB, want_hidden=True)
+        graph_runner = runners.batch(40, (1, 2), rows=2)(model, VOCAB, True)
+        with ref:
+            run_random(random.Random(seed), [ref, graph_runner], device, steps=30, max_rows=2)
+        del graph_runner
+    assert steps.captures == 4
