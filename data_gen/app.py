@@ -30,7 +30,7 @@ from specdecpp.data.labels import (
 )
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.decoders.cascade import Cascade
-from specdecpp.models.loading import eos_token_ids, load_pair
+from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
 from specdecpp.models.static import check_fast
 
 from .plan import (
@@ -151,7 +151,8 @@ def _check_settings(cfg: DictConfig) -> None:
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    check_fast("data_gen", cfg.get("fast"))
+    fast = cfg.get("fast")
+    check_fast("data_gen", fast, resolve_device(cfg.pair.get("device", "auto")) if fast == "graphs" else None)
 
 
 def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[Shard],

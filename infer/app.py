@@ -23,7 +23,7 @@ from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import machine_description
 from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
-from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair
+from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair, resolve_device
 from specdecpp.models.reduced_vocab import output_vocab_size
 from specdecpp.models.static import check_fast
 
@@ -125,14 +125,14 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
 
 
 def job_fast(cfg, spec: MethodSpec) -> str | None:
-    """``fast`` for this method: checked (a bad value, ``graphs`` not built and PEARL compiled are
+    """``fast`` for this method: checked (a bad value, ``graphs`` off CUDA and PEARL compiled are
     refused), None for a method that does not decode with our engine's runners (hf_assisted,
     hf_custom, oracle: they ignore it, and their rows say fast: null)."""
     fast = cfg.get("fast")
     if isinstance(fast, ListConfig | list):
         raise ValueError(f"fast={list(fast)}: one run takes one fast path; python -m infer.sweep runs every method "
                          "on each path of a list (make bench-fast)")
-    fast = check_fast("infer", fast)
+    fast = check_fast("infer", fast, resolve_device(cfg.pair.get("device", "auto")) if fast == "graphs" else None)
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
                  spec.name, fast)

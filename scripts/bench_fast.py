@@ -175,9 +175,15 @@ def methods(args, draft) -> dict:
 
 
 def compile_record(models: dict) -> dict:
-    """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket)."""
-    return {f"{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else ""): sec
-            for role, m in models.items() for key, sec in model_steps(m).compile_seconds.items()}
+    """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket);
+    per captured step (--fast graphs: warm-up and capture) the same, prefixed "graphs "."""
+    out = {}
+    for role, m in models.items():
+        steps = model_steps(m)
+        for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
+            tag, key = ("graphs ", key[1:]) if key[0] == "graphs" else ("", key)
+            out[f"{tag}{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else "")] = sec
+    return out
 
 
 def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
@@ -447,7 +453,7 @@ def batch_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fast", choices=["static", "compile"], nargs="+", default=["compile"],
+    ap.add_argument("--fast", choices=["static", "compile", "graphs"], nargs="+", default=["compile"],
                     help="the fast backend (default compile); with --batch one or more")
     ap.add_argument("--batch", type=int, nargs="+", help="measure generate_batch and data_gen's sampling at these "
                     "batch sizes instead (module docstring)")

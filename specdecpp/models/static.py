@@ -116,7 +116,7 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
     if fast not in FAST_BACKENDS:
         raise ValueError(f"{where}: fast must be one of {', '.join(map(repr, FAST_BACKENDS))}, got {fast!r}")
     if fast == "graphs" and device is not None and torch.device(device).type not in GRAPHS_DEVICE_TYPES:
-        raise ValueError(f"{where}: fast='graphs' needs CUDA (CUDA graphs); the models are on {torch.device(device)}. "
+        raise ValueError(f"{where}: fast='graphs' needs CUDA; the models are on {torch.device(device)}. "
                          "Use fast='compile' or 'static'")
     if fast is not None:
         for model in models:

@@ -86,17 +86,19 @@ DECODERS = {
 # The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
 # and, slow (each width compiles once per process, seconds each), with its forwards compiled
 # (``-fast_compile``; PEARL refuses it). Batches run on the static batch runner (static cache of
-# per-row lengths, (batch, width) buckets).
+# per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) runs on
+# CUDA only: marked ``gpu``, its CPU cases skipped (``on``).
 FAST_SLOW = {"static": False, "compile": True}
 for _name in list(DECODERS):
-    for _fast in FAST_SLOW:
+    for _fast in (*FAST_SLOW, "graphs"):
         if _fast in PEARLDecoder.FAST or not _name.startswith("pearl"):
             DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(DECODERS[_name], fast=_fast)
 
 
 def registry(slow=lambda name: False) -> list:
     """The registry's names as parameters, marked ``slow`` where ``slow(name)`` or compiled."""
-    return [pytest.param(n, marks=pytest.mark.slow) if slow(n) or n.endswith("-fast_compile") else n for n in DECODERS]
+    return [pytest.param(n, marks=pytest.mark.gpu) if n.endswith("-fast_graphs") else
+            pytest.param(n, marks=pytest.mark.slow) if slow(n) or n.endswith("-fast_compile") else n for n in DECODERS]
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
 
@@ -143,8 +145,11 @@ def cpu_pair32():
     return draft, target, heads
 
 
-def on(device: str, pair):
-    """The pair and heads on ``device`` (copies; the CPU originals stay for the references)."""
+def on(device: str, pair, name: str = ""):
+    """The pair and heads on ``device`` (copies; the CPU originals stay for the references); a
+    ``-fast_graphs`` decoder ``name`` runs on CUDA only (its CPU refusal: test_fast_decoders.py)."""
+    if device == "cpu" and name.endswith("-fast_graphs"):
+        pytest.skip("fast='graphs' needs CUDA")
     if device == "cpu":
         return pair
     draft, target, heads = pair
@@ -168,7 +173,7 @@ def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: in
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", registry())
 def test_greedy_equals_target_greedy(cpu_pair32, name, device):
-    draft, target, heads = on(device, cpu_pair32)
+    draft, target, heads = on(device, cpu_pair32, name)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
     cpu_target = cpu_pair32[1]
     for prompt, n in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21)):
@@ -188,8 +193,8 @@ SAMPLINGS = [
 # compiled variants; on the CPU, make test samples the paper head and one decoder of each other kind
 # (one on the fast path), make test-full all of them
 @pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
-    [pytest.param(n, id=n, marks=pytest.mark.slow if n.startswith("batch") or n.endswith("-fast_compile") else ())
-     for n in DECODERS],
+    [pytest.param(n, id=n, marks=pytest.mark.gpu if n.endswith("-fast_graphs") else pytest.mark.slow
+                  if n.startswith("batch") or n.endswith("-fast_compile") else ()) for n in DECODERS],
     SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
                               "sequoia-two_level-T0.8-top3-eos2", "chain-svip-fast_static-T1"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
@@ -197,7 +202,7 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
     warped distribution. Chains generate 4, so a first round may draft 3 and the adaptive policies'
     stop decisions vary inside the window (checked); PEARL generates 3, so pending drafts are cut
     at the length limit."""
-    draft, target, heads = on(device, cpu_pair6)
+    draft, target, heads = on(device, cpu_pair6, name)
     expected = exact_distribution(cpu_pair6[1], PROMPT, 3, sampling, eos)
     decoder = DECODERS[name](draft, target, sampling, heads)
     g = torch.Generator().manual_seed(1234)
@@ -221,7 +226,7 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", registry())
 def test_same_seed_same_output(cpu_pair32, name, device):
-    draft, target, heads = on(device, cpu_pair32)
+    draft, target, heads = on(device, cpu_pair32, name)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
 
     def run(seed):
@@ -243,7 +248,7 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 def test_caches_after_many_rounds_equal_fresh_prefill(cpu_pair32, name, sampling, device):
     """After many rounds of rollbacks, each model's cache equals a fresh prefill of the tokens it
     holds (the target: every committed token but the newest; the draft: at most that)."""
-    draft, target, heads = on(device, cpu_pair32)
+    draft, target, heads = on(device, cpu_pair32, name)
     decoder = DECODERS[name](draft, target, sampling, heads)
     out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40,
                            generator=torch.Generator().manual_seed(3), return_caches=True)

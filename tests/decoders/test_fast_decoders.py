@@ -52,6 +52,9 @@ def test_every_constructor_checks_fast(pair):
         PEARLDecoder(draft, target, 2, fast="compile")
     with pytest.raises(ValueError, match="PEARLDecoder: fast='compile'"):
         PEARLDecoder.check_settings(2, 1, None, "compile")  # what configs run before the models load
+    with pytest.raises(ValueError, match="PEARLDecoder: fast='graphs' is not supported: PEARL runs the draft on a "
+                                         "second thread"):
+        PEARLDecoder.check_settings(2, 1, None, "graphs")  # refused as compile is, whatever the device
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
