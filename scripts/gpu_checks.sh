@@ -9,13 +9,16 @@
 #   bench    the benchmark on CUDA at a reduced size: costs, Sequoia's tree, every method, report
 #   pearl    PEARL (draft and target on two CUDA streams) against target-only and fixed K
 #   batch    batches of 1, 4, 16 on CUDA
-#   fast     the fast path (docs/engine.md), within 8 minutes and without the GGUF: the CUDA twins of the fast
-#            exactness tests (batches too) and of the static runners' (pytest -m gpu -k "fast or static_runner or
-#            static_batch": fast_static and, compiled on tiny models, fast_compile; at most 3.5 min), then
-#            scripts/bench_fast.py --random (the demo
-#            configs, random weights) with fast=compile: t_target(1, 2, 4, 8) and t_draft eager against compiled, the
-#            weight-read floor, target-only / fixed K 1-3 / SVIP eager against compiled, greedy equality and the
-#            compile time (at most 4 min; JSON in $LOGS/bench_fast_cuda.json). fast=graphs is not built yet.
+#   fast     the fast path (docs/engine.md), within 8 minutes and without the GGUF: first scripts/bench_fast.py
+#            --random (the demo configs, random weights) with fast=graphs (CUDA graphs, captured per bucket on first
+#            use: no compiling): t_target(1, 2, 4, 8) and t_draft eager against graphs, the weight-read floor,
+#            target-only / fixed K 1-3 / SVIP eager against graphs, greedy equality and the capture time (at most
+#            2 min; JSON in $LOGS/bench_fast_graphs_cuda.json); then the CUDA twins of the fast exactness tests
+#            (batches too), of the static runners' and of the graphs backend's (pytest -m gpu -k "fast or
+#            static_runner or static_batch or graphs": fast_static, fast_graphs and, compiled on tiny models,
+#            fast_compile; at most 3 min); then the same benchmark with fast=compile (eager against compiled and the
+#            compile time; at most 3 min; JSON in $LOGS/bench_fast_cuda.json). (--random has no trained head: a
+#            head's eager/fast run needs the demo pair, `bench_fast.py --head DIR --fast graphs` after `pair`.)
 # Every stage writes its log to $LOGS (default reports/gpu) and resumes where an earlier call stopped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,10 +79,14 @@ for stage in "$@"; do
     fast)
         workers=()
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
-        STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-210} run fast-tests $PY -m pytest -m gpu -k "fast or static_runner or static_batch" \
-            -q -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py \
-            tests/models/test_static_runner.py tests/models/test_static_batch_runner.py tests/decoders/test_fast_decoders.py
-        STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-260} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
+        STAGE_TIMEOUT=${FAST_GRAPHS_TIMEOUT:-120} run fast-bench-graphs $PY scripts/bench_fast.py --random --device cuda \
+            --fast graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
+            --out "$LOGS/bench_fast_graphs_cuda.json"
+        STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-180} run fast-tests $PY -m pytest -m gpu \
+            -k "fast or static_runner or static_batch or graphs" -q -p no:cacheprovider "${workers[@]}" --durations=10 \
+            tests/decoders/test_exactness.py tests/models/test_static_runner.py tests/models/test_static_batch_runner.py \
+            tests/models/test_graphs.py tests/decoders/test_fast_decoders.py
+        STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-180} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
     *)

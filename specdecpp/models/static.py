@@ -448,9 +448,12 @@ class GraphSet:
     def free(self) -> bool:
         return self.owner is None or self.owner() is None
 
-    def run(self, steps: _ModelSteps, key: tuple, name: str, step, fixed: tuple, inputs: tuple) -> tuple:
-        """``step(*fixed, *inputs)`` through bucket ``key``'s graph, captured on its first use (timed
-        into ``steps.capture_seconds[key]``, counted in ``steps.captures``)."""
+    def run(self, steps: _ModelSteps, key: tuple, name: str, step, *args) -> tuple:
+        """``step(*args)`` through bucket ``key``'s graph, captured on its first use (timed into
+        ``steps.capture_seconds[key]``, counted in ``steps.captures``): the first 4 arguments
+        (decoder, output layer, cache argument, cache) are fixed by the capture, the others are
+        tensors staged into it. (Holds no runner: a runner's steps refer to it without a cycle.)"""
+        fixed, inputs = args[:4], args[4:]
         graph = self.graphs.get(key)
         if graph is None:
             t0 = time.perf_counter()
@@ -556,14 +559,14 @@ class StaticModel(HiddenHook):
 
 class StaticRunner(StaticModel):
     """One model over a :class:`StaticKV` of ``max_len`` tokens, forwards padded to ``buckets``
-    (module docstring). ``fast`` is ``"static"`` (eager) or ``"compile"``. Same interface as
+    (module docstring). ``fast`` is ``"static"`` (eager), ``"compile"`` or ``"graphs"``. Same interface as
     :class:`ModelRunner`."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
         super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
         size = self.max_len + self.buckets[-1]
-        buffers = None
+        buffers, self._graph_steps = None, {}
         if fast == "graphs":  # the buffers the captured graphs of this model and size read (static addresses)
             self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
             buffers = (self.graph_set.keys, self.graph_set.values)
@@ -623,10 +626,11 @@ class StaticRunner(StaticModel):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
         if self.fast not in ("compile", "graphs") or width not in self.buckets:
             return static_step
-        if self.fast == "graphs":
-            key = ("graphs", width, self.cache.size)
-            return lambda *args: self.graph_set.run(self.steps, key, f"static_step_w{width}_s{self.cache.size}",
-                                                    static_step, args[:4], args[4:])
+        if self.fast == "graphs":  # one callable per bucket (as the compiled steps: meters key on it)
+            if width not in self._graph_steps:
+                key, name = ("graphs", width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
+                self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, key, name, static_step)
+            return self._graph_steps[width]
         return compiled_step(self.model, static_step, (width, self.cache.size),
                              f"static_step_w{width}_s{self.cache.size}")
 
@@ -783,7 +787,7 @@ class StaticBatchRunner(StaticModel):
         if compiled and self.fast == "graphs":
             key, args = ("graphs", width, self.size, batch), (ids, positions, slots, mask)
             return self.graph_set.run(self.steps, key, f"batch_step_b{batch}_w{width}_s{self.size}", batch_step,
-                                      (self.decoder, self.head, self.cache_arg, window), args)
+                                      self.decoder, self.head, self.cache_arg, window, *args)
         if compiled:
             key = (width, self.size, batch)
             step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}")

@@ -16,7 +16,13 @@ import torch
 from specdecpp.decoders.batch import BatchRunner
 from specdecpp.models import static
 from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import CallRunners, StaticBatchRunner, StaticRunner, model_steps, stage_inputs
+from specdecpp.models.static import (
+    CallRunners,
+    StaticBatchRunner,
+    StaticRunner,
+    model_steps,
+    stage_inputs,
+)
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
 from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
