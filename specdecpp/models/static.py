@@ -8,7 +8,8 @@
 - ``"static"``: :class:`StaticRunner`, every forward run eagerly (no compilation).
 - ``"compile"``: the same forwards through ``torch.compile(fullgraph=True, dynamic=False)``, one
   compiled step per bucket, compiled lazily on its first use (inductor on CPU).
-- ``"graphs"``: CUDA graphs per bucket; not built yet (refused with a ValueError).
+- ``"graphs"`` (CUDA only; elsewhere a ValueError naming the device): the same steps run eagerly
+  and captured as ``torch.cuda.CUDAGraph``\s per bucket (below).
 
 What is owned: :class:`StaticKV`, a plain object (not a transformers ``Cache``) that Llama-style
 models take as their cache. Per layer it preallocates keys and values [1, kv_heads, size, head_dim]
@@ -78,8 +79,20 @@ batch bucket, or a wider forward than the largest width bucket, runs unpadded an
 says so once per model. What it costs, beyond the one-row runner's: each forward attends over all
 ``size`` slots of every row, also the padding rows, and the step computes logits for every column.
 
-Not done yet: the ``graphs`` backend (a static address for the buffers, warm-up, capture, cloned
-outputs).
+CUDA graphs (``fast="graphs"``): a graph replays kernels on fixed addresses, so the KV buffers of
+a model and size live in a :class:`GraphSet` kept for the process (with each bucket's
+:class:`CapturedStep` and one memory pool), leased by one live runner at a time
+(:func:`lease_graph_set`; a second live runner gets a set of its own). Rollback moves lengths,
+compaction and a batch's row moves are in-place index copies, and a growing batch runner leases
+the larger set. A bucket is captured lazily on its first forward (or by ``CallRunners.warm_up``):
+the forward's tensors are copied into the step's static inputs, the eager step runs
+:data:`GRAPH_WARMUP` times on a side stream, then is captured (:func:`capture_graph`) and
+replayed; later forwards stage their inputs (:func:`stage_inputs`) and replay. The outputs of a
+replay are overwritten by the next, so the runners return copies of the rows they hand out
+(:func:`graph_outputs`). Capture time per bucket goes to ``model_steps(model).capture_seconds``
+and a count of captures to ``.captures``. PEARL refuses it (two threads). On a CPU the tests put a
+fake in :func:`capture_graph`'s place (tests/models/test_graphs.py); the real capture is tested
+only under ``gpu`` and not yet measured.
 """
 
 from __future__ import annotations
