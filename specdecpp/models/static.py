@@ -9,7 +9,7 @@
 - ``"compile"``: the same forwards through ``torch.compile(fullgraph=True, dynamic=False)``, one
   compiled step per bucket, compiled lazily on its first use (inductor on CPU).
 - ``"graphs"`` (CUDA only; elsewhere a ValueError naming the device): the same steps run eagerly
-  and captured as ``torch.cuda.CUDAGraph``\s per bucket (below).
+  and captured as ``torch.cuda.CUDAGraph`` objects per bucket (below).
 
 What is owned: :class:`StaticKV`, a plain object (not a transformers ``Cache``) that Llama-style
 models take as their cache. Per layer it preallocates keys and values [1, kv_heads, size, head_dim]
