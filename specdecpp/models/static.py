@@ -211,6 +211,7 @@ class CallRunners:
         t0 = time.perf_counter()
         with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
             for model, buckets in plan:
+                runner = None  # under graphs, the last model's runner releases its buffers before the next leases
                 if rows is None:
                     runner = self(tokens, buckets)(model, 1, False)
                     for width in runner.buckets:
