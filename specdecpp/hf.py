@@ -146,6 +146,26 @@ def split_processors(logits_processor, do_sample: bool) -> tuple[list, SamplingC
     return processors, sampling, kept_warpers
 
 
+def drop_spent(processors: list, width: int) -> list:
+    """``processors`` without those that change nothing at any prefix of at least ``width`` tokens
+    (the call's padded prompt width): a minimum length already reached. ``generate`` builds them
+    whenever ``min_length`` / ``min_new_tokens`` is set, e.g. to 0, and applying them at every
+    position of both models costs time for nothing."""
+    from transformers.generation.logits_process import (
+        MinLengthLogitsProcessor,
+        MinNewTokensLengthLogitsProcessor,
+    )
+
+    def spent(p) -> bool:
+        if type(p) is MinLengthLogitsProcessor:
+            return width >= p.min_length
+        if type(p) is MinNewTokensLengthLogitsProcessor:
+            return width - p.prompt_length_to_skip >= p.min_new_tokens
+        return False
+
+    return [p for p in processors if not spent(p)]
+
+
 def _warper_setting(p, key: str):
     """The SamplingConfig value of a warper that :func:`~specdecpp.core.sampling.warp` reproduces."""
     if getattr(p, "filter_value", -math.inf) != -math.inf:
@@ -418,6 +438,7 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, generation_
     max_new = (max_length - width) if max_length is not None else None
     if max_new is None:
         raise ValueError("give max_new_tokens=... or max_length=...")
+    processors = drop_spent(processors, width)
     rows = Rows(input_ids, lengths, processors, criteria)
     record = bool(generation_config.return_dict_in_generate and
                   (generation_config.output_scores or generation_config.output_logits))

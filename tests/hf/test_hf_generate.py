@@ -443,3 +443,26 @@ def test_greedy_equals_plain_generate_on_cuda(pair):
             assert out.tolist() == ref.tolist(), name
     finally:
         pair.target.to("cpu"), pair.draft.to("cpu")
+
+
+def test_minimum_length_processors_are_dropped_once_spent():
+    """A minimum length the prompt already reaches changes no scores at any later prefix: the door
+    drops it (generate builds one whenever min_length / min_new_tokens is set, even to 0); one still
+    to reach is kept and applied."""
+    from transformers.generation.logits_process import (
+        MinLengthLogitsProcessor,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
+
+    spent_len, live_len = MinLengthLogitsProcessor(5, eos_token_id=0), MinLengthLogitsProcessor(9, eos_token_id=0)
+    spent_new = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=8, min_new_tokens=0, eos_token_id=0)
+    live_new = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=8, min_new_tokens=3, eos_token_id=0)
+    penalty = RepetitionPenaltyLogitsProcessor(1.3)
+    kept = hf.drop_spent([spent_len, live_len, spent_new, live_new, penalty], width=8)
+    assert kept == [live_len, live_new, penalty]
+    scores, prefix = torch.randn(1, 6), torch.arange(8).unsqueeze(0) % 6
+    for p in (spent_len, spent_new):  # what was dropped indeed changes nothing from the prompt on
+        for extra in range(4):
+            ids = torch.cat([prefix, torch.ones(1, extra, dtype=torch.long)], 1)
+            assert torch.equal(p(ids, scores), scores)
