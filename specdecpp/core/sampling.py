@@ -75,6 +75,12 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+SAMPLER = "inverse_cdf"
+"""The name of :func:`sample`'s draw. data_gen records it in a dataset's meta: a change of draw changes
+every seeded output, so a dataset is not resumed under another (before it was recorded, the draw was
+``torch.multinomial``)."""
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token id per row of ``probs`` ([..., V] -> [...]), row ``i`` with probability
     ``probs[i] / probs.sum()``; ``generator=None`` uses torch's global generator.
