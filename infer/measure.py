@@ -8,10 +8,10 @@ import torch
 from tqdm import tqdm
 
 from specdecpp import SamplingConfig, load_pair, warp
-from specdecpp.core.sampling import sample
 from specdecpp.analysis.costmodel import Costs, fixed_k_speedup
 from specdecpp.core.attention import decode_attention
 from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.sampling import sample
 from specdecpp.core.timing import time_forwards
 from specdecpp.data.prompts import encode_prompt, load_prompts
 from specdecpp.models.loading import dtype_name, load_model, resolve_dtype

@@ -58,11 +58,12 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).to(logits.dtype)
     logits = logits / cfg.temperature
     vocab = logits.shape[-1]
     if 0 < cfg.top_k < vocab:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        # the k-th largest logit (ties at it are kept): the least of the top k, which need no sorting
+        kth = torch.topk(logits, cfg.top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)

@@ -34,6 +34,13 @@ def test_top_k_keeps_the_k_largest_renormalised():
     np.testing.assert_allclose(probs[sorted(keep)].numpy(), expected.numpy(), rtol=1e-6)
 
 
+def test_ties_greedy_takes_the_first_and_top_k_keeps_every_tie_at_the_kth():
+    logits = torch.tensor([[1.0, 5.0, 0.0, 5.0, 2.0, 2.0, 2.0, -1.0]]).repeat(2, 1).bfloat16()
+    assert warp(logits, SamplingConfig(0.0)).argmax(-1).tolist() == [1, 1]
+    kept = warp(logits, SamplingConfig(top_k=3)) > 0  # 5, 5 and the three tied 2s
+    assert kept.nonzero()[:, 1].tolist() == [1, 3, 4, 5, 6] * 2
+
+
 def test_top_k_larger_than_vocab_means_no_truncation():
     logits = _logits(6)
     np.testing.assert_allclose(warp(logits, SamplingConfig(top_k=50)).numpy(),
