@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import specdecpp
+from specdecpp.core.sampling import SAMPLER
 from specdecpp.data.prompts import Prompt, load_prompts
 from specdecpp.models.identity import portable_name, same_model
 from specdecpp.models.loading import dtype_name
@@ -126,6 +127,9 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
         **settings_meta(cfg),
         "dtype": dtype_name(target.dtype),
         "fast": cfg.get("fast"),  # the target's sampling forwards (specdecpp.models.static)
+        # the draw behind every sampled token (a resume with another draw would mix two random streams);
+        # not in settings_meta, so a complete dataset made before it was recorded still loads
+        "sampler": SAMPLER,
         "draft_hidden_size": int(draft.config.hidden_size),
         "vocab_size": int(vocab),
         "code_version": code_version(),

@@ -11,6 +11,7 @@ from specdecpp import SamplingConfig, load_pair, warp
 from specdecpp.analysis.costmodel import Costs, fixed_k_speedup
 from specdecpp.core.attention import decode_attention
 from specdecpp.core.compat import cache_kwargs
+from specdecpp.core.sampling import sample
 from specdecpp.core.timing import time_forwards
 from specdecpp.data.prompts import encode_prompt, load_prompts
 from specdecpp.models.loading import dtype_name, load_model, resolve_dtype
@@ -28,7 +29,7 @@ def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
         cache = out.past_key_values
         for _ in range(max_new_tokens):
             probs = warp(out.logits[:, -1].float(), SAMPLING).cpu()  # drawn on the CPU: one generator anywhere
-            token = torch.multinomial(probs, 1, generator=generator).to(ids.device)
+            token = sample(probs, generator).unsqueeze(-1).to(ids.device)
             ids = torch.cat([ids, token], dim=1)
             if eos_token_id is not None and token.item() == eos_token_id:
                 break

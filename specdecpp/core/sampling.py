@@ -58,11 +58,12 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).to(logits.dtype)
     logits = logits / cfg.temperature
     vocab = logits.shape[-1]
     if 0 < cfg.top_k < vocab:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        # the k-th largest logit (ties at it are kept): the least of the top k, which need no sorting
+        kth = torch.topk(logits, cfg.top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -75,11 +76,32 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+SAMPLER = "inverse_cdf"
+"""The name of :func:`sample`'s draw. data_gen records it in a dataset's meta: a change of draw changes
+every seeded output, so a dataset is not resumed under another (before it was recorded, the draw was
+``torch.multinomial``)."""
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token id per row of ``probs`` ([..., V] -> [...])."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    """Draw one token id per row of ``probs`` ([..., V] -> [...]), row ``i`` with probability
+    ``probs[i] / probs.sum()``; ``generator=None`` uses torch's global generator.
+
+    Inverse CDF: one float64 uniform ``u`` per row and the first token whose float64 cumulative
+    mass exceeds ``u * total``. A token with zero mass adds nothing to the cumulative sum, so it is
+    never drawn, and the draw is clamped below the total, so rounding cannot run past the last
+    token with mass. This is exact up to float64 rounding of the cumulative sum, and about 15x
+    faster on a CPU over a 49k vocabulary than ``torch.multinomial``, which draws an exponential
+    per entry (docs/results/fast.md). The rows must be non-negative, finite, with positive mass.
+    """
+    if probs.dim() == 0 or probs.shape[-1] == 0:
+        raise ValueError(f"sample: probs must be [..., V] with V >= 1, got shape {tuple(probs.shape)}")
+    cum = probs.to(torch.float64, copy=True).cumsum_(-1)  # in place: 4-10x faster than cumsum for several rows
+    total = cum[..., -1:]
+    if not bool(((total > 0) & total.isfinite()).all() & (probs.amin() >= 0)):
+        raise ValueError("sample: every row of probs must be non-negative and finite with a positive sum")
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cum, x, right=True).squeeze(-1)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

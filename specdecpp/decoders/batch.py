@@ -291,8 +291,8 @@ class BatchDrafter:
             if kept is not None:
                 kept.append(logits)
             scores = logits if process is None else self.processed(process, seqs, drafting, k, logits)
-            if cfg.greedy:  # the argmax; verification needs no q
-                y = scores.argmax(-1)
+            if cfg.greedy:  # the argmax (max: first of ties too, 4x faster for bf16 on a CPU); no q needed
+                y = scores.max(-1).indices
             else:
                 q = warp(scores, cfg)
                 y = torch.stack([sample(q[b], gens[b]) if drafting[b] else q.new_zeros((), dtype=torch.long)

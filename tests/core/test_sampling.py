@@ -34,6 +34,13 @@ def test_top_k_keeps_the_k_largest_renormalised():
     np.testing.assert_allclose(probs[sorted(keep)].numpy(), expected.numpy(), rtol=1e-6)
 
 
+def test_ties_greedy_takes_the_first_and_top_k_keeps_every_tie_at_the_kth():
+    logits = torch.tensor([[1.0, 5.0, 0.0, 5.0, 2.0, 2.0, 2.0, -1.0]]).repeat(2, 1).bfloat16()
+    assert warp(logits, SamplingConfig(0.0)).argmax(-1).tolist() == [1, 1]
+    kept = warp(logits, SamplingConfig(top_k=3)) > 0  # 5, 5 and the three tied 2s
+    assert kept.nonzero()[:, 1].tolist() == [1, 3, 4, 5, 6] * 2
+
+
 def test_top_k_larger_than_vocab_means_no_truncation():
     logits = _logits(6)
     np.testing.assert_allclose(warp(logits, SamplingConfig(top_k=50)).numpy(),
@@ -111,3 +118,63 @@ def test_verify_rejects_bad_shapes():
     p, q = _random_dists(2, 5, 0)
     with pytest.raises(ValueError, match="K\\+1"):
         verify(torch.tensor([1, 2]), q, p[:2])
+
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sample_draws_each_row_from_its_distribution(device, dtype):
+    """sample against known rows: zero entries (at both ends and inside) are never drawn, an unnormalised
+    row is drawn from its normalisation, a near-one-hot row keeps its small mass; [..., V] -> [...]."""
+    rows = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0, 0.0],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],        # one-hot on the last token
+                         [2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0],        # sums to 4
+                         [0.0, 0.97, 0.0, 0.0, 0.01, 0.0, 0.02, 0.0]],   # near one-hot, zeros after the mass
+                        dtype=dtype, device=device)
+    n = 6000
+    g = torch.Generator(device).manual_seed(0)
+    draws = sample(rows.unsqueeze(1).expand(4, n, 8), g)
+    assert draws.shape == (4, n) and draws.dtype == torch.long and draws.device.type == device
+    for row, got in zip(rows.double().cpu(), draws.cpu(), strict=True):
+        probs = row / row.sum()
+        assert set(got.tolist()) <= set(probs.nonzero().squeeze(-1).tolist())  # zero mass: never drawn
+        if (probs > 0).sum() > 1:  # (the one-hot row: the support check above is the whole test)
+            assert chi_square_pvalue(got.tolist(), dict(enumerate(probs.tolist()))) > 1e-4
+    # negative control: the same test rejects another row's draws
+    assert chi_square_pvalue(draws[3].tolist(), dict(enumerate((rows[0].double() / rows[0].sum()).tolist()))) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_same_seed_same_output(device):
+    probs = warp(torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)).to(device), SamplingConfig(1.0, 50))
+    draw = [sample(probs, torch.Generator(device).manual_seed(s)) for s in (7, 7, 8)]
+    assert torch.equal(draw[0], draw[1]) and draw[0].shape == (3,)
+    many = [sample(probs.expand(64, 3, 5000), torch.Generator(device).manual_seed(s)) for s in (7, 8)]
+    assert not torch.equal(many[0], many[1])
+    torch.manual_seed(3)  # generator=None: torch's global generator
+    first = sample(probs.expand(64, 3, 5000)) if device == "cpu" else None
+    torch.manual_seed(3)
+    assert device != "cpu" or torch.equal(first, sample(probs.expand(64, 3, 5000)))
+
+
+def test_sample_never_runs_past_the_last_token_with_mass(monkeypatch):
+    """The extreme uniforms: u = 0 gives the first token with mass, the largest float64 below 1 the last
+    (never a zero-mass token after it). With a normal total, u * total stays below it; with a subnormal
+    one (spacing 2**-1074) it rounds up to the total, and only the clamp keeps the draw on token 3."""
+    tiny = 2.0 ** -1074
+    for probs in (torch.tensor([[0.0, 0.3, 0.0, 0.7 + 1e-7, 0.0, 0.0]]),
+                  torch.tensor([[0.0, 2 * tiny, 0.0, tiny, 0.0, 0.0]], dtype=torch.float64)):
+        for u, token in ((0.0, 1), (1.0 - 2.0 ** -53, 3)):
+            monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
+            assert sample(probs).tolist() == [token]
+
+
+@pytest.mark.parametrize("probs", [torch.tensor([0.5, -0.1, 0.6]), torch.tensor([0.5, float("nan"), 0.5]),
+                                   torch.tensor([0.0, 0.0]), torch.tensor([1.0, float("inf")])])
+def test_sample_rejects_rows_that_are_not_distributions(probs):
+    with pytest.raises(ValueError, match="sample: every row of probs must be non-negative and finite"):
+        sample(probs)
+    with pytest.raises(ValueError, match=r"sample: probs must be \[\.\.\., V\] with V >= 1"):
+        sample(torch.zeros(3, 0))

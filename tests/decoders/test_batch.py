@@ -200,8 +200,8 @@ def test_every_rows_caches_equal_fresh_prefill(cpu_pair32, policy, sampling, com
     dec = decoder((draft, target, heads), policy, sampling)
     gens = [torch.Generator().manual_seed(b) for b in range(len(PROMPTS))]
     outs = dec.generate_batch(tensors(PROMPTS, device), 40, gens, batch_size=3, return_caches=True)
-    if compact_at == 4 or device == "cpu":  # holes were compacted away at least once; with the default
-        assert compactions                   # threshold that depends on the run (CUDA samples its own streams)
+    if compact_at == 4 or (device == "cpu" and sampling.greedy):  # holes were compacted away at least once;
+        assert compactions  # with the default threshold that depends on the run (the random stream, under sampling)
     for out in outs:
         tokens, s = out.tokens[0], out.stats
         assert len(s.accept_lengths) > 5 and min(s.accept_lengths) < max(s.candidate_lengths)  # rollbacks

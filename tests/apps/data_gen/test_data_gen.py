@@ -206,6 +206,29 @@ def test_changed_settings_against_existing_out_is_an_error(tiny_pair, prompts_fi
         run(make_cfg(tiny_pair, prompts_file, baseline, "sampling=greedy"))
 
 
+def test_a_dataset_started_under_another_sampler_is_not_resumed(tiny_pair, prompts_file, baseline, tmp_path):
+    """The meta records the draw (specdecpp.core.sampling.SAMPLER); a dataset begun before it was recorded
+    (torch.multinomial's stream) is not finished with another draw, while a complete one still loads."""
+    from specdecpp.core.sampling import SAMPLER
+    from specdecpp.data.dataset import read_meta, write_meta
+
+    assert load_labelled(baseline)[1]["sampler"] == SAMPLER == "inverse_cdf"
+    out = tmp_path / "old_sampler"
+    run(make_cfg(tiny_pair, prompts_file, out, "shard.index=1", "shard.count=2"))
+    meta = read_meta(out)
+    del meta["sampler"]  # as data_gen wrote it before the draw was recorded
+    write_meta(out, meta)
+    with pytest.raises(ValueError, match=r"other settings \(sampler: existing None vs now 'inverse_cdf'\)"):
+        run(make_cfg(tiny_pair, prompts_file, out, "shard.index=0", "shard.count=2"))
+    done = tmp_path / "old_complete"
+    shutil.copytree(baseline, done)
+    meta = read_meta(done)
+    del meta["sampler"]
+    write_meta(done, meta)
+    result = run(make_cfg(tiny_pair, prompts_file, done))
+    assert result.complete and result.n_prompts == 0
+
+
 def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "never"
     with pytest.raises(FileNotFoundError, match="no/such/model"):
