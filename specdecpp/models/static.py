@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 TARGET_BUCKETS = (1, 2, 4, 8, 16, 32)
 DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs")
+# inductor's settings for fast="compile" by device type, none elsewhere (module docstring, "Compile settings")
+COMPILE_OPTIONS: dict[str, dict] = {
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}}
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
 MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
 
@@ -325,6 +328,7 @@ class StaticRunner(HiddenHook):
         dtype = next(model.parameters()).dtype
         self.cache = StaticKV(model.config, self.max_len + self.buckets[-1], dtype, device)
         self.steps = model_steps(model)
+        self.compile_options = dict(COMPILE_OPTIONS.get(device.type, {}))
         self.mask_min = torch.finfo(dtype).min
 
     @property
@@ -356,8 +360,9 @@ class StaticRunner(HiddenHook):
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         mask = self._mask(n, width, attention_mask)
-        logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
-                                           slots, mask)
+        with torch.no_grad():  # inference only: one graph whatever the caller's grad mode, and freezing needs it
+            logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
+                                               slots, mask)
         self.cache.length = start + n
         rows = slice(n - n_logits, n)
         return logits[rows, : self.vocab], hidden[rows] if self.want_hidden else None
@@ -388,17 +393,22 @@ class StaticRunner(HiddenHook):
         step = self.steps.compiled.get(key)
         if step is None:
             compiled = torch.compile(_own_code(static_step, f"static_step_w{width}_s{self.cache.size}"),
-                                     fullgraph=True, dynamic=False)
+                                     fullgraph=True, dynamic=False, options=dict(self.compile_options) or None)
             step = self.steps.compiled[key] = self._timed_first_call(compiled, key)
         return step
 
     def _timed_first_call(self, compiled, key):
-        """``compiled``, recording how long its first call (the compilation) took."""
-        steps = self.steps
+        """``compiled``, recording how long its first call (the compilation) took; that call runs
+        with inductor's ``freezing`` as :attr:`compile_options` say, as dynamo reads it there while
+        it traces (``torch.compile(options=)`` reaches inductor only)."""
+        steps, freezing = self.steps, bool(self.compile_options.get("freezing", False))
 
         def first(*args):
+            import torch._inductor.config as inductor_config
+
             t0 = time.perf_counter()
-            out = compiled(*args)
+            with inductor_config.patch(freezing=freezing):
+                out = compiled(*args)
             steps.compile_seconds[key] = time.perf_counter() - t0
             steps.compiled[key] = compiled
             log.info("compiled the static step of %s for width %d, cache size %d in %.1f s",
