@@ -4,7 +4,7 @@
     python scripts/bench_compile.py --variants default,freezing --widths 1,2,4,8 --model draft
     python scripts/bench_compile.py --variants freezing --profile     # where a compiled forward's time goes
 
-One process: the demo pair (``--draft``/``--target`` for another), one model (``--model``), a cached
+One process: the demo pair as ``make demo-pair`` materialises it (``--draft``/``--target`` for another), one model (``--model``), a cached
 context of ``--context`` tokens in a static cache of ``--size`` slots. Every variant gets a
 :class:`~specdecpp.models.static.StaticRunner` of its own, compiled with its inductor settings
 (``VARIANTS``: ``freezing``, ``cpp_wrapper``, ``max_autotune`` with the CPP GEMM template,
@@ -42,7 +42,9 @@ from specdecpp.core.timing import machine_description, time_forwards  # noqa: E4
 from specdecpp.models.loading import load_pair  # noqa: E402
 from specdecpp.models.runner import ModelRunner  # noqa: E402
 from specdecpp.models.static import StaticRunner, _ModelSteps  # noqa: E402
+from specdecpp_demo.pair import cache_dir  # noqa: E402
 
+DEMO = cache_dir()  # the materialised demo pair ($SPECDECPP_CACHE/demo; make demo-pair)
 AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 VARIANTS: dict[str, dict | None] = {
     "eager": None,  # ModelRunner over DynamicCache
@@ -63,7 +65,6 @@ VARIANTS: dict[str, dict | None] = {
     "freezing+max_autotune+no_module_guards": {"freezing": True, **AUTOTUNE,
                                                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
 }
-DEMO = Path("/work/main/.cache/demo")
 
 
 def rss_mb() -> float:

@@ -35,17 +35,36 @@ bucket for the whole process (a new runner of the same model reuses them); each 
 of its own (:func:`_own_code`), as dynamo keeps its compiled variants per code object and would
 otherwise count every bucket and every model as a recompile of one function (limit 8).
 
-What compiling costs (torch 2.13 CPU, inductor, the 2-layer 32-wide float32 Llama of
-tests/conftest.py, 1 thread on a shared 2-core machine): the first bucket of a process 20-25 s
+Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
+"The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
+weights become constants of the graph and each linear layer's weight is prepacked) with
+``max_autotune`` over the ``CPP`` and ``ATEN`` GEMM backends, which picks inductor's C++ GEMM
+template (AMX micro-kernels on this CPU) over oneDNN's linear. A decoding forward is a row of
+matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread here: the template
+brought the demo target's one-token forward from 2.2x the weight-read floor (plain compile) to
+1.2x, the draft's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
+copy of the weights (+~330 MB per bucket for the demo target); graphs holding packed oneDNN
+weights skip inductor's FX graph cache ("mkldnn tensors unpickleable"), so every process pays the
+whole compile, 80-100 s per target bucket on a quiet machine (plain: ~55 s, ~9 s from the cache);
+and weights changed in place after a step compiled are not seen by it (the step holds the old
+ones: use a new model object). Dynamo reads ``freezing`` from inductor's config while it traces,
+so the first call runs under ``inductor.config.patch(freezing=...)`` (``torch.compile(options=)``
+reaches inductor only); freezing needs autograd off, and every step runs under ``torch.no_grad``.
+``COMPILE_OPTIONS["cpu"] = {}`` before a model's first compile gives the plain settings. Other
+devices: no options (not measured there).
+
+What compiling costs with the plain settings (torch 2.13 CPU, inductor, the 2-layer 32-wide
+float32 Llama of tests/conftest.py, 1 thread on a shared 2-core machine; with the CPU settings
+above, the test that compiles three buckets of it took 105 s): the first bucket of a process 20-25 s
 (68 s under a load of 300; inductor's own start-up included), each further bucket 12-28 s; with inductor's FX graph cache warm
 (on by default, ``TORCHINDUCTOR_CACHE_DIR``; a later process, same shapes) 11 s and 2 s. Each
 compile is paid once per model, bucket and cache size in a process (``model_steps(model).
 compile_seconds``, logged at INFO). A 135M-parameter target took 35-40 s per shape. What it buys
 on that tiny model, cache of 100 tokens, medians: width 1 / 4 took 1.30 / 1.59 ms on the dynamic
 cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on the host each feed,
-0.08 ms). Recompiles: a new shape, grad mode, dtype or an input aliasing another (positions and slots
-must be distinct tensors) is a new graph; tests/models/test_static_runner.py runs random feeds under
-``error_on_recompile``.
+0.08 ms). Recompiles: a new shape, dtype or an input aliasing another (positions and slots must be
+distinct tensors) is a new graph (grad mode is not: the steps run without autograd);
+tests/models/test_static_runner.py runs random feeds under ``error_on_recompile``.
 
 Sizing per call (what the decoders use): :class:`CallRunners` builds a call's runners, sized to
 the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the decoders say)
