@@ -3,7 +3,7 @@
     python scripts/fast_numerics.py                         # demo target, 8 bundled test prompts, 48 tokens
     python scripts/fast_numerics.py --prompts 4 --variants eager,static,default,freezing
 
-For each held-out prompt (the bundled test split, chat template) and each bf16 variant (the eager
+For each held-out prompt (the bundled test split, chat template) and each bf16 (``--dtype``) variant (the eager
 :class:`~specdecpp.models.runner.ModelRunner`; the :class:`~specdecpp.models.static.StaticRunner`
 uncompiled, ``static``; compiled with the inductor settings of ``bench_compile.VARIANTS``), and the
 same target in float32 (eager, the reference):
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
                     help="bf16 variants: eager, static or names of bench_compile.VARIANTS; eager first")
     ap.add_argument("--draft", default=str(DEMO / "draft"))
     ap.add_argument("--target", default=str(DEMO / "target"))
+    ap.add_argument("--dtype", default="bfloat16", help="the runs' dtype (float32: every runner should agree)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     if names[0] != "eager" or any(n not in VARIANTS for n in names):
         ap.error(f"--variants must start with eager and name variants of {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
-    _, target, tokenizer = load_pair(args.draft, args.target, device="cpu", dtype="bfloat16")
+    _, target, tokenizer = load_pair(args.draft, args.target, device="cpu", dtype=args.dtype)
     reference = load_model(args.target, "cpu", "float32")
     eos = set(eos_token_ids(tokenizer, target))
     variants = {"float32": Variant("float32", reference), **{n: Variant(n, target) for n in names}}
