@@ -31,7 +31,7 @@ from specdecpp.data.labels import (
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
-from specdecpp.models.static import check_fast
+from specdecpp.models.static import check_fast, set_compile_options
 
 from .plan import (
     Shard,
@@ -187,6 +187,7 @@ def run(cfg: DictConfig) -> DataGenResult:
     _check_settings(cfg)
     if cfg.get("num_threads") is not None:
         torch.set_num_threads(int(cfg.num_threads))
+    set_compile_options(cfg.get("compile_options"))
     out = Path(cfg.out)
     sampling = SamplingConfig.from_mapping(cfg.sampling)
     prompts = load_split_prompts(cfg)

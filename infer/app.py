@@ -25,7 +25,7 @@ from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair, resolve_device
 from specdecpp.models.reduced_vocab import output_vocab_size
-from specdecpp.models.static import check_fast
+from specdecpp.models.static import check_fast, set_compile_options
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method, takes_fast
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
@@ -290,12 +290,14 @@ def summarize(job: Job) -> dict:
 
 
 def set_threads(cfg) -> None:
-    """``num_threads``: CPU threads for torch (null: torch's default)."""
+    """``num_threads``: CPU threads for torch (null: torch's default); ``compile_options``: inductor's
+    settings for ``fast=compile`` on a CPU (tuned, plain or a mapping: :func:`set_compile_options`)."""
     n = cfg.get("num_threads")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_threads must be an integer >= 1 or null, got {n!r}")
         torch.set_num_threads(n)
+    set_compile_options(cfg.get("compile_options"))
 
 
 def run(cfg) -> dict:

@@ -36,17 +36,36 @@ bucket for the whole process (a new runner of the same model reuses them); each 
 of its own (:func:`_own_code`), as dynamo keeps its compiled variants per code object and would
 otherwise count every bucket and every model as a recompile of one function (limit 8).
 
-What compiling costs (torch 2.13 CPU, inductor, the 2-layer 32-wide float32 Llama of
-tests/conftest.py, 1 thread on a shared 2-core machine): the first bucket of a process 20-25 s
+Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
+"The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
+weights become constants of the graph and each linear layer's weight is prepacked) with
+``max_autotune`` over the ``CPP`` and ``ATEN`` GEMM backends, which picks inductor's C++ GEMM
+template (AMX micro-kernels on this CPU) over oneDNN's linear. A decoding forward is a row of
+matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread here: the template
+brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read floor (plain compile) to
+1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
+copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); graphs holding packed oneDNN
+weights skip inductor's FX graph cache ("mkldnn tensors unpickleable"), so every process pays the
+whole compile, 80-100 s per target bucket on a quiet machine (plain: ~55 s, ~9 s from the cache);
+and weights changed in place after a step compiled are not seen by it (the step holds the old
+ones: use a new model object). Dynamo reads ``freezing`` from inductor's config while it traces,
+so the first call runs under ``inductor.config.patch(freezing=...)`` (``torch.compile(options=)``
+reaches inductor only); freezing needs autograd off, and every step runs under ``torch.no_grad``.
+:func:`set_compile_options` (``"plain"``; infer's ``compile_options=plain``) before a bucket
+compiles gives torch.compile's plain settings. Other devices: no options (not measured there).
+
+What compiling costs with the plain settings (torch 2.13 CPU, inductor, the 2-layer 32-wide
+float32 Llama of tests/conftest.py, 1 thread on a shared 2-core machine; with the CPU settings
+above, the test that compiles three buckets of it took 105 s): the first bucket of a process 20-25 s
 (68 s under a load of 300; inductor's own start-up included), each further bucket 12-28 s; with inductor's FX graph cache warm
 (on by default, ``TORCHINDUCTOR_CACHE_DIR``; a later process, same shapes) 11 s and 2 s. Each
 compile is paid once per model, bucket and cache size in a process (``model_steps(model).
 compile_seconds``, logged at INFO). A 135M-parameter target took 35-40 s per shape. What it buys
 on that tiny model, cache of 100 tokens, medians: width 1 / 4 took 1.30 / 1.59 ms on the dynamic
 cache, 1.22 / 1.40 ms static eager, 0.94 / 0.82 ms compiled (the mask, built on the host each feed,
-0.08 ms). Recompiles: a new shape, grad mode, dtype or an input aliasing another (positions and slots
-must be distinct tensors) is a new graph; tests/models/test_static_runner.py runs random feeds under
-``error_on_recompile``.
+0.08 ms). Recompiles: a new shape, dtype or an input aliasing another (positions and slots must be
+distinct tensors) is a new graph (grad mode is not: the steps run without autograd);
+tests/models/test_static_runner.py runs random feeds under ``error_on_recompile``.
 
 Sizing per call (what the decoders use): :class:`CallRunners` builds a call's runners, sized to
 the tokens the call can hold (prompt + max_new_tokens + its widest round + 1, the decoders say)
@@ -118,6 +137,11 @@ DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs")
 GRAPHS_DEVICE_TYPES = ("cuda",)  # where fast="graphs" runs (tests add "cpu" beside a fake capture_graph)
 GRAPH_WARMUP = 3  # eager forwards on a side stream before a bucket's capture
+# inductor's settings for fast="compile" by device type, none elsewhere (module docstring, "Compile settings");
+# read when a bucket compiles (set_compile_options changes them)
+TUNED_COMPILE_OPTIONS: dict[str, dict] = {
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}}
+COMPILE_OPTIONS: dict[str, dict] = {k: dict(v) for k, v in TUNED_COMPILE_OPTIONS.items()}
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
 MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
 
@@ -357,21 +381,29 @@ def model_steps(model) -> _ModelSteps:
     return steps
 
 
-def compiled_step(model, step, key: tuple, name: str):
+def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None = None, options: dict | None = None):
     """``step`` (:func:`static_step` or :func:`batch_step`) compiled for ``model``'s bucket ``key``
     (the widths, then the cache size: (width, size) for a row, (width, size, batch) for a batch),
     once per process: ``torch.compile(fullgraph=True, dynamic=False)`` of a copy with a code object
-    of its own named ``name`` (:func:`_own_code`), compiled on its first call, which is timed into
-    ``model_steps(model).compile_seconds[key]``."""
-    steps = model_steps(model)
+    of its own named ``name`` (:func:`_own_code`) with the :data:`COMPILE_OPTIONS` of the model's
+    device type (or ``options``), compiled on its first call, which is timed into
+    ``model_steps(model).compile_seconds[key]`` (or ``steps``: what a runner keeps, :attr:`StaticModel.steps`)."""
+    steps = model_steps(model) if steps is None else steps
     compiled_fn = steps.compiled.get(key)
     if compiled_fn is not None:
         return compiled_fn
-    compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False)
+    if options is None:
+        options = COMPILE_OPTIONS.get(next(model.parameters()).device.type, {})
+    options = dict(options)
+    compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
 
     def first(*args):
+        import torch._inductor.config as inductor_config
+
         t0 = time.perf_counter()
-        out = compiled(*args)
+        # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
+        with inductor_config.patch(freezing=bool(options.get("freezing", False))):
+            out = compiled(*args)
         steps.compile_seconds[key] = time.perf_counter() - t0
         steps.compiled[key] = compiled
         log.info("compiled %s of %s in %.1f s", name, type(model).__name__, steps.compile_seconds[key])
@@ -379,6 +411,24 @@ def compiled_step(model, step, key: tuple, name: str):
 
     steps.compiled[key] = first
     return first
+
+
+def set_compile_options(options: str | dict | None, device_type: str = "cpu") -> dict:
+    """Choose inductor's options for ``fast="compile"`` on ``device_type`` from now on (buckets
+    compiled earlier keep theirs): ``"tuned"`` or None the default (:data:`TUNED_COMPILE_OPTIONS`,
+    freezing + max_autotune on a CPU), ``"plain"`` none (``torch.compile``'s defaults: a quarter of
+    the compile time, kept in inductor's FX graph cache, a slower forward), or a dict of inductor
+    options. Returns the options now in force."""
+    if options is None or options == "tuned":
+        chosen = dict(TUNED_COMPILE_OPTIONS.get(device_type, {}))
+    elif options == "plain":
+        chosen = {}
+    elif isinstance(options, dict) or hasattr(options, "items"):
+        chosen = dict(options.items())
+    else:
+        raise ValueError(f"compile_options must be 'tuned', 'plain' or a dict of inductor options, got {options!r}")
+    COMPILE_OPTIONS[device_type] = chosen
+    return chosen
 
 
 def capture_graph(run, pool, warmup: int = GRAPH_WARMUP):
@@ -557,6 +607,7 @@ class StaticModel(HiddenHook):
         self.cache_arg = next(iter(cache_kwargs(self.decoder, None)))
         self.dtype = next(model.parameters()).dtype
         self.steps = model_steps(model)
+        self.compile_options: dict | None = None  # fast="compile": None = COMPILE_OPTIONS when a bucket compiles
         self.mask_min = torch.finfo(self.dtype).min
 
     def _bucket(self, n: int, buckets: tuple[int, ...], what: str) -> int:
@@ -611,8 +662,9 @@ class StaticRunner(StaticModel):
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         mask = self._mask(n, width, attention_mask)
-        logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
-                                           slots, mask)
+        with torch.no_grad():  # inference only: one graph whatever the caller's grad mode, and freezing needs it
+            logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
+                                               slots, mask)
         self.cache.length = start + n
         rows = slice(n - n_logits, n)
         return graph_outputs(self.fast == "graphs" and width in self.buckets, logits[rows, : self.vocab],
@@ -646,7 +698,7 @@ class StaticRunner(StaticModel):
                 self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, key, name, static_step)
             return self._graph_steps[width]
         return compiled_step(self.model, static_step, (width, self.cache.size),
-                             f"static_step_w{width}_s{self.cache.size}")
+                             f"static_step_w{width}_s{self.cache.size}", self.steps, self.compile_options)
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached): a position move."""
@@ -804,7 +856,8 @@ class StaticBatchRunner(StaticModel):
                                       self.decoder, self.head, self.cache_arg, window, *args)
         if compiled:
             key = (width, self.size, batch)
-            step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}")
+            step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}", self.steps,
+                                 self.compile_options)
         with torch.no_grad():  # inference only; grad mode is part of a compiled step's guards
             return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
 

@@ -114,10 +114,12 @@ def test_random_feeds_rollbacks_compactions_match_the_dynamic_cache(cpu_model, s
                 close(device, mine.values, ref.values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_slots_above_the_length_change_nothing(cpu_model, device):
-    """Stale slots (rolled back, padding rows, never written) hold huge values: no logit moves."""
-    model = on(device, cpu_model)
+def test_slots_above_the_length_change_nothing(cpu_model, device, dtype):
+    """Stale slots (rolled back, padding rows, never written) hold huge values: no logit moves,
+    in bf16 too (its additive mask, finfo(bf16).min, hides them exactly)."""
+    model = on(device, cpu_model) if dtype == torch.float32 else copy.deepcopy(cpu_model).to(device, dtype)
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).to(device)
     clean = StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN)
     dirty = StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN)

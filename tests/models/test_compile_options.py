@@ -1,0 +1,125 @@
+"""fast="compile"'s inductor settings (specdecpp.models.static.COMPILE_OPTIONS): chosen by name or
+as a mapping, handed to ``torch.compile`` with ``freezing`` in force while the first call traces;
+and (slow) the tuned CPU settings on tiny float32 Llamas: the one-row and the batch runner agree
+with the eager runners through random feeds, never recompile, and hold the weights they were
+compiled with (freezing took effect). The rest of the suite compiles with the plain settings
+(tests/conftest.py)."""
+
+# ruff: noqa: F811 (test arguments named as the fixture imported from test_static_runner)
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from specdecpp.decoders.batch import BatchRunner
+from specdecpp.models.runner import ModelRunner
+from specdecpp.models.static import (
+    COMPILE_OPTIONS,
+    TUNED_COMPILE_OPTIONS,
+    CallRunners,
+    StaticRunner,
+    _ModelSteps,
+    compiled_step,
+    model_steps,
+    set_compile_options,
+    static_step,
+)
+from tests.helpers.tiny import tiny_lm
+from tests.models.test_static_batch_runner import run_random
+from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
+
+
+@pytest.fixture
+def restore_options():
+    before = {k: dict(v) for k, v in COMPILE_OPTIONS.items()}
+    yield
+    COMPILE_OPTIONS.clear()
+    COMPILE_OPTIONS.update(before)
+
+
+def test_options_by_name_or_mapping(restore_options):
+    assert TUNED_COMPILE_OPTIONS["cpu"]["freezing"] is True and TUNED_COMPILE_OPTIONS["cpu"]["max_autotune"] is True
+    assert set_compile_options("tuned") == TUNED_COMPILE_OPTIONS["cpu"] == COMPILE_OPTIONS["cpu"]
+    assert set_compile_options("plain") == {} == COMPILE_OPTIONS["cpu"]
+    assert set_compile_options(None) == TUNED_COMPILE_OPTIONS["cpu"]  # null in a config: the default
+    assert set_compile_options({"freezing": True}, "cuda") == {"freezing": True} == COMPILE_OPTIONS["cuda"]
+    assert COMPILE_OPTIONS["cpu"] == TUNED_COMPILE_OPTIONS["cpu"]  # one device type at a time
+    for bad in ("fastest", 3, ["freezing"]):
+        with pytest.raises(ValueError, match="compile_options must be 'tuned', 'plain' or a dict"):
+            set_compile_options(bad)
+
+
+@pytest.mark.parametrize("choice", ["tuned", "plain"])
+def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_options, choice):
+    """What reaches torch.compile, and that ``freezing`` is set while the first call traces (dynamo
+    reads it from inductor's config, not from ``options=``) and only then."""
+    import torch._inductor.config as inductor_config
+
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs, name=fn.__name__)
+
+        def run(*args):
+            seen.setdefault("freezing_in_calls", []).append(inductor_config.freezing)
+            return args
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    set_compile_options(choice)
+    steps = _ModelSteps()
+    step = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (1, 64), "static_step_w1_s64", steps)
+    assert step(1, 2) == (1, 2) and steps.compiled[(1, 64)](3) == (3,)  # the second call: the compiled fn itself
+    assert (1, 64) in steps.compile_seconds and seen["name"] == "static_step_w1_s64"
+    assert seen["fullgraph"] is True and seen["dynamic"] is False
+    assert seen["options"] == (TUNED_COMPILE_OPTIONS["cpu"] if choice == "tuned" else None)
+    assert seen["freezing_in_calls"] == [choice == "tuned", False]
+    assert inductor_config.freezing is False
+    mine = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (2, 64), "w2", _ModelSteps(),
+                         options={"max_autotune": True})  # a runner's own options win over the default
+    mine()
+    assert seen["options"] == {"max_autotune": True} and seen["freezing_in_calls"][-1] is False
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # inductor's autotuning
+def test_tuned_settings_match_eager_never_recompile_and_freeze_the_weights(restore_options):
+    """The CPU's tuned settings (CUDA has none: its compiled steps are covered by the suite's compile tests)."""
+    device = "cpu"
+    set_compile_options("tuned", "cpu")
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
+    buckets = (1, 2)
+    compiled = StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=buckets, fast="compile")
+    for n in buckets:
+        compiled.feed(torch.zeros(n, dtype=torch.long, device=device))
+    assert set(model_steps(model).compile_seconds) == {(n, compiled.cache.size) for n in buckets}
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled.rollback(0)
+        ref = ModelRunner(model, VOCAB, want_hidden=True)
+        with ref:
+            run_both(random.Random(3), model, [ref, compiled], device, steps=25)
+        # the batch runner's (batch, width) buckets under the same settings
+        runners = CallRunners("compile", (model,))
+        assert runners.warm_up(MAX_LEN - 4, [(model, buckets)], rows=2) > 0
+        batch = [BatchRunner(model, VOCAB, want_hidden=True), runners.batch(MAX_LEN - 4, buckets, 2)(model, VOCAB, True)]
+        with batch[0]:
+            run_random(random.Random(4), batch, device, steps=25, max_rows=2)
+    assert counters["stats"]["unique_graphs"] - graphs == 4  # the batch buckets (1, 2) x (1, 2), nothing else
+    assert sum(counters["graph_break"].values()) == breaks
+    # freezing: the compiled step holds the weights it was compiled with (docs/engine.md, "Frozen weights")
+    ids = torch.tensor([3], device=device)
+    fresh = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=buckets, fast="compile")
+    before = fresh.feed(ids)[0]
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2.0)
+    fresh.rollback(0)
+    still = fresh.feed(ids)[0]
+    eager = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=buckets, fast="static").feed(ids)[0]
+    torch.testing.assert_close(still, before)
+    assert not torch.allclose(eager, before, atol=1e-3)
