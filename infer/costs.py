@@ -28,7 +28,9 @@ precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on 
     static KV cache, each width padded to its bucket (1, 2, 4, ..., 32; wider ones run eager) and,
     with compile, each bucket compiled once before timing (with graphs, CUDA only: captured as a CUDA
     graph on its first, untimed, forward); costs.json records it (provenance.fast).
-    Batched curves (--batch-sizes) run eager only.
+    Batched curves (--batch-sizes) too: the static batch runner, B padded to its batch bucket (1, 2,
+    4, 8, 16) and n to its width bucket, each (B, n) bucket compiled or captured on its first, untimed,
+    forward.
 --costs-out FILE: the one ``costs.json`` schema (t_draft, t_target, target_by_width, draft_by_width,
     draft_by_batch, target_by_batch, provenance),
     read by ``python -m infer.potential --costs`` and ``python -m infer.report --costs``;
@@ -124,8 +126,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-width must be >= 1, got {args.max_width}")
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
-    if args.fast and args.batch_sizes:
-        parser.error(f"--fast {args.fast} with --batch-sizes: batched forwards run eager for now; time them without --fast")
     torch.set_num_threads(args.threads)
     result = measure(pair["draft"], pair["target"], args.sources, args.limit, args.max_new_tokens, args.timing_steps,
                      args.seed, pair["dtype"], tuple(args.compare_dtype), pair["device"], args.max_width,

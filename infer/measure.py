@@ -81,21 +81,26 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     return out
 
 
-def batch_times(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int
-                ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+def batch_times(draft, target, context: list[int], sizes: list[int], widths: list[int], repeats: int,
+                fast: str | None = None) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
     """t_draft(B) (one token per row) and t_target(B, n) (n tokens per row): medians of the batched
-    engine's forwards (``specdecpp.decoders.batch.BatchRunner.feed``) after ``context`` cached in every row,
-    the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in each
-    step (``specdecpp.core.timing.time_forwards``), so machine load affects all alike."""
+    engine's forwards (``specdecpp.decoders.batch.BatchRunner.feed``, or with ``fast`` the static
+    batch runner's, which pads B to its batch bucket and n to its width bucket and compiles or
+    captures each (B, n) bucket on its first, untimed, forward) after ``context`` cached in every
+    row, the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in
+    each step (``specdecpp.core.timing.time_forwards``), so machine load affects all alike."""
     from specdecpp.decoders.batch import BatchRunner
+    from specdecpp.models.static import CallRunners, fit_buckets
 
     tail_len = max(widths) + 1
     if len(context) <= tail_len:
         raise ValueError(f"batch_times: a context of {len(context)} tokens is too short for widths up to {max(widths)}")
     calls, resets = {}, {}
+    runners = CallRunners(fast, (draft, target))
     for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
         for b in sizes:
-            runner = BatchRunner(model, output_vocab_size(model), want_hidden=False)
+            make = runners.batch(len(context), fit_buckets(max(ws)), rows=b, eager=BatchRunner)
+            runner = make(model, output_vocab_size(model), False)
             with torch.no_grad():
                 runner.add_rows([torch.tensor(context[:-tail_len], device=model.device)] * b)
             tail, length = torch.tensor(context[-tail_len:], device=model.device), runner.lengths[0]
@@ -157,7 +162,8 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     batched = {}
     if batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
         bw = [n for n in widths if n <= 21]
-        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw, timing_steps)
+        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw, timing_steps,
+                                          fast)
         batched = {"draft_by_batch_s": by_draft, "target_by_batch_s": by_target}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(

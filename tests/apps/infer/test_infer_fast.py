@@ -138,7 +138,25 @@ def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):
     costs = load_costs(path)
     assert costs.meta["fast"] == "static" and sorted(costs.target_by_width) == list(range(1, 9))
     assert all(t > 0 for t in costs.target_by_width.values())
-    with pytest.raises(SystemExit):
-        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--fast", "static", "--batch-sizes", "2",
-                  "--costs-out", str(path)])
-    assert "--fast static with --batch-sizes: batched forwards run eager" in capsys.readouterr().err
+
+
+def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--fast with --batch-sizes: the batched curves come from the static batch runner (every
+    timed batched forward goes through it), B = 1 and each size given, widths up to 8."""
+    from infer import costs as cli
+    from specdecpp.analysis.costmodel import load_costs
+    from specdecpp.models import static
+
+    fed = []
+    feed = static.StaticBatchRunner.feed
+    monkeypatch.setattr(static.StaticBatchRunner, "feed", lambda self, *a, **k: fed.append(self.rows) or feed(self, *a, **k))
+    path = tmp_path / "costs.json"
+    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+              "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
+              "--batch-sizes", "3", "--costs-out", str(path)])
+    costs = load_costs(path)
+    assert costs.meta["fast"] == "static"
+    assert sorted(costs.draft_by_batch) == [1, 3] and sorted(costs.target_by_batch) == [1, 3]
+    assert sorted(costs.target_by_batch[3]) == list(range(1, 9))
+    assert all(t > 0 for by_n in costs.target_by_batch.values() for t in by_n.values())
+    assert {1, 3} <= set(fed)  # rows per batched forward: the static batch runner timed both sizes
