@@ -178,3 +178,31 @@ def test_sample_rejects_rows_that_are_not_distributions(probs):
         sample(probs)
     with pytest.raises(ValueError, match=r"sample: probs must be \[\.\.\., V\] with V >= 1"):
         sample(torch.zeros(3, 0))
+
+
+@pytest.mark.parametrize("vocab", [49152, 20000])  # whole chunks; a last partial one
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpu_top_k_way_equals_the_dense_way(monkeypatch, vocab, temperature):
+    """warp's CPU top-k (chunk maxima bound the k-th largest logit) keeps exactly the dense way's
+    tokens, ties at the k-th included, with the same probabilities; it is the way taken."""
+    import specdecpp.core.sampling as sampling
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 2, vocab, generator=gen)  # below 8 (the planted values)
+    logits[0, 0, :60] = 9.0  # 60 ties above the 50th
+    logits[0, 1, 100:149] = 9.0  # 49 above and a tie of 3 at the 50th
+    logits[0, 1, 5000:5003] = 8.0
+    logits[1, 0, 30:] = float("-inf")  # fewer finite logits than k: all 30 kept
+    logits[2] = logits[2].bfloat16().float()  # bf16's coarse values: many ties
+    cfg = SamplingConfig(temperature=temperature, top_k=50)
+    taken = []
+    monkeypatch.setattr(sampling, "_top_k_softmax", lambda x, k, f=sampling._top_k_softmax: taken.append(k) or f(x, k))
+    fast = warp(logits, cfg)
+    assert taken == [50]
+    monkeypatch.setattr(sampling, "TOP_K_MAX_ROWS", 0)  # the dense way
+    dense = warp(logits, cfg)
+    assert taken == [50]
+    assert torch.equal(fast > 0, dense > 0)
+    torch.testing.assert_close(fast, dense, atol=1e-7, rtol=1e-5)
+    assert (fast[0, 0] > 0).sum() == 60 and (fast[0, 1] > 0).sum() == 52 and (fast[1, 0] > 0).sum() == 30
+    assert (fast[2] > 0).sum(-1).min() >= 50
