@@ -44,10 +44,11 @@ template (AMX micro-kernels on this CPU) over oneDNN's linear. A decoding forwar
 matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread here: the template
 brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read floor (plain compile) to
 1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
-copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); graphs holding packed oneDNN
-weights skip inductor's FX graph cache ("mkldnn tensors unpickleable"), so every process pays the
-whole compile, 80-100 s per target bucket on a quiet machine (plain: ~55 s, ~9 s from the cache);
-and weights changed in place after a step compiled are not seen by it (the step holds the old
+copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); 90-100 s per
+bucket of such a target on a quiet machine (plain: ~55 s); a later process loads a bucket from
+inductor's FX graph cache (15 s) only where autotuning picked the C++ template for every GEMM: a
+graph holding a prepacked oneDNN weight (where oneDNN's linear won a near tie) is not cached
+("mkldnn tensors unpickleable") and compiles in full again; and weights changed in place after a step compiled are not seen by it (the step holds the old
 ones: use a new model object). Dynamo reads ``freezing`` from inductor's config while it traces,
 so the first call runs under ``inductor.config.patch(freezing=...)`` (``torch.compile(options=)``
 reaches inductor only); freezing needs autograd off, and every step runs under ``torch.no_grad``.
@@ -116,6 +117,7 @@ only under ``gpu`` and not yet measured.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -402,7 +404,7 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
-        with inductor_config.patch(freezing=bool(options.get("freezing", False))):
+        with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options):
             out = compiled(*args)
         steps.compile_seconds[key] = time.perf_counter() - t0
         steps.compiled[key] = compiled
@@ -411,6 +413,29 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 
     steps.compiled[key] = first
     return first
+
+
+@contextlib.contextmanager
+def quiet_autotuning(options: dict):
+    """Under ``max_autotune``, inductor writes every GEMM's candidate timings to stderr (dozens of
+    lines per bucket); keep them to this logger's DEBUG level (``PRINT_AUTOTUNE`` is a module flag
+    of inductor's, ``max_autotune_report_choices_stats`` a config, where this torch has them)."""
+    if not options.get("max_autotune") or log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    import torch._inductor.config as inductor_config
+    import torch._inductor.select_algorithm as select_algorithm
+
+    quiet = {k: False for k in ("max_autotune_report_choices_stats",) if hasattr(inductor_config, k)}
+    printing = getattr(select_algorithm, "PRINT_AUTOTUNE", None)
+    with inductor_config.patch(**quiet):
+        if printing is not None:
+            select_algorithm.PRINT_AUTOTUNE = False
+        try:
+            yield
+        finally:
+            if printing is not None:
+                select_algorithm.PRINT_AUTOTUNE = printing
 
 
 def set_compile_options(options: str | dict | None, device_type: str = "cpu") -> dict:
