@@ -160,3 +160,19 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
     assert sorted(costs.target_by_batch[3]) == list(range(1, 9))
     assert all(t > 0 for by_n in costs.target_by_batch.values() for t in by_n.values())
     assert {1, 3} <= set(fed)  # rows per batched forward: the static batch runner timed both sizes
+
+
+@pytest.mark.parametrize("value, want", [("tuned", "tuned"), ("plain", {}), ("{max_autotune: true}", {"max_autotune": True})])
+def test_compile_options_from_the_config(value, want):
+    """infer's ``compile_options`` sets the inductor options fast=compile compiles with on a CPU
+    (the suite's own plain default restored after); a bad value names the key."""
+    from specdecpp.models.static import COMPILE_OPTIONS, TUNED_COMPILE_OPTIONS
+
+    before = dict(COMPILE_OPTIONS["cpu"])
+    try:
+        app.set_threads(make_cfg(f"compile_options={value}"))
+        assert COMPILE_OPTIONS["cpu"] == (TUNED_COMPILE_OPTIONS["cpu"] if want == "tuned" else want)
+        with pytest.raises(ValueError, match="compile_options must be 'tuned', 'plain' or a dict"):
+            app.set_threads(make_cfg("compile_options=fastest"))
+    finally:
+        COMPILE_OPTIONS["cpu"] = before
