@@ -122,6 +122,7 @@ import functools
 import logging
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -418,7 +419,7 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 @contextlib.contextmanager
 def quiet_autotuning(options: dict):
     """Under ``max_autotune``, inductor writes every GEMM's candidate timings to stderr (dozens of
-    lines per bucket); keep them to this logger's DEBUG level (``PRINT_AUTOTUNE`` is a module flag
+    lines per bucket) and warns that TypedStorage is deprecated; keep them to this logger's DEBUG level (``PRINT_AUTOTUNE`` is a module flag
     of inductor's, ``max_autotune_report_choices_stats`` a config, where this torch has them)."""
     if not options.get("max_autotune") or log.isEnabledFor(logging.DEBUG):
         yield
@@ -428,7 +429,8 @@ def quiet_autotuning(options: dict):
 
     quiet = {k: False for k in ("max_autotune_report_choices_stats",) if hasattr(inductor_config, k)}
     printing = getattr(select_algorithm, "PRINT_AUTOTUNE", None)
-    with inductor_config.patch(**quiet):
+    with inductor_config.patch(**quiet), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # inductor's autotuner, per GEMM
         if printing is not None:
             select_algorithm.PRINT_AUTOTUNE = False
         try:
