@@ -24,7 +24,8 @@ internals, which differ between 4.56, 5.17 and 5.24, are used.
 
 Buckets: a forward of n tokens is padded with copies of its last token to the smallest bucket
 W >= n (:data:`TARGET_BUCKETS` 1, 2, 4, 8, 16, 32 by default; :data:`DRAFT_BUCKETS` 1, 2 for a
-draft). Padding rows are written at slots [length + n, length + W) and see only themselves; no real
+draft). Padding rows are written at slots [length + n, length + W) and see the cache causally (a
+tree's: only themselves); no real
 row sees them and ``length`` advances by n only. A forward wider than the largest bucket (a
 prefill, mostly) runs unpadded and uncompiled, and says so once per model (a logging warning).
 
@@ -368,6 +369,7 @@ class _ModelSteps:
     compile_seconds: dict = field(default_factory=dict)
     warned_wide: bool = False
     warned_rows: bool = False
+    causal: dict = field(default_factory=dict)  # (size, dtype, device) -> additive causal mask [size, size] (StaticRunner)
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
     capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
@@ -698,18 +700,26 @@ class StaticRunner(StaticModel):
                              hidden[rows] if self.want_hidden else None)
 
     def _mask(self, n: int, width: int, allowed: torch.Tensor | None) -> torch.Tensor:
-        """The additive mask [1, 1, width, size]: real rows see the cache causally (or as
-        ``allowed`` [n, length + n] says), padding rows see only themselves, nobody sees a slot at
-        or above length + n otherwise."""
+        """The additive mask [1, 1, width, size]. A chain's forward (``allowed`` None): rows
+        [length, length + width) of one causal mask per size kept for the process, a view (no
+        work per forward): every row sees the slots up to its own, so no real row sees a padding
+        slot or anything above length + n, and padding rows (whose outputs are dropped) see the
+        real ones too. A tree's (``allowed`` [n, length + n]): real rows as ``allowed`` says,
+        padding rows only themselves, nobody a slot at or above length + n otherwise."""
         start, device = self.length, self.cache.keys[0].device
-        grid = torch.zeros(width, self.cache.size, dtype=torch.bool, device=device)
         if allowed is None:
-            cols = torch.arange(start + n, device=device)
-            grid[:n, : start + n] = cols[None] <= start + torch.arange(n, device=device)[:, None]
-        elif allowed.shape != (n, start + n):
+            key = (self.cache.size, self.cache.keys[0].dtype, device)
+            causal = self.steps.causal.get(key)
+            if causal is None:
+                size = self.cache.size
+                seen = torch.ones(size, size, dtype=torch.bool, device=device).tril_()
+                causal = self.steps.causal[key] = torch.zeros(size, size, dtype=key[1], device=device).masked_fill_(
+                    ~seen, self.mask_min)
+            return causal[start : start + width][None, None]
+        grid = torch.zeros(width, self.cache.size, dtype=torch.bool, device=device)
+        if allowed.shape != (n, start + n):
             raise ValueError(f"attention_mask must be [n, cached + n] = [{n}, {start + n}], got {tuple(allowed.shape)}")
-        else:
-            grid[:n, : start + n] = allowed
+        grid[:n, : start + n] = allowed
         pads = torch.arange(n, width, device=device)
         grid[pads, start + pads] = True
         mask = torch.zeros(grid.shape, dtype=self.cache.keys[0].dtype, device=device)
