@@ -289,7 +289,7 @@ def summarize(job: Job) -> dict:
             "tokens_per_s": sum(r["n_generated"] for r in timed) / wall if wall > 0 else None}
 
 
-def set_threads(cfg) -> None:
+def set_process_options(cfg) -> None:
     """``num_threads``: CPU threads for torch (null: torch's default); ``compile_options``: inductor's
     settings for ``fast=compile`` on a CPU (tuned, plain or a mapping: :func:`set_compile_options`)."""
     n = cfg.get("num_threads")
@@ -302,7 +302,7 @@ def set_threads(cfg) -> None:
 
 def run(cfg) -> dict:
     """Benchmark ``cfg.method`` on ``cfg.pair`` over ``cfg.prompts``; returns a summary dict."""
-    set_threads(cfg)
+    set_process_options(cfg)
     job = prepare(cfg)
     if not job.todo:
         log.info("%s is complete (%d rows); nothing to do", job.path, job.n_done)

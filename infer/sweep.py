@@ -19,7 +19,7 @@ import logging
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .app import execute, load_models, prepare, set_threads, summarize
+from .app import execute, load_models, prepare, set_process_options, summarize
 from .methods import method_config
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def fast_paths(fast) -> list:
 
 def run(cfg) -> list[dict]:
     """Run every method of ``cfg.comparison``; return one summary per run."""
-    set_threads(cfg)
+    set_process_options(cfg)
     entries = (cfg.comparison or {}).get("specdecpp") or {}
     heads = [e.get("head") for e in entries] if isinstance(entries, ListConfig | list) else [entries.get("head")]
     heads = [h for hs in heads for h in (hs if isinstance(hs, ListConfig | list) else [hs]) if h]

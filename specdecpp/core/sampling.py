@@ -89,8 +89,9 @@ def _sparse_top_k(logits: torch.Tensor, k: int) -> bool:
     """Whether :func:`warp`'s top-k goes through :func:`_top_k_softmax`: on a CPU (it reads how many
     logits pass a bound, a host read that would stall a GPU), over a large vocabulary with at least
     ``k`` whole chunks, for a few rows."""
-    return (logits.device.type == "cpu" and 0 < k and logits.shape[-1] >= TOP_K_MIN_VOCAB
-            and logits.shape[-1] // TOP_K_CHUNK >= k and logits[..., 0].numel() <= TOP_K_MAX_ROWS)
+    vocab = logits.shape[-1]
+    return (logits.device.type == "cpu" and 0 < k and vocab >= TOP_K_MIN_VOCAB and vocab // TOP_K_CHUNK >= k
+            and logits.numel() // vocab <= TOP_K_MAX_ROWS)
 
 
 def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -107,10 +108,11 @@ def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_full((flat.shape[0], pad), float("-inf"))], -1)
     out = torch.zeros_like(flat)
     for row, x in zip(out, flat, strict=True):
-        heads = x.view(-1, TOP_K_CHUNK).amax(-1)
+        by_chunk = x.view(-1, TOP_K_CHUNK)
+        heads = by_chunk.amax(-1)
         bound = torch.topk(heads, k, sorted=False).values.amin()
         chunks = (heads >= bound).nonzero().squeeze(1)
-        block = x.view(-1, TOP_K_CHUNK)[chunks]
+        block = by_chunk[chunks]
         at = (block >= bound).nonzero()
         vals = block[at[:, 0], at[:, 1]]
         keep = vals >= torch.topk(vals, k, sorted=False).values.amin()

@@ -452,7 +452,7 @@ def set_compile_options(options: str | dict | None, device_type: str = "cpu") ->
         chosen = dict(TUNED_COMPILE_OPTIONS.get(device_type, {}))
     elif options == "plain":
         chosen = {}
-    elif isinstance(options, dict) or hasattr(options, "items"):
+    elif hasattr(options, "items"):  # a dict, or a mapping from a config
         chosen = dict(options.items())
     else:
         raise ValueError(f"compile_options must be 'tuned', 'plain' or a dict of inductor options, got {options!r}")
@@ -708,13 +708,12 @@ class StaticRunner(StaticModel):
         padding rows only themselves, nobody a slot at or above length + n otherwise."""
         start, device = self.length, self.cache.keys[0].device
         if allowed is None:
-            key = (self.cache.size, self.cache.keys[0].dtype, device)
-            causal = self.steps.causal.get(key)
+            size = self.cache.size
+            causal = self.steps.causal.get((size, self.dtype, device))
             if causal is None:
-                size = self.cache.size
                 seen = torch.ones(size, size, dtype=torch.bool, device=device).tril_()
-                causal = self.steps.causal[key] = torch.zeros(size, size, dtype=key[1], device=device).masked_fill_(
-                    ~seen, self.mask_min)
+                causal = torch.zeros(size, size, dtype=self.dtype, device=device).masked_fill_(~seen, self.mask_min)
+                self.steps.causal[(size, self.dtype, device)] = causal
             return causal[start : start + width][None, None]
         grid = torch.zeros(width, self.cache.size, dtype=torch.bool, device=device)
         if allowed.shape != (n, start + n):

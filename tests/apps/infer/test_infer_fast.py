@@ -170,9 +170,9 @@ def test_compile_options_from_the_config(value, want):
 
     before = dict(COMPILE_OPTIONS["cpu"])
     try:
-        app.set_threads(make_cfg(f"compile_options={value}"))
+        app.set_process_options(make_cfg(f"compile_options={value}"))
         assert COMPILE_OPTIONS["cpu"] == (TUNED_COMPILE_OPTIONS["cpu"] if want == "tuned" else want)
         with pytest.raises(ValueError, match="compile_options must be 'tuned', 'plain' or a dict"):
-            app.set_threads(make_cfg("compile_options=fastest"))
+            app.set_process_options(make_cfg("compile_options=fastest"))
     finally:
         COMPILE_OPTIONS["cpu"] = before
