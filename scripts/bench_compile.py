@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     from torch._dynamo.utils import counters
 
     calls, resets, info, logits = {}, {}, {}, {}
+    counters.clear()  # count only this run's compiles, not those of earlier work in the process
     with torch.no_grad():
         for variant in variants:
             runner = runner_for(variant, model, args.size, widths)
