@@ -148,15 +148,41 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.searchsorted(cum, x, right=True).squeeze(-1)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def entropy(logits: torch.Tensor, temperature: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """Natural-log entropy of softmax(logits / temperature) over the full vocabulary.
 
     temperature 0 is treated as 1 (raw softmax), as SVIP's authors do under greedy decoding.
+    ``support``: the only token ids whose logits may be finite (a reduced output vocabulary,
+    :func:`specdecpp.models.reduced_vocab.scored_ids`); the entropy is then computed over those
+    logits alone, which is the same number, faster.
     """
     t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    p = logp.exp()  # tokens at -inf (a reduced output vocabulary) contribute 0, not nan
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    logits = scored_logits(logits, support).float()
+    return entropy_of_log_probs(torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1))
+
+
+def scored_logits(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """The logits [..., V] of the token ids ``support`` (sorted, each below V) only: [..., len(support)];
+    ``support`` None: the logits as they are. (A gather: 2x faster than ``index_select`` over the
+    last dimension of a 2-D tensor on a CPU.)"""
+    if support is None:
+        return logits
+    if logits.dim() == 1:
+        return logits.index_select(0, support)
+    return logits.gather(-1, support.expand(*logits.shape[:-1], -1))
+
+
+LOG_PROB_FLOOR = -80.0
+"""Where :func:`entropy_of_log_probs` clamps log-probabilities: exp(-80) = 1.8e-35 is still a normal
+float32, so no product is subnormal (subnormal arithmetic is some 10x slower on a CPU) and a -inf
+(a token outside a reduced output vocabulary) gives no nan. What the clamp changes, under 1.5e-33
+per token, is far below float32's resolution of an entropy."""
+
+
+def entropy_of_log_probs(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last dimension of log-probabilities ``logp`` (float32; -inf allowed)."""
+    c = logp.clamp_min(LOG_PROB_FLOOR)
+    return -(c.exp() * c).sum(-1)
 
 
 def distribution_entropy(probs: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from ..core.verify import acceptance_ratio
 from ..decoders.batch import BatchRunner
 from ..decoders.cascade import Cascade
 from ..models.loading import token_set
-from ..models.reduced_vocab import output_vocab_size
+from ..models.reduced_vocab import ScoredIds, output_vocab_size
 from ..models.static import CallRunners, check_fast
 
 
@@ -257,6 +257,7 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
                          "of a cascade has no acceptance probability to learn")
     vocab = vocab or shared_vocab(draft, target)
     draft_logits = response_logits(draft, prompts, responses, vocab)
+    support = ScoredIds(draft)  # a reduced output vocabulary: the entropy over its logits alone
     if target_probs is None:
         target_logits = response_logits(target, prompts, responses, vocab)
 
@@ -277,6 +278,6 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
             p = target_p(b, i, j)
             ys.append(y)
             ratios.append(acceptance_ratio(p if cascade is None else cascade.target(q, p), q, y).float())
-            entropies.append(entropy(d_logits, sampling.temperature).float())
+            entropies.append(entropy(d_logits, sampling.temperature, support(d_logits)).float())
         labels.append(TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies)))
     return labels

@@ -16,6 +16,34 @@ def output_vocab_size(model) -> int:
     return int(getattr(layer, "out_features", None) or layer.weight.shape[0])
 
 
+def scored_ids(model) -> torch.Tensor | None:
+    """The sorted token ids a reduced output layer scores (its logits elsewhere are -inf), or None
+    when the model scores its whole vocabulary. A statistic of the draft's softmax (an entropy, a
+    token's log-probability) reads only these logits and is the same: the -inf ones add nothing,
+    and skipping them is 4x fewer logits for the demo draft, none of them -inf, whose ``exp``
+    is slow on a CPU (docs/results/fast.md, "The loop's policy work")."""
+    layer = model.get_output_embeddings()
+    return layer.token_ids if isinstance(layer, ReducedOutput) else None
+
+
+class ScoredIds:
+    """A draft's :func:`scored_ids` cut to the width of the logits at hand (a decoder may keep
+    only the vocabulary the draft shares with the target), cut once per width. Calling it with
+    logits [..., V] gives the ids below V, or None where the draft scores its whole vocabulary."""
+
+    def __init__(self, model=None) -> None:
+        self.ids = None if model is None else scored_ids(model)
+        self._cut: dict[int, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor | None:
+        if self.ids is None:
+            return None
+        width = logits.shape[-1]
+        if width not in self._cut:
+            self._cut[width] = self.ids[self.ids < width]
+        return self._cut[width]
+
+
 OUTPUT_VOCAB_FILE = "specdecpp_output_vocab.json"
 
 

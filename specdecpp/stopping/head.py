@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.sampling import entropy_of_log_probs, scored_logits
 from ..models.fit import check_draft_fit, config_hidden_size
+from ..models.reduced_vocab import ScoredIds
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -195,7 +197,7 @@ def feature_width(name: str, hidden_size: int, top_m: int = DEFAULT_TOP_M) -> in
 
 def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, embedding,
                         temperature: float, features=NEXT_FEATURES, top_m: int = DEFAULT_TOP_M,
-                        positions: torch.Tensor | None = None) -> torch.Tensor:
+                        positions: torch.Tensor | None = None, support: torch.Tensor | None = None) -> torch.Tensor:
     """The lag-free head's input for candidates y drafted from the draft states ``hidden`` [..., H]
     (the states that produced q) with raw logits ``logits`` [..., V]; ``tokens`` [...] are the
     sampled candidates, ``embedding`` the draft's input embedding module.
@@ -206,21 +208,29 @@ def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torc
     index i in the response (``positions`` [...], needed only by this feature), where q_T = softmax(logits / T)
     over the whole vocabulary (T = ``temperature``, 1 under greedy decoding, as SVIP's entropy; a
     reduced output vocabulary's -inf logits add nothing). One function for train and inference, so
-    the engine hands the head exactly the features it was trained on."""
+    the engine hands the head exactly the features it was trained on. ``support``: the only token
+    ids whose logits may be finite (a reduced output vocabulary,
+    :func:`specdecpp.models.reduced_vocab.scored_ids`): the softmax's statistics are then computed over
+    those logits alone, the same numbers, faster."""
     t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    parts = []
+    scored = scored_logits(logits, support).float()
+    scored = scored if t == 1.0 else scored / t
+    logp = torch.log_softmax(scored, dim=-1)  # log q_T of the scored tokens
+    parts, chosen = [], None
     for name in features:
         if name == "hidden":
             parts.append(hidden.float())
         elif name == "embedding":
             parts.append(embedding(tokens.to(embedding.weight.device)).float().to(hidden.device))
         elif name in ("prob", "logprob"):
-            chosen = logp.gather(-1, tokens.to(logp.device).unsqueeze(-1))
+            if chosen is None:  # log q_T(y) = z_y / T - log Z (-inf for a token outside the support), where
+                # log Z = max z / T - max log q_T (the largest logit has the largest log-probability)
+                z_y = logits.gather(-1, tokens.to(logits.device).unsqueeze(-1)).float()
+                log_z = scored.amax(-1, keepdim=True) - logp.amax(-1, keepdim=True)
+                chosen = (z_y if t == 1.0 else z_y / t) - log_z
             parts.append(chosen.exp() if name == "prob" else chosen.clamp_min(-50.0))
         elif name == "entropy":
-            p = logp.exp()
-            parts.append(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True))
+            parts.append(entropy_of_log_probs(logp).unsqueeze(-1))
         elif name == "topm":
             parts.append(logp.topk(top_m, dim=-1).values.exp())
         elif name == "position":
@@ -266,6 +276,7 @@ class NextTokenHead(AcceptanceHead):
         self.proj = nn.Linear(size, hidden_size) if depth > 0 else None
         self.out = nn.Linear(hidden_size if depth > 0 else size, 1)
         self.__dict__["_embedding"] = None  # the draft's, set by attach(); not a parameter of the head
+        self.__dict__["_support"] = ScoredIds()  # the draft's scored token ids where its output vocabulary is reduced
 
     @property
     def feature_size(self) -> int:
@@ -303,7 +314,7 @@ class NextTokenHead(AcceptanceHead):
             raise RuntimeError("NextTokenHead needs the draft's token embedding: call head.attach(draft) first")
         return next_token_features(hidden, logits, tokens, embedding,
                                    self.temperature if temperature is None else temperature, self.features,
-                                   self.top_m, positions)
+                                   self.top_m, positions, self.__dict__["_support"](logits))
 
     def score(self, hidden: torch.Tensor, logits: torch.Tensor, token: torch.Tensor,
               positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,6 +325,7 @@ class NextTokenHead(AcceptanceHead):
     def attach(self, draft_model) -> None:
         super().attach(draft_model)
         self.__dict__["_embedding"] = draft_model.get_input_embeddings()
+        self.__dict__["_support"] = ScoredIds(draft_model)  # a reduced output vocabulary: its logits alone
 
     def _config(self) -> dict:
         return {k: v for k, v in self.feature_spec().items() if k != "kind"}

@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..core.sampling import entropy
+from ..models.reduced_vocab import ScoredIds
 from .head import AcceptanceHead
 
 
@@ -159,15 +160,17 @@ class SVIP(StopPolicy):
         self.c = float(c)
         self.max_candidates = check_count("SVIP", "max_candidates", max_candidates)
         self.temperature = 1.0
+        self.support = ScoredIds()  # the draft's scored token ids, where its output vocabulary is reduced
 
     def bind(self, draft_model, temperature: float) -> None:
         self.temperature = temperature
+        self.support = ScoredIds(draft_model)
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
         return self._one_row(k, logits, hidden, token)
 
     def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
-        h = entropy(logits, self.temperature).double()  # float64 as math.sqrt on the host would be
+        h = entropy(logits, self.temperature, self.support(logits)).double()  # float64 as math.sqrt on the host would be
         return (self.c * h).sqrt() > self.threshold
 
     def settings(self) -> dict:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..core.hooks import FinalHidden, keep_last
+from ..models.reduced_vocab import scored_ids
 from ..stopping.head import next_token_features
 
 FIXED_MIXING_EPOCH = 0  # the mixing used by cached features and for validation
@@ -137,7 +138,8 @@ def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: d
     return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
                                float(spec["temperature"]), tuple(spec["features"]),
                                **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}),
-                               positions=None if positions is None else positions.to(hidden.device))
+                               positions=None if positions is None else positions.to(hidden.device),
+                               support=scored_ids(draft))
 
 
 @torch.no_grad()

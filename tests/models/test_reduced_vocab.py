@@ -117,3 +117,43 @@ def test_load_model_and_load_pair_apply_the_output_vocab_file(tiny_pair, tmp_pat
     (d / OUTPUT_VOCAB_FILE).write_text("{not json")
     with pytest.raises(ValueError, match=OUTPUT_VOCAB_FILE):
         load_model(str(d), "cpu")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_softmax_statistics_over_the_scored_logits_equal_those_over_the_whole_vocabulary(temperature):
+    """SVIP's entropy and the lag-free head's features read only a reduced draft's scored logits
+    (ScoredIds): the same numbers as over all of them, the -inf ones included, for 1-D and 2-D
+    logits, and a token outside the scored set still gets q = 0 (logprob clamped at -50)."""
+    from specdecpp.models.reduced_vocab import ScoredIds
+    from specdecpp.stopping.head import ALL_NEXT_FEATURES, next_token_features
+
+    full = tiny_lm(64, 32, 1, seed=9, scale=1.0)
+    ids = list(range(1, 64, 3))
+    small = reduced(full, ids)
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    out = small(x, output_hidden_states=True)
+    logits, hidden = out.logits[0], out.hidden_states[-1][0]  # [5, 64], 43 logits at -inf per row
+    support = ScoredIds(small)(logits)
+    assert support.tolist() == ids and ScoredIds(small)(logits[:, :30]).tolist() == [i for i in ids if i < 30]
+    assert ScoredIds(full)(logits) is None
+    torch.testing.assert_close(entropy(logits, temperature, support), entropy(logits, temperature))
+    torch.testing.assert_close(entropy(logits[2], temperature, support), entropy(logits[2], temperature))
+    tokens = torch.tensor([1, 4, 61, 2, 0])  # 2 and 0 are not scored: q_T = 0 there
+    args = (hidden, logits, tokens, small.get_input_embeddings(), temperature, ALL_NEXT_FEATURES, 4,
+            torch.arange(5))
+    with_support = next_token_features(*args, support=support)
+    torch.testing.assert_close(with_support, next_token_features(*args))
+    prob, logprob = with_support[:, 64], with_support[:, 65]  # after hidden (32) and embedding (32)
+    assert prob[3:].tolist() == [0.0, 0.0] and logprob[3:].tolist() == [-50.0, -50.0] and (prob[:3] > 0).all()
+
+
+def test_svip_and_the_lag_free_head_read_the_scored_logits_of_the_draft_they_are_bound_to():
+    from specdecpp import SVIP, SpecDecPP
+    from specdecpp.stopping.head import NextTokenHead
+
+    small = reduced(tiny_lm(64, 32, 1, seed=9, scale=1.0), list(range(0, 64, 4)))
+    svip, head = SVIP(0.3), NextTokenHead(32, 1)
+    svip.bind(small, 1.0)
+    SpecDecPP(head).bind(small, 1.0)
+    logits = small(torch.tensor([[3, 4]])).logits[0]
+    assert svip.support(logits).tolist() == head.__dict__["_support"](logits).tolist() == list(range(0, 64, 4))
