@@ -12,6 +12,8 @@ bonus token is drawn from ``p_{K+1}``. The output then has exactly the target's 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from .sampling import sample
@@ -64,3 +66,30 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
         return k, int(sample(p[k], generator)) if bonus else None
     n = rejected.index(True)
     return n, int(sample(residual(p[n], q[n]), generator))
+
+
+def verify_rows(draft_tokens: torch.Tensor, q: Sequence[torch.Tensor], p_row: Callable[[int], torch.Tensor],
+                p_rows: int, generator: torch.Generator | None = None, bonus: bool = True,
+                draw_row: Callable[[int], torch.Tensor] | None = None) -> tuple[int, int | None]:
+    """:func:`verify`'s sampled rule, computing only the target rows it reads: ``p_row(i)`` gives
+    p_{i+1} [V], called for rows 0..n (the first rejection n) or, when all K are accepted, for
+    every row and the bonus row K. The same uniforms are drawn in the same order as in
+    :func:`verify` and every row's arithmetic is the same, so for the same generator state both
+    return the same verdict; a target row after the first rejection is never warped. ``q``: the K
+    rows q_i [V]; ``p_rows``: how many target rows there are (K + 1, or K without a bonus);
+    ``draw_row(i)``: ``sample(p_row(i), generator)`` by another way, if the caller has a faster one
+    (the bonus token's draw). For a CPU, where reading each row's verdict costs no device sync (on a GPU
+    :func:`verify` reads them all at once)."""
+    k = draft_tokens.shape[0]
+    if len(q) != k or p_rows != k + bonus or (k == 0 and not bonus):
+        raise ValueError(f"verify_rows: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
+                         f"(K >= 1 without a bonus), got {len(q)} and {p_rows}")
+    draw = draw_row or (lambda i: sample(p_row(i), generator))
+    if k == 0:
+        return 0, int(draw(0))
+    u = torch.rand(k, generator=generator, device=draft_tokens.device)
+    for i in range(k):
+        p_i = p_row(i)
+        if bool(u[i] >= acceptance_ratio(p_i, q[i], draft_tokens[i])):  # rejected: the residual's draw
+            return i, int(sample(residual(p_i, q[i]), generator))
+    return k, int(draw(k)) if bonus else None

@@ -33,9 +33,9 @@ from functools import partial
 
 import torch
 
-from ..core.sampling import SamplingConfig, sample, warp
+from ..core.sampling import SamplingConfig, warp, warp_and_sample
 from ..core.timing import Clock
-from ..core.verify import verify
+from ..core.verify import verify, verify_rows
 from ..models.loading import token_set
 from ..models.runner import ModelRunner
 from ..stopping.policies import StopPolicy
@@ -154,8 +154,7 @@ class Drafter:
             if cfg.greedy:  # the argmax (max: first of ties too, 4x faster for bf16 on a CPU); no q needed
                 y = scores.max(-1).indices
             else:
-                q_k = warp(scores, cfg)
-                y = sample(q_k, gen)
+                q_k, y = warp_and_sample(scores, cfg, gen)  # sample(warp(scores)), faster on a CPU
                 q_rows.append(q_k)
             seq[start + k] = y
             if self.keep_logits:
@@ -198,6 +197,10 @@ class ExactRule:
                  bonus: bool = True) -> tuple[int, int | None]:
         if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
             return verify(drafted.tokens, None, logits, greedy=True, bonus=bonus)
+        if logits.device.type == "cpu":  # the same verdict, warping only the rows up to the first rejection
+            cfg = self.sampling
+            return verify_rows(drafted.tokens, drafted.q, lambda i: warp(logits[i], cfg), logits.shape[0], gen, bonus,
+                               draw_row=lambda i: warp_and_sample(logits[i], cfg, gen)[1])
         p = warp(logits, self.sampling)
         q = torch.stack(drafted.q) if drafted.q else p.new_zeros((0, p.shape[-1]))
         return verify(drafted.tokens, q, p, gen, bonus=bonus)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdecpp.core.sampling import SamplingConfig, entropy, sample, warp
-from specdecpp.core.verify import acceptance_ratio, residual, verify
+from specdecpp.core.sampling import SamplingConfig, entropy, sample, warp, warp_and_sample
+from specdecpp.core.verify import acceptance_ratio, residual, verify, verify_rows
 from tests.helpers.stats import chi_square_pvalue
 
 
@@ -206,3 +206,61 @@ def test_cpu_top_k_way_equals_the_dense_way(monkeypatch, vocab, temperature):
     torch.testing.assert_close(fast, dense, atol=1e-7, rtol=1e-5)
     assert (fast[0, 0] > 0).sum() == 60 and (fast[0, 1] > 0).sum() == 52 and (fast[1, 0] > 0).sum() == 30
     assert (fast[2] > 0).sum(-1).min() >= 50
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0, 50), SamplingConfig(0.7, 5), SamplingConfig(1.0, 0),
+                                 SamplingConfig(0.8, 50, 0.9)], ids=["top50", "T0.7-top5", "no-top-k", "top-p"])
+def test_warp_and_sample_gives_warp_and_sample_for_the_same_generator_state(cfg, monkeypatch):
+    """The drafter's one-row draw: the same q as warp and the same token as sample(q) from the same
+    generator state, whether it draws over the kept tokens in Python (top-k on a CPU over a 49k
+    vocabulary) or goes the general way; and it leaves the generator where sample leaves it."""
+    import specdecpp.core.sampling as sampling
+
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(200, 49152, generator=gen) * 3
+    rows[::3, :30000] = float("-inf")  # a reduced draft's -inf logits
+    rows[1::3] = rows[1::3].bfloat16().float()  # coarse values: ties at the k-th
+    few = []
+    monkeypatch.setattr(sampling, "_draw_few", lambda probs, g, f=sampling._draw_few: few.append(1) or f(probs, g))
+    for row in rows:
+        a, b = torch.Generator().manual_seed(int(row[-1].abs() * 1e4)), torch.Generator()
+        b.set_state(a.get_state())
+        q, y = warp_and_sample(row, cfg, a)
+        q_ref = warp(row, cfg)
+        assert torch.equal(q, q_ref) and int(y) == int(sample(q_ref, b))
+        assert torch.equal(a.get_state(), b.get_state())
+    assert len(few) == (len(rows) if cfg.top_k and cfg.top_p == 1.0 else 0)  # the Python draw where it applies
+    fewer = torch.full((49152,), float("-inf"))
+    fewer[7] = 0.0  # one finite logit: the only token there is
+    assert int(warp_and_sample(fewer, SamplingConfig(1.0, 50))[1]) == 7
+    with pytest.raises(ValueError, match="non-negative and finite"):
+        sampling._draw_few([0.5, float("nan")], None)
+
+
+@pytest.mark.parametrize("bonus", [True, False])
+def test_verify_rows_gives_verify_s_verdict_and_warps_no_row_after_the_first_rejection(bonus):
+    """The CPU rule reads target rows one at a time: for the same generator state it returns what
+    verify returns, asks only for rows up to the first rejection (all K and the bonus row when
+    every candidate is accepted), and draws the bonus token by draw_row when it is given."""
+    gen = torch.Generator().manual_seed(11)
+    verdicts = set()
+    for trial in range(400):
+        k = trial % 4 + (0 if bonus else 1)
+        p, q = _random_dists(k, 6, seed=trial)
+        p = p if bonus else p[:k]
+        y = sample(q, gen) if k else torch.zeros(0, dtype=torch.long)
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        asked = []
+        got = verify_rows(y, list(q), lambda i, asked=asked, p=p: asked.append(i) or p[i], p.shape[0], a, bonus)
+        assert got == verify(y, q, p, b, bonus=bonus)
+        n, token = got
+        assert asked == list(range(min(n + 1, p.shape[0]))) and torch.equal(a.get_state(), b.get_state())
+        verdicts.add((n == k, token is None))
+    assert verdicts == ({(True, False), (False, False)} if bonus else {(True, True), (False, False)})
+    p, q = _random_dists(2, 6, seed=0)
+    drawn = []
+    assert verify_rows(torch.tensor([0, 0]), list(q), lambda i: p[i] * 0 + torch.eye(6)[0], 3, None, True,
+                       draw_row=lambda i: drawn.append(i) or torch.tensor(5)) == (2, 5)
+    assert drawn == [2]
+    with pytest.raises(ValueError, match="K\\+1"):
+        verify_rows(torch.tensor([1, 2]), list(q), lambda i: p[i], 2)
