@@ -3,8 +3,11 @@
 Each checkout runs in its own worker process (imported from that checkout's directory, through the
 public API only: load_pair, SpeculativeDecoder, FixedK, SVIP, SpecDecPP, load_head), both load the
 same pair, and the prompts alternate between them (old-new, new-old, ...) so that machine load hits
-both alike. Greedy decoding: the tokens must be identical; tokens/s is compared as the pooled ratio
-new/old with a paired bootstrap interval over prompts (specdecpp.analysis.stats).
+both alike. Greedy decoding by default; ``--sampling paper`` samples (temperature 1, top-k 50) with
+one seeded generator per prompt, the same in both checkouts. Either way the tokens must be
+identical (an engine change that keeps the output for the same generator state keeps the sampled
+tokens too); tokens/s is compared as the pooled ratio new/old with a paired bootstrap interval over
+prompts (specdecpp.analysis.stats).
 
     python scripts/compare_checkouts.py /path/to/old-checkout . \\
         --draft .cache/demo/draft --target .cache/demo/target --head demo/heads/wrej6_d3 --prompts 10
@@ -39,19 +42,20 @@ try:  # the layout since issue 32; before it, specdecpp.prompts
 except ImportError:
     from specdecpp.prompts import encode_prompt, load_prompts
 
-draft_dir, target_dir, head_dir, dtype, n_prompts, tokens = sys.argv[1:7]
+draft_dir, target_dir, head_dir, dtype, n_prompts, tokens, sampling = sys.argv[1:8]
 torch.set_num_threads(1)
 draft, target, tok = load_pair(draft=draft_dir, target=target_dir, dtype=dtype)
 prompts = load_prompts("bundled", split="test", limit=int(n_prompts))
-greedy = SamplingConfig(temperature=0)
-decoders = {"fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), greedy),
-            "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), greedy),
-            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), greedy)}
+cfg = SamplingConfig(temperature=0) if sampling == "greedy" else SamplingConfig(temperature=1.0, top_k=50)
+decoders = {"fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg),
+            "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg),
+            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg)}
 print(json.dumps({"ready": True, "methods": list(decoders)}), flush=True)
 for line in sys.stdin:
     method, i = line.split()
     ids = torch.tensor([encode_prompt(tok, prompts[int(i)].prompt)])
-    out = decoders[method].generate(ids, max_new_tokens=int(tokens), eos_token_id=tok.eos_token_id)
+    out = decoders[method].generate(ids, max_new_tokens=int(tokens), eos_token_id=tok.eos_token_id,
+                                    generator=torch.Generator().manual_seed(int(i)))
     print(json.dumps({"tokens": out.tokens[0, ids.shape[1]:].tolist(), "n": out.stats.n_generated,
                       "wall_s": out.stats.wall_time_s}), flush=True)
 '''
@@ -61,7 +65,7 @@ class Worker:
     def __init__(self, checkout: Path, args) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(Path(args.draft).resolve()), str(Path(args.target).resolve()),
-             str(Path(args.head).resolve()), args.dtype, str(args.prompts), str(args.max_new_tokens)],
+             str(Path(args.head).resolve()), args.dtype, str(args.prompts), str(args.max_new_tokens), args.sampling],
             cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         first = self.proc.stdout.readline()
         if not first:
@@ -84,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fast")
     parser.add_argument("--prompts", type=int, default=10, help="bundled test prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sampling", choices=("greedy", "paper"), default="greedy",
+                        help="paper: temperature 1, top-k 50, a seeded generator per prompt")
     args = parser.parse_args(argv)
     for name in ("old", "new"):
         if not (getattr(args, name) / "specdecpp" / "__init__.py").is_file():

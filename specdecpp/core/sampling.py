@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 
@@ -118,15 +119,18 @@ def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
 def _top_k_row(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_top_k_softmax` of one row ``x`` [V] (V a multiple of TOP_K_CHUNK): the kept token ids,
     in increasing order, and their probabilities."""
-    by_chunk = x.view(-1, TOP_K_CHUNK)
-    heads = by_chunk.amax(-1)
-    bound = torch.topk(heads, k, sorted=False).values.amin()
-    chunks = (heads >= bound).nonzero().squeeze(1)
-    block = by_chunk[chunks]
-    at = (block >= bound).nonzero()
-    vals = block[at[:, 0], at[:, 1]]
-    keep = vals >= torch.topk(vals, k, sorted=False).values.amin()
-    return (chunks[at[:, 0]] * TOP_K_CHUNK + at[:, 1])[keep], vals[keep].softmax(-1)
+    # in numpy: the same selections as torch's ops, at a fraction of their dispatch cost (a dozen
+    # small ops a row, 4-5 rows a sampled round)
+    by_chunk = x.detach().view(-1, TOP_K_CHUNK)
+    heads = by_chunk.amax(-1).numpy()  # torch's reduction over rows of 64 is 3x numpy's
+    bound = np.partition(heads, heads.size - k)[heads.size - k]  # the k-th largest chunk maximum
+    chunks = np.flatnonzero(heads >= bound)
+    block = by_chunk.numpy()[chunks].reshape(-1)
+    at = np.flatnonzero(block >= bound)
+    vals = block[at]
+    keep = vals >= np.partition(vals, vals.size - k)[vals.size - k]  # at or above the k-th largest
+    ids = chunks[at // TOP_K_CHUNK] * TOP_K_CHUNK + at % TOP_K_CHUNK
+    return torch.from_numpy(ids[keep]), torch.from_numpy(vals[keep]).softmax(-1)
 
 
 def warp_and_sample(logits: torch.Tensor, cfg: SamplingConfig,
