@@ -52,6 +52,16 @@ class SamplingConfig:
                    top_p=float(m.get("top_p", 1.0)))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the largest value over the last dimension, the first of ties (``max(-1).indices``;
+    for bf16 on a CPU 4x faster than ``argmax``). A float32 or float64 tensor on a CPU goes through
+    numpy's vectorised argmax: 8 us against torch's 100-120 us over a 49k vocabulary on one thread
+    (torch's index-tracking reductions are not vectorised there; docs/results/fast.md)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
+    return logits.max(-1).indices
+
+
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Return the probabilities actually sampled from, over the last dimension.
 
@@ -62,7 +72,7 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).to(logits.dtype)
     if cfg.temperature != 1.0:  # x / 1.0 is x: a pass over the vocabulary saved
         logits = logits / cfg.temperature
     vocab = logits.shape[-1]

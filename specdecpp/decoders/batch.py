@@ -31,7 +31,7 @@ import torch
 
 from ..core.compat import cache_kwargs
 from ..core.hooks import FinalHidden, keep_last, new_cache
-from ..core.sampling import SamplingConfig, sample, warp
+from ..core.sampling import SamplingConfig, argmax, sample, warp
 from ..core.timing import Clock
 from ..models.runner import HiddenHook
 from ..stopping.policies import StopPolicy
@@ -291,8 +291,8 @@ class BatchDrafter:
             if kept is not None:
                 kept.append(logits)
             scores = logits if process is None else self.processed(process, seqs, drafting, k, logits)
-            if cfg.greedy:  # the argmax (max: first of ties too, 4x faster for bf16 on a CPU); no q needed
-                y = scores.max(-1).indices
+            if cfg.greedy:  # the argmax (the first of ties); no q needed
+                y = argmax(scores)
             else:
                 q = warp(scores, cfg)
                 y = torch.stack([sample(q[b], gens[b]) if drafting[b] else q.new_zeros((), dtype=torch.long)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.attention import decoding
-from ..core.sampling import SamplingConfig, sample, warp
+from ..core.sampling import SamplingConfig, argmax, sample, warp
 from ..core.timing import Clock
 from ..core.verify import residual
 from ..models.reduced_vocab import output_vocab_size
@@ -213,7 +213,7 @@ class TreeRule:
                  gen: torch.Generator | None) -> tuple[list[int], int]:
         drafted = tokens.tolist()
         if self.sampling.greedy:
-            best = logits.argmax(-1).tolist()
+            best = argmax(logits).tolist()
             path, node = [], -1
             while True:
                 y = best[node + 1]

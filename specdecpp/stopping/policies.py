@@ -196,6 +196,7 @@ class SpecDecPP(StopPolicy):
         self.threshold = check_threshold("SpecDecPP", "threshold", threshold)
         self.min_candidates, self.max_candidates = check_candidates("SpecDecPP", min_candidates, max_candidates)
         self._p_all_accepted: torch.Tensor | None = None  # [B] float64, per row, this round
+        self._p_one = 1.0  # the same for should_stop's one row
 
     @property
     def needs_hidden(self) -> bool:
@@ -213,9 +214,18 @@ class SpecDecPP(StopPolicy):
     def begin_round(self, generated=None) -> None:
         super().begin_round(generated)
         self._p_all_accepted = None
+        self._p_one = 1.0
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
-        return self._one_row(k, logits, hidden, token)
+        """:meth:`stop_rows` for one row, its product kept as a Python float: the same float64
+        arithmetic and decision, without the tensor ops of a batch (the chain asks at every
+        candidate)."""
+        if k > self.head.lag:
+            tokens = token.reshape(1)
+            score = self.head.score(None if hidden is None else hidden.unsqueeze(0), logits.unsqueeze(0), tokens,
+                                    self._positions(k, tokens))
+            self._p_one *= float(torch.sigmoid(score))
+        return bool(algorithm2_stops(self._p_one, k, self.threshold, self.min_candidates))
 
     @torch.no_grad()
     def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecpp.core.sampling import SamplingConfig, entropy, sample, warp, warp_and_sample
+from specdecpp.core.sampling import SamplingConfig, argmax, entropy, sample, warp, warp_and_sample
 from specdecpp.core.verify import acceptance_ratio, residual, verify, verify_rows
 from tests.helpers.stats import chi_square_pvalue
 
@@ -264,3 +264,18 @@ def test_verify_rows_gives_verify_s_verdict_and_warps_no_row_after_the_first_rej
     assert drawn == [2]
     with pytest.raises(ValueError, match="K\\+1"):
         verify_rows(torch.tensor([1, 2]), list(q), lambda i: p[i], 2)
+
+
+@pytest.mark.parametrize("shape", [(49152,), (4, 49152), (2, 3, 100), (7,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_the_first_of_ties_as_max_indices(shape, dtype):
+    """The greedy argmax (numpy's for float32/64 on a CPU) gives max(-1).indices: the same index,
+    the first of ties, with -inf logits (a reduced draft's) and bf16's coarse values."""
+    gen = torch.Generator().manual_seed(len(shape))
+    for _ in range(30):
+        x = (torch.randn(*shape, generator=gen) * 3).bfloat16().to(dtype)  # coarse values: ties
+        x.view(-1)[::7] = float("-inf")
+        got, want = argmax(x), x.max(-1).indices
+        assert got.shape == want.shape and got.dtype == want.dtype == torch.long and torch.equal(got, want)
+    tied = torch.zeros(shape, dtype=dtype)
+    assert (argmax(tied) == 0).all()

@@ -222,7 +222,7 @@ def test_stop_rows_is_should_stop_for_every_row(cpu_pair32, policy):
     g = torch.Generator().manual_seed(0)
     rows = 6
     batched.begin_round()
-    single_rounds = [None] * rows
+    single_rounds = [1.0] * rows
     for k in range(1, 5):
         logits = torch.randn(rows, 32, generator=g) * 3
         hidden = torch.randn(rows, 32, generator=g)
@@ -232,9 +232,9 @@ def test_stop_rows_is_should_stop_for_every_row(cpu_pair32, policy):
         want = []
         for b in range(rows):  # each row's own round state (SpecDecPP's product), through should_stop
             if isinstance(single, SpecDecPP):
-                single._p_all_accepted = single_rounds[b]
+                single._p_one = single_rounds[b]
             want.append(single.should_stop(k, logits[b], hidden[b], tokens[b]))
-            single_rounds[b] = getattr(single, "_p_all_accepted", None)
+            single_rounds[b] = getattr(single, "_p_one", None)
         assert got.tolist() == want, k
 
 

@@ -171,7 +171,7 @@ def test_position_feature_is_log1p_of_the_response_index_and_needs_positions():
     stop = policy.should_stop(2, logits[0], hidden[0], tokens[0])
     p1 = torch.sigmoid(head(next_token_features(hidden[:1], logits[:1], tokens[:1], None, 1.0, ("prob", "position"),
                                                 positions=torch.tensor([7])))).double()
-    torch.testing.assert_close(policy._p_all_accepted, (p1 * p2).reshape(1))  # scored at indices 7 and 8
+    assert policy._p_one == pytest.approx(float(p1 * p2), rel=1e-12)  # scored at indices 7 and 8
     assert stop == bool(1 - p1 * p2 > 0.5)
 
 
