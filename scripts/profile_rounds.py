@@ -11,7 +11,7 @@ Each method decodes ``--new`` tokens from one prompt, ``--repeats`` times, inter
 others (so a drift in the machine hits every method alike); the table gives the median wall time
 per round and per token. With random weights every round is one token under greedy decoding, which
 is what the comparison wants: the same forwards per round for every K-1 method. ``--phases``: the
-host time per round inside each engine call (the forwards, warp, sample, verify, commit), with no
+host time per round inside each engine call (the forwards, warp, the draft's draw, verify, commit), with no
 sync added, so a wait shows where the host waits. ``--sync-debug`` (CUDA): torch.cuda's sync debug
 mode counts each implicit synchronisation by its engine line. ``--trace``: torch.profiler over one
 decode per method, its busiest host ops and its device time (``--chrome DIR``: and a Chrome trace).
@@ -163,9 +163,11 @@ def phases(decs, prompt, args, device) -> None:
         return run
 
     draft = next(iter(decs.values())).draft
-    saved = {n: getattr(rounds, n) for n in ("sample", "warp", "verify")}
+    labels = {"warp": "warp", "warp_and_sample": "draw", "verify": "verify", "verify_rows": "verify"}
+    saved = {n: getattr(rounds, n) for n in labels}
     feed, commit = rounds.ModelRunner.feed, rounds.TokenBuffer.commit
-    rounds.sample, rounds.warp, rounds.verify = (timed(lambda a, n=n: n, saved[n]) for n in ("sample", "warp", "verify"))
+    for n, label in labels.items():
+        setattr(rounds, n, timed(lambda a, label=label: label, saved[n]))
     rounds.ModelRunner.feed = timed(lambda a: "draft_feed" if a[0].model is draft else "target_feed", feed)
     rounds.TokenBuffer.commit = timed(lambda a: "commit", commit)
     try:
@@ -181,8 +183,9 @@ def phases(decs, prompt, args, device) -> None:
         for n, fn in saved.items():
             setattr(rounds, n, fn)
         rounds.ModelRunner.feed, rounds.TokenBuffer.commit = feed, commit
-    cols = ["wall", "draft_feed", "warp", "sample", "target_feed", "verify", "commit"]
-    print("\nhost ms per round inside each call (no added sync)")
+    cols = ["wall", "draft_feed", "warp", "draw", "target_feed", "verify", "commit"]
+    print("\nhost ms per round inside each call (no added sync; draw: the drafter's warp and sample; on a CPU "
+          "verify warps its target rows itself, counted under warp too)")
     print(f"{'method':<20}" + "".join(f"{c:>12}" for c in cols))
     for n, row in table.items():
         print(f"{n:<20}" + "".join(f"{row.get(c, 0.0):>12.2f}" for c in cols))
