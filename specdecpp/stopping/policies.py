@@ -10,7 +10,8 @@ a policy's type.
 A batch of rows (``SpeculativeDecoder.generate_batch``) asks the same question of every row at
 once: ``stop_rows(k, logits [B, V], hidden [B, H], tokens [B], active [B]) -> bool tensor [B]``,
 computed on the device (the engine reads the decisions once per draft step, never per row). The
-built-in policies answer ``should_stop`` with the same code (a batch of one row); ``active`` marks
+built-in policies answer ``should_stop`` with the same code (a batch of one row; ``SpecDecPP`` keeps
+its one-row product as a Python float, the same arithmetic, tested equal); ``active`` marks
 the rows still drafting (a row that stopped waits: its entries are filler and its answer unused).
 """
 
@@ -216,6 +217,7 @@ class SpecDecPP(StopPolicy):
         self._p_all_accepted = None
         self._p_one = 1.0
 
+    @torch.no_grad()
     def should_stop(self, k, logits, hidden, token=None) -> bool:
         """:meth:`stop_rows` for one row, its product kept as a Python float: the same float64
         arithmetic and decision, without the tensor ops of a batch (the chain asks at every
