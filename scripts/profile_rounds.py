@@ -163,7 +163,8 @@ def phases(decs, prompt, args, device) -> None:
         return run
 
     draft = next(iter(decs.values())).draft
-    labels = {"warp": "warp", "warp_and_sample": "draw", "verify": "verify", "verify_rows": "verify"}
+    labels = {"warp": "warp", "warp_kept": "warp", "sample": "draw", "verify": "verify", "verify_rows": "verify",
+              "verify_kept": "verify"}
     saved = {n: getattr(rounds, n) for n in labels}
     feed, commit = rounds.ModelRunner.feed, rounds.TokenBuffer.commit
     for n, label in labels.items():
@@ -184,8 +185,8 @@ def phases(decs, prompt, args, device) -> None:
             setattr(rounds, n, fn)
         rounds.ModelRunner.feed, rounds.TokenBuffer.commit = feed, commit
     cols = ["wall", "draft_feed", "warp", "draw", "target_feed", "verify", "commit"]
-    print("\nhost ms per round inside each call (no added sync; draw: the drafter's warp and sample; on a CPU "
-          "verify warps its target rows itself, counted under warp too)")
+    print("\nhost ms per round inside each call (no added sync; warp: every row warped, the drafter's and (on a "
+          "CPU) those verify warps itself, also counted under verify; draw: the drafter's draw from a dense row)")
     print(f"{'method':<20}" + "".join(f"{c:>12}" for c in cols))
     for n, row in table.items():
         print(f"{n:<20}" + "".join(f"{row.get(c, 0.0):>12.2f}" for c in cols))

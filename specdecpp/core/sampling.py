@@ -76,7 +76,7 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.temperature != 1.0:  # x / 1.0 is x: a pass over the vocabulary saved
         logits = logits / cfg.temperature
     vocab = logits.shape[-1]
-    if cfg.top_p >= 1.0 and _sparse_top_k(logits, cfg.top_k):
+    if _sparse_top_k(logits, cfg):
         return _top_k_softmax(logits, cfg.top_k)
     if 0 < cfg.top_k < vocab:
         # the k-th largest logit (ties at it are kept): the least of the top k, which need no sorting
@@ -98,13 +98,11 @@ TOP_K_MAX_ROWS = 64  # _top_k_softmax loops over rows: more than this go the den
 TOP_K_MIN_VOCAB = 16384  # below this the dense way is as fast (its fixed cost is some 60 us a row)
 
 
-def _sparse_top_k(logits: torch.Tensor, k: int) -> bool:
-    """Whether :func:`warp`'s top-k goes through :func:`_top_k_softmax`: on a CPU (it reads how many
-    logits pass a bound, a host read that would stall a GPU), over a large vocabulary with at least
-    ``k`` whole chunks, for a few rows."""
+def _sparse_top_k(logits: torch.Tensor, cfg: SamplingConfig) -> bool:
+    """Whether :func:`warp`'s top-k goes through :func:`_top_k_softmax`: where :func:`kept_rows`
+    says so, for a few rows."""
     vocab = logits.shape[-1]
-    return (logits.device.type == "cpu" and 0 < k and vocab >= TOP_K_MIN_VOCAB and vocab // TOP_K_CHUNK >= k
-            and logits.numel() // vocab <= TOP_K_MAX_ROWS)
+    return kept_rows(vocab, cfg, logits.device) and logits.numel() // vocab <= TOP_K_MAX_ROWS
 
 
 def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -129,6 +127,13 @@ def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
 def _top_k_row(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_top_k_softmax` of one row ``x`` [V] (V a multiple of TOP_K_CHUNK): the kept token ids,
     in increasing order, and their probabilities."""
+    ids, vals = _top_k_kept(x, k)
+    return torch.from_numpy(ids), torch.from_numpy(vals).softmax(-1)
+
+
+def _top_k_kept(x: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids (increasing) and logits of one row ``x`` [V] (V a multiple of TOP_K_CHUNK) that top-k
+    keeps: its ``k`` largest and every tie at the k-th."""
     # in numpy: the same selections as torch's ops, at a fraction of their dispatch cost (a dozen
     # small ops a row, 4-5 rows a sampled round)
     by_chunk = x.detach().view(-1, TOP_K_CHUNK)
@@ -140,29 +145,75 @@ def _top_k_row(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vals = block[at]
     keep = vals >= np.partition(vals, vals.size - k)[vals.size - k]  # at or above the k-th largest
     ids = chunks[at // TOP_K_CHUNK] * TOP_K_CHUNK + at % TOP_K_CHUNK
-    return torch.from_numpy(ids[keep]), torch.from_numpy(vals[keep]).softmax(-1)
+    return ids[keep], vals[keep]
 
 
-def warp_and_sample(logits: torch.Tensor, cfg: SamplingConfig,
-                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q = warp(logits, cfg)`` and ``sample(q, generator)`` for one row ``logits`` [V] (not greedy):
-    the same q, and the same token for the same generator state. Where :func:`warp` takes
-    :func:`_top_k_softmax`'s way (top-k on a CPU), the draw runs over the kept tokens alone, as a
-    Python loop over their float64 cumulative sum (the same sums, in the same order, as
-    :func:`sample`'s over the whole row, whose zeros add nothing), some 150 us less a row than
-    :func:`sample` over a 49k vocabulary on one CPU thread."""
-    if logits.dim() != 1 or cfg.greedy or cfg.top_p < 1.0:
-        q = warp(logits, cfg)
-        return q, sample(q, generator)
+@dataclass(frozen=True, eq=False)
+class KeptProbs:
+    """One warped row kept sparse: the token ids that top-k kept (increasing) and their
+    probabilities, of a row of ``vocab`` tokens; every other token has probability 0. ``dense()``
+    is the row :func:`warp` gives, bit for bit. The CPU's acceptance rule reads these
+    (:func:`specdecpp.core.verify.verify_kept`), so no row of the whole vocabulary is written or
+    read in a sampled round (docs/results/fast.md)."""
+
+    ids: np.ndarray  # int64 [n], increasing
+    probs: np.ndarray  # float32 [n], summing to 1
+    vocab: int
+
+    def dense(self) -> torch.Tensor:
+        out = torch.zeros(self.vocab)
+        out[torch.from_numpy(self.ids)] = torch.from_numpy(self.probs)
+        return out
+
+    def at(self, token: int) -> float:
+        """The probability of ``token`` (0 where top-k dropped it), a float32 value as a Python float."""
+        j = int(np.searchsorted(self.ids, token))
+        return float(self.probs[j]) if j < self.ids.size and self.ids[j] == token else 0.0
+
+    def draw(self, generator: torch.Generator | None) -> int:
+        """:func:`sample` of ``dense()``: the same token for the same generator state."""
+        return int(self.ids[_draw_few(self.probs.tolist(), generator)])
+
+
+def dense_rows(rows: list) -> list[torch.Tensor]:
+    """Rows that may be :class:`KeptProbs`, each as a dense tensor [V] (a tensor row as it is)."""
+    return [r.dense() if isinstance(r, KeptProbs) else r for r in rows]
+
+
+def as_kept(rows: list) -> list[KeptProbs]:
+    """Rows that may be dense tensors [V], each as :class:`KeptProbs` (its nonzero entries)."""
+    out = []
+    for r in rows:
+        if not isinstance(r, KeptProbs):
+            x = r.detach().float().cpu().numpy()
+            ids = np.flatnonzero(x)
+            r = KeptProbs(ids, x[ids], x.size)
+        out.append(r)
+    return out
+
+
+def kept_rows(width: int, cfg: SamplingConfig, device: torch.device) -> bool:
+    """Whether :func:`warp_kept` keeps rows of logits ``width`` wide sparse under ``cfg``: on a CPU
+    (the kept set's size is a host read), sampled with top-k and no top-p, over at least
+    TOP_K_MIN_VOCAB logits (below, dense rows are about as fast), with at least ``top_k`` whole chunks."""
+    return (device.type == "cpu" and not cfg.greedy and cfg.top_p >= 1.0 and cfg.top_k > 0
+            and width >= TOP_K_MIN_VOCAB and width // TOP_K_CHUNK >= cfg.top_k)
+
+
+def warp_kept(logits: torch.Tensor, cfg: SamplingConfig) -> KeptProbs | None:
+    """:func:`warp` of one row ``logits`` [V] as :class:`KeptProbs` (``dense()`` is ``warp(logits,
+    cfg)`` bit for bit, and its ``draw`` the same token as ``sample``'s), or None where
+    :func:`kept_rows` says no. (A reduced draft's -inf logits cost its top-k nothing: gathering its
+    scored ones first costs more than it saves.)"""
+    vocab = logits.shape[-1]
+    if logits.dim() != 1 or not kept_rows(vocab, cfg, logits.device):
+        return None
     z = logits.float()
     z = z if cfg.temperature == 1.0 else z / cfg.temperature
-    if not _sparse_top_k(z, cfg.top_k) or z.shape[-1] % TOP_K_CHUNK:
-        q = warp(logits, cfg)
-        return q, sample(q, generator)
-    ids, probs = _top_k_row(z, cfg.top_k)
-    q = torch.zeros_like(z)
-    q[ids] = probs
-    return q, ids[_draw_few(probs.tolist(), generator)]
+    if pad := -vocab % TOP_K_CHUNK:  # a last, partial chunk filled with -inf
+        z = torch.cat([z, z.new_full((pad,), float("-inf"))])
+    ids, vals = _top_k_kept(z, cfg.top_k)
+    return KeptProbs(ids, torch.from_numpy(vals).softmax(-1).numpy(), vocab)
 
 
 def _draw_few(probs: list[float], generator: torch.Generator | None) -> int:

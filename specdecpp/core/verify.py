@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-from .sampling import argmax, sample
+from .sampling import KeptProbs, _draw_few, argmax, sample
 
 
 def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -69,27 +70,63 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
 
 
 def verify_rows(draft_tokens: torch.Tensor, q: Sequence[torch.Tensor], p_row: Callable[[int], torch.Tensor],
-                p_rows: int, generator: torch.Generator | None = None, bonus: bool = True,
-                draw_row: Callable[[int], torch.Tensor] | None = None) -> tuple[int, int | None]:
+                p_rows: int, generator: torch.Generator | None = None, bonus: bool = True) -> tuple[int, int | None]:
     """:func:`verify`'s sampled rule, computing only the target rows it reads: ``p_row(i)`` gives
     p_{i+1} [V], called for rows 0..n (the first rejection n) or, when all K are accepted, for
     every row and the bonus row K. The same uniforms are drawn in the same order as in
     :func:`verify` and every row's arithmetic is the same, so for the same generator state both
     return the same verdict; a target row after the first rejection is never warped. ``q``: the K
-    rows q_i [V]; ``p_rows``: how many target rows there are (K + 1, or K without a bonus);
-    ``draw_row(i)``: ``sample(p_row(i), generator)`` by another way, if the caller has a faster one
-    (the bonus token's draw). For a CPU, where reading each row's verdict costs no device sync (on a GPU
-    :func:`verify` reads them all at once)."""
+    rows q_i [V]; ``p_rows``: how many target rows there are (K + 1, or K without a bonus). For a
+    CPU, where reading each row's verdict costs no device sync (on a GPU :func:`verify` reads them
+    all at once)."""
     k = draft_tokens.shape[0]
     if len(q) != k or p_rows != k + bonus or (k == 0 and not bonus):
         raise ValueError(f"verify_rows: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
                          f"(K >= 1 without a bonus), got {len(q)} and {p_rows}")
-    draw = draw_row or (lambda i: sample(p_row(i), generator))
     if k == 0:
-        return 0, int(draw(0))
+        return 0, int(sample(p_row(0), generator))
     u = torch.rand(k, generator=generator, device=draft_tokens.device)
     for i in range(k):
         p_i = p_row(i)
         if bool(u[i] >= acceptance_ratio(p_i, q[i], draft_tokens[i])):  # rejected: the residual's draw
             return i, int(sample(residual(p_i, q[i]), generator))
-    return k, int(draw(k)) if bonus else None
+    return k, int(sample(p_row(k), generator)) if bonus else None
+
+
+def verify_kept(draft_tokens: Sequence[int], q: Sequence[KeptProbs], p_row: Callable[[int], KeptProbs],
+                p_rows: int, generator: torch.Generator | None = None, bonus: bool = True) -> tuple[int, int | None]:
+    """:func:`verify_rows` over rows kept sparse (:class:`~specdecpp.core.sampling.KeptProbs`, a CPU's
+    top-k rows): ``p_i(y)`` and ``q_i(y)`` are looked up, the residual ``(p_i - q_i)+`` is formed over
+    the union of the two rows' kept tokens (outside it both are 0) and drawn from there, so no row
+    of the whole vocabulary is written or read. The same uniforms are drawn in the same order, the
+    ratio is the same float32 quotient and the residual's terms the same float32 differences as
+    :func:`verify`'s, so for the same generator state the verdict is the same; only the residual's
+    normaliser is summed over fewer terms, which may move its last bit (and a draw that lands
+    within that rounding of a boundary). ``draft_tokens``: the K candidates as ints."""
+    k = len(draft_tokens)
+    if len(q) != k or p_rows != k + bonus or (k == 0 and not bonus):
+        raise ValueError(f"verify_kept: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
+                         f"(K >= 1 without a bonus), got {len(q)} and {p_rows}")
+    if k == 0:
+        return 0, p_row(0).draw(generator)
+    u = torch.rand(k, generator=generator).tolist()  # float32 draws, exact as Python floats
+    for i, y in enumerate(draft_tokens):
+        p_i, q_i = p_row(i), q[i]
+        q_y = q_i.at(y)
+        ratio = min(1.0, float(np.float32(p_i.at(y)) / np.float32(q_y))) if q_y > 0 else 1.0
+        if u[i] >= ratio:  # rejected: the residual's draw
+            return i, _residual_draw(p_i, q_i, generator)
+    return k, p_row(k).draw(generator) if bonus else None
+
+
+def _residual_draw(p: KeptProbs, q: KeptProbs, generator: torch.Generator | None) -> int:
+    """``sample(residual(p.dense(), q.dense()), generator)`` over the union of the kept tokens."""
+    ids = np.union1d(p.ids, q.ids)
+    p_u = np.zeros(ids.size, np.float32)
+    p_u[np.searchsorted(ids, p.ids)] = p.probs
+    q_u = np.zeros(ids.size, np.float32)
+    q_u[np.searchsorted(ids, q.ids)] = q.probs
+    r = np.maximum(p_u - q_u, np.float32(0))
+    mass = r.sum(dtype=np.float32)
+    r = r / max(mass, np.float32(1e-30)) if mass > 1e-12 else p_u
+    return int(ids[_draw_few(r.tolist(), generator)])

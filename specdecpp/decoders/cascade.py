@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.sampling import SamplingConfig, sample, warp
+from ..core.sampling import SamplingConfig, dense_rows, sample, warp
 from ..core.verify import verify
 from .rounds import Candidates
 
@@ -127,7 +127,7 @@ class CascadeRule:
                     return n, int(pi[n].argmax(-1))
             return k, int(self._pi(peek().unsqueeze(0), logits[k : k + 1])[0].argmax(-1))
         if k:
-            q = torch.stack(drafted.q)
+            q = torch.stack(dense_rows(drafted.q))
             pi = self.cascade.target(q, warp(logits[:k], self.sampling))
             n, token = verify(tokens, q, pi, gen, bonus=False)
             if token is not None:

@@ -33,9 +33,9 @@ from functools import partial
 
 import torch
 
-from ..core.sampling import SamplingConfig, argmax, warp, warp_and_sample
+from ..core.sampling import SamplingConfig, argmax, as_kept, dense_rows, kept_rows, sample, warp, warp_kept
 from ..core.timing import Clock
-from ..core.verify import verify, verify_rows
+from ..core.verify import verify, verify_kept, verify_rows
 from ..models.loading import token_set
 from ..models.runner import ModelRunner
 from ..stopping.policies import StopPolicy
@@ -55,7 +55,8 @@ class _NeverStop(StopPolicy):
 @dataclass
 class Block:
     """A drafted block: ``k`` candidates written to the sequence buffer and, unless greedy, the
-    rows ``q`` [k, V] they were sampled from. ``t0``/``t1`` bracket the drafting."""
+    k rows ``q`` [V] they were sampled from (on a CPU under top-k, :class:`~specdecpp.core.sampling.KeptProbs`:
+    :func:`~specdecpp.core.sampling.dense_rows` makes them tensors). ``t0``/``t1`` bracket the drafting."""
 
     k: int
     q: list
@@ -72,7 +73,7 @@ class Block:
 @dataclass
 class Candidates:
     """What an acceptance rule tests: the drafted ``tokens`` [K] and, unless greedy, the draft's
-    rows ``q`` [K, V] they were sampled from. What only a lossy rule (a cascade) reads: the draft's
+    K rows ``q`` they were sampled from (as in :class:`Block`). What only a lossy rule (a cascade) reads: the draft's
     raw ``logits`` [K, V] of the candidates (None unless the drafter kept them) and ``peek()``, the
     draft's raw logits [V] after the last candidate (one more draft forward, made only if called)."""
 
@@ -153,8 +154,13 @@ class Drafter:
             scores = logits[-1] if process is None else processed(process, 0, seq, [start + k], logits[-1:])[0]
             if cfg.greedy:  # the argmax (the first of ties); no q needed
                 y = argmax(scores)
-            else:
-                q_k, y = warp_and_sample(scores, cfg, gen)  # sample(warp(scores)), faster on a CPU
+            else:  # sample(warp(scores)); on a CPU under top-k the row is kept sparse
+                q_k = warp_kept(scores, cfg)
+                if q_k is None:
+                    q_k = warp(scores, cfg)
+                    y = sample(q_k, gen)
+                else:
+                    y = torch.tensor(q_k.draw(gen))  # the policies read a token tensor
                 q_rows.append(q_k)
             seq[start + k] = y
             if self.keep_logits:
@@ -197,12 +203,15 @@ class ExactRule:
                  bonus: bool = True) -> tuple[int, int | None]:
         if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
             return verify(drafted.tokens, None, logits, greedy=True, bonus=bonus)
+        cfg = self.sampling
         if logits.device.type == "cpu":  # the same verdict, warping only the rows up to the first rejection
-            cfg = self.sampling
-            return verify_rows(drafted.tokens, drafted.q, lambda i: warp(logits[i], cfg), logits.shape[0], gen, bonus,
-                               draw_row=lambda i: warp_and_sample(logits[i], cfg, gen)[1])
-        p = warp(logits, self.sampling)
-        q = torch.stack(drafted.q) if drafted.q else p.new_zeros((0, p.shape[-1]))
+            if kept_rows(logits.shape[-1], cfg, logits.device):  # and every row kept sparse (top-k)
+                return verify_kept(drafted.tokens.tolist(), as_kept(drafted.q),
+                                   lambda i: warp_kept(logits[i], cfg), logits.shape[0], gen, bonus)
+            return verify_rows(drafted.tokens, dense_rows(drafted.q), lambda i: warp(logits[i], cfg), logits.shape[0],
+                               gen, bonus)
+        p = warp(logits, cfg)
+        q = torch.stack(dense_rows(drafted.q)) if drafted.q else p.new_zeros((0, p.shape[-1]))
         return verify(drafted.tokens, q, p, gen, bonus=bonus)
 
 

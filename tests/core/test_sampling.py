@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdecpp.core.sampling import SamplingConfig, argmax, entropy, sample, warp, warp_and_sample
-from specdecpp.core.verify import acceptance_ratio, residual, verify, verify_rows
+from specdecpp.core.sampling import SamplingConfig, argmax, as_kept, entropy, sample, warp, warp_kept
+from specdecpp.core.verify import acceptance_ratio, residual, verify, verify_kept, verify_rows
 from tests.helpers.stats import chi_square_pvalue
 
 
@@ -89,15 +89,24 @@ def _random_dists(k, v, seed):
     return p, q
 
 
+@pytest.mark.parametrize("rule", ["dense", "kept"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_verify_first_token_has_target_distribution(k):
-    """Draft y ~ q, verify: the first emitted token is distributed as p_1, whatever q is."""
+def test_verify_first_token_has_target_distribution(k, rule):
+    """Draft y ~ q, verify: the first emitted token is distributed as p_1, whatever q is; by the
+    dense rule and by the CPU's rule over rows kept sparse (q and p with zeros, as top-k leaves them)."""
     p, q = _random_dists(k, 5, seed=k)
+    if rule == "kept":  # top-k-like rows: a token dropped from q, another from p_1
+        q[:, 4], p[0, 1] = 0, 0
+        q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
+    q_kept, p_kept = as_kept(list(q)), as_kept(list(p))
     g = torch.Generator().manual_seed(100 + k)
     firsts, drafted = [], []
     for _ in range(6000):
         y = sample(q, g)
-        n_acc, nxt = verify(y, q, p, g)
+        if rule == "dense":
+            n_acc, nxt = verify(y, q, p, g)
+        else:
+            n_acc, nxt = verify_kept(y.tolist(), q_kept, lambda i: p_kept[i], k + 1, g)
         firsts.append(int(y[0]) if n_acc >= 1 else nxt)
         drafted.append(int(y[0]))
     expected = dict(enumerate(p[0].tolist()))
@@ -209,39 +218,77 @@ def test_cpu_top_k_way_equals_the_dense_way(monkeypatch, vocab, temperature):
 
 
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0, 50), SamplingConfig(0.7, 5), SamplingConfig(1.0, 0),
-                                 SamplingConfig(0.8, 50, 0.9)], ids=["top50", "T0.7-top5", "no-top-k", "top-p"])
-def test_warp_and_sample_gives_warp_and_sample_for_the_same_generator_state(cfg, monkeypatch):
-    """The drafter's one-row draw: the same q as warp and the same token as sample(q) from the same
-    generator state, whether it draws over the kept tokens in Python (top-k on a CPU over a 49k
-    vocabulary) or goes the general way; and it leaves the generator where sample leaves it."""
-    import specdecpp.core.sampling as sampling
-
+                                 SamplingConfig(0.8, 50, 0.9), SamplingConfig(0.0, 50)],
+                         ids=["top50", "T0.7-top5", "no-top-k", "top-p", "greedy"])
+def test_warp_kept_is_warp_and_its_draw_is_sample_s(cfg):
+    """A row kept sparse (top-k on a CPU over a 49k vocabulary): dense() is warp's row bit for bit,
+    and its draw gives the token sample(warp) gives from the same generator state, leaving the
+    generator where sample leaves it; where top-k does not apply (no top-k, top-p, greedy) there
+    is no kept row."""
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(200, 49152, generator=gen) * 3
     rows[::3, :30000] = float("-inf")  # a reduced draft's -inf logits
     rows[1::3] = rows[1::3].bfloat16().float()  # coarse values: ties at the k-th
-    few = []
-    monkeypatch.setattr(sampling, "_draw_few", lambda probs, g, f=sampling._draw_few: few.append(1) or f(probs, g))
+    applies = cfg.top_k > 0 and cfg.top_p == 1.0 and not cfg.greedy
     for row in rows:
+        kept = warp_kept(row, cfg)
+        assert (kept is not None) == applies
+        if not applies:
+            continue
         a, b = torch.Generator().manual_seed(int(row[-1].abs() * 1e4)), torch.Generator()
         b.set_state(a.get_state())
-        q, y = warp_and_sample(row, cfg, a)
         q_ref = warp(row, cfg)
-        assert torch.equal(q, q_ref) and int(y) == int(sample(q_ref, b))
+        assert torch.equal(kept.dense(), q_ref) and kept.draw(a) == int(sample(q_ref, b))
         assert torch.equal(a.get_state(), b.get_state())
-    assert len(few) == (len(rows) if cfg.top_k and cfg.top_p == 1.0 else 0)  # the Python draw where it applies
-    fewer = torch.full((49152,), float("-inf"))
-    fewer[7] = 0.0  # one finite logit: the only token there is
-    assert int(warp_and_sample(fewer, SamplingConfig(1.0, 50))[1]) == 7
+        y = int(sample(q_ref, b))
+        assert kept.at(y) == float(q_ref[y]) > 0 and kept.at(int(argmax(-row))) == 0.0
+    if applies:
+        fewer = torch.full((49152,), float("-inf"))
+        fewer[7] = 0.0  # one finite logit: the only token there is
+        assert warp_kept(fewer, cfg).draw(None) == 7
+        assert warp_kept(torch.randn(1000), cfg) is None  # a small vocabulary: dense rows
+        odd = torch.randn(20000, generator=gen)  # a last, partial chunk
+        assert torch.equal(warp_kept(odd, cfg).dense(), warp(odd, cfg))
+    import specdecpp.core.sampling as sampling
+
     with pytest.raises(ValueError, match="non-negative and finite"):
         sampling._draw_few([0.5, float("nan")], None)
+
+
+def test_verify_kept_gives_verify_s_verdict_over_rows_kept_sparse():
+    """The CPU rule over rows kept sparse returns what verify returns over the same rows dense, for
+    the same generator state (rejections, residual draws over the union of the two supports, bonus
+    tokens, rounds without a bonus), asks for target rows only up to the first rejection, and leaves
+    the generator where verify leaves it."""
+    gen = torch.Generator().manual_seed(12)
+    outcomes = set()
+    for trial in range(600):
+        bonus = trial % 5 != 0
+        k = trial % 4 + (0 if bonus else 1)
+        p, q = _random_dists(k, 12, seed=trial)
+        p, q = p * (torch.rand(p.shape, generator=gen) > 0.4), q * (torch.rand(q.shape, generator=gen) > 0.4)
+        q[:, 0] += 1e-3  # no row left empty
+        p[:, 0] += 1e-3
+        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+        p = p if bonus else p[:k]
+        y = sample(q, gen) if k else torch.zeros(0, dtype=torch.long)
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        p_kept, asked = as_kept(list(p)), []
+        got = verify_kept(y.tolist(), as_kept(list(q)), lambda i: asked.append(i) or p_kept[i], p.shape[0], a, bonus)
+        assert got == verify(y, q, p, b, bonus=bonus)
+        n, token = got
+        assert asked == list(range(min(n + 1, p.shape[0]))) and torch.equal(a.get_state(), b.get_state())
+        outcomes.add((n == k, token is None))
+    assert outcomes == {(True, False), (False, False), (True, True)}
+    with pytest.raises(ValueError, match="K\\+1"):
+        verify_kept([1, 2], as_kept(list(q[:1])) * 2, lambda i: p_kept[i], 2)
 
 
 @pytest.mark.parametrize("bonus", [True, False])
 def test_verify_rows_gives_verify_s_verdict_and_warps_no_row_after_the_first_rejection(bonus):
     """The CPU rule reads target rows one at a time: for the same generator state it returns what
-    verify returns, asks only for rows up to the first rejection (all K and the bonus row when
-    every candidate is accepted), and draws the bonus token by draw_row when it is given."""
+    verify returns, and asks only for rows up to the first rejection (all K and the bonus row when
+    every candidate is accepted)."""
     gen = torch.Generator().manual_seed(11)
     verdicts = set()
     for trial in range(400):
@@ -258,10 +305,6 @@ def test_verify_rows_gives_verify_s_verdict_and_warps_no_row_after_the_first_rej
         verdicts.add((n == k, token is None))
     assert verdicts == ({(True, False), (False, False)} if bonus else {(True, True), (False, False)})
     p, q = _random_dists(2, 6, seed=0)
-    drawn = []
-    assert verify_rows(torch.tensor([0, 0]), list(q), lambda i: p[i] * 0 + torch.eye(6)[0], 3, None, True,
-                       draw_row=lambda i: drawn.append(i) or torch.tensor(5)) == (2, 5)
-    assert drawn == [2]
     with pytest.raises(ValueError, match="K\\+1"):
         verify_rows(torch.tensor([1, 2]), list(q), lambda i: p[i], 2)
 

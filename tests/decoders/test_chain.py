@@ -263,3 +263,54 @@ def test_cpu_feed_pads_to_four_tokens_and_keeps_real_positions_exact(pair32):
                 torch.testing.assert_close(after, target(ids[None, : 5 + n]).logits[0, -1:], atol=1e-5, rtol=1e-5)
     finally:
         hook.remove()
+
+
+@pytest.fixture
+def kept_rows_on(monkeypatch):
+    """The CPU's sparse rows (KeptProbs and verify_kept) for a tiny vocabulary: chunks of one
+    logit and no least vocabulary; the verify_kept calls are counted."""
+    import specdecpp.core.sampling as sampling
+    import specdecpp.decoders.rounds as rounds
+
+    monkeypatch.setattr(sampling, "TOP_K_MIN_VOCAB", 0)
+    monkeypatch.setattr(sampling, "TOP_K_CHUNK", 1)
+    calls = []
+    monkeypatch.setattr(rounds, "verify_kept", lambda *a, f=rounds.verify_kept: calls.append(1) or f(*a))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["fixed_k3", "specdecpp"])  # SVIP: the same-seed test below
+def test_sampled_output_over_rows_kept_sparse_has_target_distribution(pair6, name, kept_rows_on):
+    """Under top-k on a CPU the drafter keeps q sparse and the rule reads p sparse (verify_kept, the
+    residual over the union of the kept tokens): the output still follows the target's distribution."""
+    test_sampled_output_has_target_distribution(pair6, name, SamplingConfig(temperature=1.0, top_k=3))
+    assert kept_rows_on
+
+
+@pytest.mark.parametrize("decoder", ["fixed_k3", "svip", "pearl"])
+def test_rows_kept_sparse_give_the_dense_rows_output_for_the_same_seed(pair32, decoder, monkeypatch):
+    """Sparse rows change no token: the same seeds give the same tokens and rounds with them and with
+    dense rows (chain decoders and PEARL, whose rounds go through the same rule)."""
+    from specdecpp import PEARLDecoder
+
+    draft, target = pair32
+    sampling = SamplingConfig(temperature=1.0, top_k=10)
+
+    def run():
+        if decoder == "pearl":
+            dec = PEARLDecoder(draft, target, gamma=3, sampling=sampling)
+        else:
+            dec = SpeculativeDecoder(draft, target, {"fixed_k3": FixedK(3), "svip": SVIP(0.4)}[decoder], sampling)
+        outs = [dec.generate(torch.tensor([p]), 24, generator=torch.Generator().manual_seed(s))
+                for s, p in enumerate(PROMPTS)]
+        return [(o.tokens.tolist(), o.stats.accept_lengths) for o in outs]
+
+    dense = run()
+    import specdecpp.core.sampling as sampling_module
+    import specdecpp.decoders.rounds as rounds
+
+    monkeypatch.setattr(sampling_module, "TOP_K_MIN_VOCAB", 0)
+    monkeypatch.setattr(sampling_module, "TOP_K_CHUNK", 2)
+    calls = []
+    monkeypatch.setattr(rounds, "verify_kept", lambda *a, f=rounds.verify_kept: calls.append(1) or f(*a))
+    assert run() == dense and calls
