@@ -270,10 +270,13 @@ bench-cascade: demo-pair cascade-head
 reference-heads:  # rebuild demo/heads/ (resumable; about 15 minutes in bf16 on this 2-core CPU)
 	$(PYTHON) -m specdecpp_demo.reference_heads
 
+TEST_WORKERS ?= auto  # pytest-xdist processes, one per core (each test runs torch on one thread); 0: in this process
+TEST_ARGS = -n $(TEST_WORKERS) --dist worksteal
+
 test: install
-	@start=$$(date +%s); status=0; $(PYTHON) -m pytest -m "not slow" || status=$$?; \
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest $(TEST_ARGS) -m "not slow" || status=$$?; \
 		echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
 
 test-full: install
-	@start=$$(date +%s); status=0; $(PYTHON) -m pytest --durations=20 || status=$$?; \
+	@start=$$(date +%s); status=0; $(PYTHON) -m pytest $(TEST_ARGS) --durations=20 || status=$$?; \
 		echo "make test-full: $$(( $$(date +%s) - start )) s"; exit $$status

@@ -146,8 +146,22 @@ def materialise_target(gguf: Path, out: Path) -> Path:
     return _publish(build, Path(out))
 
 
+def _one_builder(name: str):
+    """A lock on building ``cache_dir() / name``: two processes that want the demo pair at once (test
+    workers, data_gen's workers) build it once; the second waits, then finds the first's directory."""
+    from filelock import FileLock
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return FileLock(str(cache_dir() / f".{name}.lock"))
+
+
 def demo_target_path(gguf: str | Path | None = None) -> Path:
-    """The materialised target directory; fetched and dequantised on first use."""
+    """The materialised target directory; fetched and dequantised on first use (by one process at a time)."""
+    with _one_builder("target"):
+        return _demo_target_path(gguf)
+
+
+def _demo_target_path(gguf: str | Path | None) -> Path:
     out = cache_dir() / "target"
     stamp = out / STAMP
     if stamp.is_file():
@@ -206,8 +220,13 @@ def materialise_draft(target_dir: Path, out: Path, artifact: Path = ARTIFACT_DIR
 
 
 def demo_draft_path(artifact: Path = ARTIFACT_DIR) -> Path:
-    """The materialised draft directory; rebuilt whenever the shipped artifact changes."""
+    """The materialised draft directory; rebuilt whenever the shipped artifact changes (by one process at a time)."""
     draft_config(artifact)  # clear error when the artifact is missing
+    with _one_builder("draft"):
+        return _demo_draft_path(artifact)
+
+
+def _demo_draft_path(artifact: Path) -> Path:
     out = cache_dir() / "draft"
     stamp = out / STAMP
     digest = artifact_digest(artifact)
