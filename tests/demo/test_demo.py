@@ -145,6 +145,32 @@ def test_draft_is_rematerialised_only_when_the_artifact_changes(demo_cache, tmp_
     assert demo.artifact_digest(artifact) != before
 
 
+def test_two_processes_wanting_the_draft_at_once_build_it_once(demo_cache, tmp_path, monkeypatch):
+    """The demo pair is built under a lock: callers that arrive together (test workers, data_gen's
+    workers) wait for the first build and reuse it, instead of building twice over each other."""
+    import threading
+    import time
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(projected.ARTIFACT_DIR, artifact)
+    builds, build = [], demo.materialise_draft
+
+    def slow_build(*a, **kw):
+        builds.append(1)
+        time.sleep(0.5)  # the other caller arrives while this one builds
+        return build(*a, **kw)
+
+    monkeypatch.setattr(demo, "materialise_draft", slow_build)
+    got = []
+    callers = [threading.Thread(target=lambda: got.append(demo.demo_draft_path(artifact))) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(builds) == 1 and got == [demo_cache / "draft"] * 2
+    assert (demo_cache / "draft" / demo.STAMP).is_file()
+
+
 def test_distillation_draft_exports_to_the_same_model(tmp_path):
     """The class specdecpp_demo.build_draft trains is the one the materialiser rebuilds: its artifact tensors
     come back as a LlamaForCausalLM with the same logits (up to the float16 layers)."""
