@@ -33,7 +33,9 @@ def on(device: str, model):
 
 
 def close(device: str, mine: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = (1e-5, 1e-4) if device == "cpu" else (1e-4, 1e-3)
+    # float32 on a CPU: inductor's kernels sum in another order than eager's (1.4e-5 apart seen on an AMD
+    # EPYC, some 30 ulps of logits near 4); a wrong position or a stale cache entry moves them by O(1)
+    atol, rtol = (5e-5, 1e-4) if device == "cpu" else (1e-4, 1e-3)
     torch.testing.assert_close(mine, ref, atol=atol, rtol=rtol)
 
 

@@ -13,6 +13,21 @@ from infer import costs as cli
 from infer import measure
 from specdecpp.analysis.costmodel import SCHEMA, load_costs
 from specdecpp.core.timing import time_forward, time_forwards
+from tests.helpers.tiny import tiny_lm
+
+
+@pytest.fixture(scope="module")
+def costly_pair(tiny_pair, tmp_path_factory):
+    """tiny_pair's draft (1 layer of width 32) with a target of 6 layers of width 64 in the target's
+    tokenizer: its forward costs several times the draft's, so t_draft < t_target holds on a loaded
+    machine too (two test workers on two cores moved medians of the 2-layer target below the draft's)."""
+    target = tmp_path_factory.mktemp("costly") / "target"
+    model = tiny_lm(tiny_pair.vocab, 64, 6, seed=13, scale=0.15)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(model.config, key, getattr(tiny_pair.tokenizer, key))
+    model.save_pretrained(target)
+    tiny_pair.tokenizer.save_pretrained(target)
+    return type(tiny_pair)(draft=tiny_pair.draft, target=str(target))
 
 
 def test_time_forward_times_each_call_from_the_reset_state():
@@ -70,27 +85,27 @@ def test_position_acceptance_is_one_for_identical_models_and_less_otherwise(tiny
     assert (alpha_small <= covered + 1e-6).all()
 
 
-def test_cli_writes_costs_json_in_the_one_schema(tiny_pair, tmp_path, capsys):
+def test_cli_writes_costs_json_in_the_one_schema(costly_pair, tmp_path, capsys):
     costs_path, out = tmp_path / "c" / "costs.json", tmp_path / "pair.json"
-    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+    cli.main(["--draft", costly_pair.draft, "--target", costly_pair.target, "--sources", "bundled", "--limit", "1",
                   "--max-new-tokens", "6", "--timing-steps", "9", "--dtype", "float32", "--costs-out", str(costs_path),
                   "--out", str(out)])
     assert "cost ratio" in capsys.readouterr().out
     raw = json.loads(costs_path.read_text())
     assert raw["schema"] == SCHEMA and raw["measured_by"] == "python -m infer.costs"
     costs = load_costs(costs_path)  # the loader infer.potential and infer.report use
-    assert 0 < costs.t_draft < costs.t_target  # 1 layer of width 32 against 2 of width 48 (medians of 9: a load spike moved medians of 3)
+    assert 0 < costs.t_draft < costs.t_target  # 1 layer of width 32 against 6 of width 64 (medians of 9: a load spike moved medians of 3)
     assert sorted(costs.target_by_width) == list(range(1, 9)) and costs.target_cost(1) == costs.t_target
-    assert costs.meta["dtype"] == "float32" and costs.meta["device"] == "cpu" and costs.meta["draft"] == tiny_pair.draft
+    assert costs.meta["dtype"] == "float32" and costs.meta["device"] == "cpu" and costs.meta["draft"] == costly_pair.draft
     result = json.loads(out.read_text())
     assert 0 < result["acceptance"] < 1 and result["per_source"]["bundled"]["prompts"] == 1
 
 
-def test_cli_batch_sizes_write_the_batched_curves(tiny_pair, tmp_path, capsys):
+def test_cli_batch_sizes_write_the_batched_curves(costly_pair, tmp_path, capsys):
     """--batch-sizes: t_draft(B) and t_target(B, n) for B = 1 and each size, n = 1..8, in costs.json,
     read back by the cost model (the batched Eq. 2.3 of infer.report and scripts/bench_batch.py)."""
     costs_path = tmp_path / "costs.json"
-    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
+    cli.main(["--draft", costly_pair.draft, "--target", costly_pair.target, "--sources", "bundled", "--limit", "1",
                   "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--batch-sizes", "3",
                   "--costs-out", str(costs_path)])
     assert "batch 3: draft step" in capsys.readouterr().out
@@ -100,7 +115,7 @@ def test_cli_batch_sizes_write_the_batched_curves(tiny_pair, tmp_path, capsys):
     assert all(t > 0 for curve in costs.target_by_batch.values() for t in curve.values())
     assert costs.batch_target_cost(3, 2) == costs.target_by_batch[3][2]
     with pytest.raises(SystemExit):
-        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--batch-sizes", "0",
+        cli.main(["--draft", costly_pair.draft, "--target", costly_pair.target, "--batch-sizes", "0",
                       "--costs-out", str(costs_path)])
     assert "--batch-sizes must be >= 1" in capsys.readouterr().err
 
