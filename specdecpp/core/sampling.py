@@ -172,7 +172,7 @@ class KeptProbs:
 
     def draw(self, generator: torch.Generator | None) -> int:
         """:func:`sample` of ``dense()``: the same token for the same generator state."""
-        return int(self.ids[_draw_few(self.probs.tolist(), generator)])
+        return int(self.ids[draw_few(self.probs.tolist(), generator)])
 
 
 def dense_rows(rows: list) -> list[torch.Tensor]:
@@ -216,7 +216,7 @@ def warp_kept(logits: torch.Tensor, cfg: SamplingConfig) -> KeptProbs | None:
     return KeptProbs(ids, torch.from_numpy(vals).softmax(-1).numpy(), vocab)
 
 
-def _draw_few(probs: list[float], generator: torch.Generator | None) -> int:
+def draw_few(probs: list[float], generator: torch.Generator | None) -> int:
     """:func:`sample`'s inverse-CDF draw over a short list of probabilities, in Python floats
     (float64): the same uniform from ``generator``, the same sums, the same clamp, the same search."""
     cum = list(itertools.accumulate(probs))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .sampling import KeptProbs, _draw_few, argmax, sample
+from .sampling import KeptProbs, argmax, draw_few, sample
 
 
 def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -129,4 +129,4 @@ def _residual_draw(p: KeptProbs, q: KeptProbs, generator: torch.Generator | None
     r = np.maximum(p_u - q_u, np.float32(0))
     mass = r.sum(dtype=np.float32)
     r = r / max(mass, np.float32(1e-30)) if mass > 1e-12 else p_u
-    return int(ids[_draw_few(r.tolist(), generator)])
+    return int(ids[draw_few(r.tolist(), generator)])

@@ -33,7 +33,16 @@ from functools import partial
 
 import torch
 
-from ..core.sampling import SamplingConfig, argmax, as_kept, dense_rows, kept_rows, sample, warp, warp_kept
+from ..core.sampling import (
+    SamplingConfig,
+    argmax,
+    as_kept,
+    dense_rows,
+    kept_rows,
+    sample,
+    warp,
+    warp_kept,
+)
 from ..core.timing import Clock
 from ..core.verify import verify, verify_kept, verify_rows
 from ..models.loading import token_set

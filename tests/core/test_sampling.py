@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from specdecpp.core.sampling import SamplingConfig, argmax, as_kept, entropy, sample, warp, warp_kept
+from specdecpp.core.sampling import (
+    SamplingConfig,
+    argmax,
+    as_kept,
+    entropy,
+    sample,
+    warp,
+    warp_kept,
+)
 from specdecpp.core.verify import acceptance_ratio, residual, verify, verify_kept, verify_rows
 from tests.helpers.stats import chi_square_pvalue
 
@@ -252,7 +260,7 @@ def test_warp_kept_is_warp_and_its_draw_is_sample_s(cfg):
     import specdecpp.core.sampling as sampling
 
     with pytest.raises(ValueError, match="non-negative and finite"):
-        sampling._draw_few([0.5, float("nan")], None)
+        sampling.draw_few([0.5, float("nan")], None)
 
 
 def test_verify_kept_gives_verify_s_verdict_over_rows_kept_sparse():
@@ -274,7 +282,7 @@ def test_verify_kept_gives_verify_s_verdict_over_rows_kept_sparse():
         y = sample(q, gen) if k else torch.zeros(0, dtype=torch.long)
         a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
         p_kept, asked = as_kept(list(p)), []
-        got = verify_kept(y.tolist(), as_kept(list(q)), lambda i: asked.append(i) or p_kept[i], p.shape[0], a, bonus)
+        got = verify_kept(y.tolist(), as_kept(list(q)), lambda i, asked=asked, p_kept=p_kept: asked.append(i) or p_kept[i], p.shape[0], a, bonus)
         assert got == verify(y, q, p, b, bonus=bonus)
         n, token = got
         assert asked == list(range(min(n + 1, p.shape[0]))) and torch.equal(a.get_state(), b.get_state())
