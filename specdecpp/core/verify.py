@@ -69,6 +69,13 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     return n, int(sample(residual(p[n], q[n]), generator))
 
 
+def _check_rows(name: str, k: int, q_rows: int, p_rows: int, bonus: bool) -> None:
+    """The row counts a row-at-a-time rule needs: K q rows and K + 1 p rows (K without a bonus, K >= 1)."""
+    if q_rows != k or p_rows != k + bonus or (k == 0 and not bonus):
+        raise ValueError(f"{name}: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
+                         f"(K >= 1 without a bonus), got {q_rows} and {p_rows}")
+
+
 def verify_rows(draft_tokens: torch.Tensor, q: Sequence[torch.Tensor], p_row: Callable[[int], torch.Tensor],
                 p_rows: int, generator: torch.Generator | None = None, bonus: bool = True) -> tuple[int, int | None]:
     """:func:`verify`'s sampled rule, computing only the target rows it reads: ``p_row(i)`` gives
@@ -80,9 +87,7 @@ def verify_rows(draft_tokens: torch.Tensor, q: Sequence[torch.Tensor], p_row: Ca
     CPU, where reading each row's verdict costs no device sync (on a GPU :func:`verify` reads them
     all at once)."""
     k = draft_tokens.shape[0]
-    if len(q) != k or p_rows != k + bonus or (k == 0 and not bonus):
-        raise ValueError(f"verify_rows: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
-                         f"(K >= 1 without a bonus), got {len(q)} and {p_rows}")
+    _check_rows("verify_rows", k, len(q), p_rows, bonus)
     if k == 0:
         return 0, int(sample(p_row(0), generator))
     u = torch.rand(k, generator=generator, device=draft_tokens.device)
@@ -104,9 +109,7 @@ def verify_kept(draft_tokens: Sequence[int], q: Sequence[KeptProbs], p_row: Call
     normaliser is summed over fewer terms, which may move its last bit (and a draw that lands
     within that rounding of a boundary). ``draft_tokens``: the K candidates as ints."""
     k = len(draft_tokens)
-    if len(q) != k or p_rows != k + bonus or (k == 0 and not bonus):
-        raise ValueError(f"verify_kept: expected {k} q rows and {'K+1' if bonus else 'K'} p rows for K={k} "
-                         f"(K >= 1 without a bonus), got {len(q)} and {p_rows}")
+    _check_rows("verify_kept", k, len(q), p_rows, bonus)
     if k == 0:
         return 0, p_row(0).draw(generator)
     u = torch.rand(k, generator=generator).tolist()  # float32 draws, exact as Python floats
