@@ -19,6 +19,7 @@
 #            fast_compile; at most 3 min); then the same benchmark with fast=compile (eager against compiled and the
 #            compile time; at most 3 min; JSON in $LOGS/bench_fast_cuda.json). (--random has no trained head: a
 #            head's eager/fast run needs the demo pair, `bench_fast.py --head DIR --fast graphs` after `pair`.)
+#            Its parts run alone as stages fast-graphs, fast-units (FAST_TEST_FILES narrows it) and fast-compile.
 # Every stage writes its log to $LOGS (default reports/gpu) and resumes where an earlier call stopped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,16 +77,20 @@ for stage in "$@"; do
     batch)
         run batch $PY scripts/bench_batch.py --prompts "${BATCH_PROMPTS:-16}" --max-new-tokens 48 --batch-sizes 1 4 16 \
             --fixed-k 1 2 --fill --repeats 1 --timing-steps 10 --out reports/batch/bench_cuda.json ;;
-    fast)
-        workers=()
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+    fast)  # the three parts below, in this order
+        bash "$0" fast-graphs fast-units fast-compile ;;
+    fast-graphs)
         STAGE_TIMEOUT=${FAST_GRAPHS_TIMEOUT:-120} run fast-bench-graphs $PY scripts/bench_fast.py --random --device cuda \
             --fast graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
-            --out "$LOGS/bench_fast_graphs_cuda.json"
+            --out "$LOGS/bench_fast_graphs_cuda.json" ;;
+    fast-units)  # the runners' CUDA twins; the fast decoders' greedy/same-seed/T1 twins are in `core`
+        workers=()
+        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-180} run fast-tests $PY -m pytest -m gpu \
             -k "fast or static_runner or static_batch or graphs" -q -p no:cacheprovider "${workers[@]}" --durations=10 \
-            tests/decoders/test_exactness.py tests/models/test_static_runner.py tests/models/test_static_batch_runner.py \
-            tests/models/test_graphs.py tests/decoders/test_fast_decoders.py
+            ${FAST_TEST_FILES:-tests/decoders/test_exactness.py tests/models/test_static_runner.py \
+            tests/models/test_static_batch_runner.py tests/models/test_graphs.py tests/decoders/test_fast_decoders.py} ;;
+    fast-compile)
         STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-180} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
