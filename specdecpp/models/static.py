@@ -15,8 +15,10 @@ What is owned: :class:`StaticKV`, a plain object (not a transformers ``Cache``) 
 models take as their cache. Per layer it preallocates keys and values [1, kv_heads, size, head_dim]
 with ``size = max_len + max(buckets)`` (the tail holds the padding rows of a forward at the end).
 The model calls ``update(key_states, value_states, layer_idx, ...)``, which writes at the forward's
-``cache_position`` (we pass the slots; transformers 4.56 hands them over as ``cache_kwargs``, 5.x as
-``kwargs``) and returns the whole buffer; the attention mask, always our own 4-D additive one
+slots and returns the whole buffer. The step hands the cache those slots itself (``cache.slots``, set
+inside the step, before the forward) rather than relying on the model to pass ``cache_position``
+through: transformers 4.56 hands it over as ``cache_kwargs`` and 5.24 as ``kwargs``, but 5.17 (the
+GPU image's) calls ``update(key_states, value_states, layer_idx)`` with neither; the attention mask, always our own 4-D additive one
 [1, 1, W, size] (which transformers passes through as it is), hides every slot at or above the
 length. So rollback moves ``length`` (no crop, no copy), stale slots are overwritten by later
 forwards, and a tree's compaction is one index copy inside each buffer. None of ``StaticCache``'s
@@ -264,15 +266,11 @@ class CachedLayer:
     values: torch.Tensor
 
 
-def update_slots(cache_kwargs: dict | None, kwargs: dict | None) -> torch.Tensor:
-    """The slots a forward writes, as the model hands them to a cache's ``update`` (its
-    ``cache_position``: in ``cache_kwargs`` on transformers 4.56, in ``kwargs`` on 5.x)."""
-    slots = (cache_kwargs or kwargs or {}).get("cache_position")
+def forward_slots(cache) -> torch.Tensor:
+    """The slots the forward now running writes, as its step handed them to ``cache``."""
+    slots = cache.slots
     if slots is None:
-        import transformers
-
-        raise RuntimeError(f"transformers {transformers.__version__} did not hand the cache_position to the "
-                           "cache's update(); the static runners need a Llama-style model that does (4.56 and 5.24 do)")
+        raise RuntimeError(f"{type(cache).__name__}.update() called outside a static step (no slots handed over)")
     return slots
 
 
@@ -300,12 +298,13 @@ class StaticKV:
     def __init__(self, config, size: int, dtype: torch.dtype, device, buffers: tuple | None = None) -> None:
         self.keys, self.values = buffers or kv_buffers(config, 1, size, dtype, device)  # buffers: a GraphSet's
         self.size, self.length = size, 0
+        self.slots: torch.Tensor | None = None  # the running forward's slots [W], handed over by its step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None, *, kwargs: dict | None = None):
-        """Write a forward's keys and values [1, kv_heads, W, head_dim] at its ``cache_position``
-        slots [W]; return the layer's whole buffers (the mask hides what is not valid)."""
-        slots = update_slots(cache_kwargs, kwargs)
+        """Write a forward's keys and values [1, kv_heads, W, head_dim] at its slots [W] (what its
+        step handed over); return the layer's whole buffers (the mask hides what is not valid)."""
+        slots = forward_slots(self)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         check_layer_shape(layer_idx, key_states, keys)
         keys.index_copy_(2, slots, key_states)
@@ -334,10 +333,14 @@ class StaticKV:
 def batch_step(decoder, head, cache_arg: str, cache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over B rows of W tokens ``ids`` [B, W] at RoPE ``positions`` [B, W]: their keys
-    and values go to the ``cache``'s ``slots`` (what its ``update`` reads as ``cache_position``),
-    attention follows ``mask`` [B, 1, W, size] (additive). Returns the logits [B, W, V] and the
-    final hidden state [B, W, H]. A pure function of its inputs (the cache buffers are written in
-    place), so it compiles whole."""
+    and values go to the ``cache``'s ``slots``, attention follows ``mask`` [B, 1, W, size]
+    (additive). Returns the logits [B, W, V] and the final hidden state [B, W, H]. A function of its
+    inputs (the cache buffers are written in place), so it compiles whole. It hands ``slots`` to the
+    cache (``cache.slots``) for the forward's ``update`` calls: transformers 5.17 passes no
+    ``cache_position`` to ``update``. Under ``torch.compile`` that attribute is a side effect that
+    dynamo replays after the graph; under CUDA graphs it is set at capture to the captured step's own
+    slots tensor, which every replay refills."""
+    cache.slots = slots
     out = decoder(input_ids=ids, position_ids=positions, attention_mask=mask, cache_position=slots,
                   use_cache=True, **{cache_arg: cache})
     hidden = out.last_hidden_state
@@ -759,12 +762,13 @@ class RowWindow:
 
     def __init__(self, keys: list, values: list, rows: torch.Tensor | None = None) -> None:
         self.keys, self.values, self.rows = keys, values, rows
+        self.slots: torch.Tensor | None = None  # the running forward's slots [B, W], handed over by its step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None, *, kwargs: dict | None = None):
         """Write a forward's keys and values [B, kv_heads, W, head_dim] at its slots [B, W] (each
         row its own); return the buffers its attention reads [B, kv_heads, size, head_dim]."""
-        slots = update_slots(cache_kwargs, kwargs)
+        slots = forward_slots(self)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         check_layer_shape(layer_idx, key_states, keys)
         rows = torch.arange(key_states.shape[0], device=slots.device) if self.rows is None else self.rows

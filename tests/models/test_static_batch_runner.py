@@ -16,12 +16,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
-from specdecpp.models.static import CallRunners, StaticBatchRunner, model_steps
+from specdecpp.models.static import CallRunners, RowWindow, StaticBatchRunner, model_steps
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
     DEVICES,
     MAX_LEN,
     VOCAB,
+    as_transformers_5_17_calls,
     close,
     cpu_model,  # noqa: F401
     on,
@@ -106,6 +107,21 @@ def test_random_ops_match_the_eager_batch_runner(cpu_model, seed, device):
         assert_same_row_caches(device, runners)
     assert runners[1].n_moved_rows > 0  # rows left from low buffer rows and the batch bucket shrank
     assert runners[1].capacity == 8  # grown from 4 (3 rows) when more joined
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_come_from_the_step_not_the_models_cache_position(cpu_model, device, monkeypatch):
+    # as transformers 5.17 calls it: update(key_states, value_states, layer_idx), no cache_position
+    calls = as_transformers_5_17_calls(monkeypatch, RowWindow)
+    model = on(device, cpu_model)
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    runners = [BatchRunner(model, VOCAB, want_hidden=True),
+               StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, rows=3)]
+    with runners[0], runners[1]:
+        run_random(rng, runners, device, steps=30, max_rows=4)
+        assert_same_row_caches(device, runners)
+    assert calls
 
 
 def test_rows_leaving_free_their_slot_and_the_bucket_shrinks(cpu_model):

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import StaticRunner, model_steps, new_runner
+from specdecpp.models.static import StaticKV, StaticRunner, model_steps, new_runner
 from tests.helpers.tiny import tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -114,6 +114,32 @@ def test_random_feeds_rollbacks_compactions_match_the_dynamic_cache(cpu_model, s
                 assert mine.keys.shape == ref.keys.shape
                 close(device, mine.keys, ref.keys)
                 close(device, mine.values, ref.values)
+
+
+def as_transformers_5_17_calls(monkeypatch, cache_type) -> list:
+    """Make the model call ``cache_type.update(key_states, value_states, layer_idx)`` with no
+    ``cache_position`` (as transformers 5.17's Llama attention does); returns the calls' layers."""
+    calls, update = [], cache_type.update
+
+    def bare_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        calls.append(layer_idx)
+        return update(self, key_states, value_states, layer_idx)
+
+    monkeypatch.setattr(cache_type, "update", bare_update)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_come_from_the_step_not_the_models_cache_position(cpu_model, device, monkeypatch):
+    # transformers 5.17 hands update() no cache_position: the step hands the cache its slots itself
+    calls = as_transformers_5_17_calls(monkeypatch, StaticKV)
+    model = on(device, cpu_model)
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    runners = [ModelRunner(model, VOCAB, want_hidden=True), StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN)]
+    with runners[0], runners[1]:
+        run_both(rng, model, runners, device, steps=30)
+    assert calls  # the bare update() was the one the model called
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
