@@ -18,9 +18,9 @@ The model calls ``update(key_states, value_states, layer_idx, ...)``, which writ
 slots and returns the whole buffer. The step hands the cache those slots itself (``cache.slots``, set
 inside the step, before the forward) rather than relying on the model to pass ``cache_position``
 through: transformers 4.56 hands it over as ``cache_kwargs`` and 5.24 as ``kwargs``, but 5.17 (the
-GPU image's) calls ``update(key_states, value_states, layer_idx)`` with neither; the attention mask, always our own 4-D additive one
-[1, 1, W, size] (which transformers passes through as it is), hides every slot at or above the
-length. So rollback moves ``length`` (no crop, no copy), stale slots are overwritten by later
+GPU image's) calls ``update(key_states, value_states, layer_idx)`` with neither. The attention mask,
+always our own 4-D additive one [1, 1, W, size] (which transformers passes through as it is), hides
+every slot at or above the length. So rollback moves ``length`` (no crop, no copy), stale slots are overwritten by later
 forwards, and a tree's compaction is one index copy inside each buffer. None of ``StaticCache``'s
 internals, which differ between 4.56, 5.17 and 5.24, are used.
 
