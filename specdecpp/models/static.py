@@ -20,9 +20,9 @@ inside the step, before the forward) rather than relying on the model to pass ``
 through: transformers 4.56 hands it over as ``cache_kwargs`` and 5.24 as ``kwargs``, but 5.17 (the
 GPU image's) calls ``update(key_states, value_states, layer_idx)`` with neither. The attention mask,
 always our own 4-D additive one [1, 1, W, size] (which transformers passes through as it is), hides
-every slot at or above the length. So rollback moves ``length`` (no crop, no copy), stale slots are overwritten by later
-forwards, and a tree's compaction is one index copy inside each buffer. None of ``StaticCache``'s
-internals, which differ between 4.56, 5.17 and 5.24, are used.
+every slot at or above the length. So rollback moves ``length`` (no crop, no copy), stale slots are
+overwritten by later forwards, and a tree's compaction is one index copy inside each buffer. None of
+``StaticCache``'s internals, which differ between 4.56, 5.17 and 5.24, are used.
 
 Buckets: a forward of n tokens is padded with copies of its last token to the smallest bucket
 W >= n (:data:`TARGET_BUCKETS` 1, 2, 4, 8, 16, 32 by default; :data:`DRAFT_BUCKETS` 1, 2 for a
