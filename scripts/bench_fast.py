@@ -321,7 +321,8 @@ def _x(r: dict) -> str:
     return f"{r['ratio']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
-def table(result: dict) -> str:
+def forwards_table(result: dict) -> str:
+    """The forwards and the weight-read floor (printed as soon as they are measured, and in the report)."""
     fwd, fast = result["forwards"], result["fast"]
     lines = [f"## Forwards ({result['device']}, {result['dtype']}, fast={fast}; medians)", "",
              "| forward | eager ms | fast ms | gain |", "|---|---|---|---|"]
@@ -333,8 +334,13 @@ def table(result: dict) -> str:
     lines += ["", f"Memory bandwidth (a {result['bandwidth_mb']} MB copy, read + written bytes / s): "
               f"{floor['bandwidth_gb_s']:.1f} GB/s; the target reads {floor['weight_mb']:.1f} MB of weights per "
               f"forward: floor {floor['floor_ms']:.2f} ms; one-token forward eager {floor['eager_over_floor']:.2f}x, "
-              f"fast {floor['fast_over_floor']:.2f}x the floor.", "",
-              f"## Decoding ({result['prompts']} prompts, {result['max_new_tokens']} new tokens, "
+              f"fast {floor['fast_over_floor']:.2f}x the floor."]
+    return "\n".join(lines)
+
+
+def table(result: dict) -> str:
+    lines = [forwards_table(result), "",
+             f"## Decoding ({result['prompts']} prompts, {result['max_new_tokens']} new tokens, "
               f"{result.get('sampling', 'greedy')})", "",
               "| method | eager tok/s | fast tok/s | fast / eager [95% CI] | eager / eager target-only | "
               "fast / fast target-only | ms/round eager | ms/round fast | same tokens |",
@@ -538,6 +544,8 @@ def main(argv=None) -> int:
              "eager_over_floor": forwards["eager"]["target"]["1"] / floor_s,
              "fast_over_floor": forwards["fast"]["target"]["1"] / floor_s}
     print(f"forwards and bandwidth measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(forwards_table({"forwards": forwards, "fast": args.fast, "device": str(device),  # kept if a timeout
+                          "dtype": dtype_name(target.dtype), "floor": floor, "bandwidth_mb": mb}), flush=True)
 
     policies = methods(args, draft)
     sampling = SAMPLINGS[args.sampling]

@@ -21,6 +21,9 @@
 #            compile time; at most 3 min; JSON in $LOGS/bench_fast_cuda.json). (--random has no trained head: a
 #            head's eager/fast run needs the demo pair, `bench_fast.py --head DIR --fast graphs` after `pair`.)
 #            Its parts run alone as stages fast-graphs, fast-units (FAST_TEST_FILES narrows it) and fast-compile.
+#   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
+#            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
+#            --breakdown (the loop's share of a round); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
 # Every stage writes its log to $LOGS (default reports/gpu) and resumes where an earlier call stopped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +98,13 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-180} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
+    fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
+        for sampling in greedy paper; do
+            STAGE_TIMEOUT=${FAST_PAIR_TIMEOUT:-150} run "fast-pair-$sampling" $PY scripts/bench_fast.py --device cuda \
+                --fast "${FAST_PAIR_BACKEND:-graphs}" --head demo/heads/next_wrej1_d1 --prompts "${FAST_PROMPTS:-4}" \
+                --max-new-tokens 64 --repeats 20 --sampling "$sampling" --breakdown \
+                --out "$LOGS/bench_fast_pair_${sampling}_cuda.json"
+        done ;;
     *)
         echo "unknown stage $stage" >&2; exit 2 ;;
     esac
