@@ -33,10 +33,10 @@ DEMO_HUMANEVAL_PROMPTS ?= 3   # HumanEval prompts decoded by every method
 DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_TRAINER ?= cpu           # conf/trainer: cpu, or gpu (bf16-mixed on CUDA; scripts/gpu_checks.sh)
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
-DEMO_FAST ?= auto             # infer's fast path: auto (graphs where CUDA is available, else eager: on a CPU compiling costs more than it saves at these sizes, docs/demo.md), null, static, compile or graphs
+DEMO_FAST ?= auto             # infer's fast path: auto (graphs where CUDA is available, else eager: on a CPU compiling costs more than it saves at these sizes, docs/demo.md), null, static, compile, graphs or compile-graphs
 # auto resolved only where used (it imports torch): recursively expanded
 demo_fast_value = $(if $(filter auto,$(strip $(DEMO_FAST))),$(shell $(PYTHON) -c "import torch; print('graphs' if torch.cuda.is_available() else 'null')"),$(strip $(DEMO_FAST)))
-demo_fast = $(filter static compile graphs,$(demo_fast_value))
+demo_fast = $(filter static compile graphs compile-graphs,$(demo_fast_value))
 DEMO_COSTS = reports/demo/costs.json $(if $(demo_fast),reports/demo/costs_fast-$(demo_fast).json)
 DEMO_HEAD := heads/demo/wrej6_d3
 DEMO_HEAD_PRESET ?= small_data  # the paper's lr 5e-5 x 3 epochs barely moves a head on a few thousand tokens (docs/train.md); DEMO_HEAD_PRESET=paper for the paper's settings on a full-size dataset

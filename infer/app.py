@@ -25,7 +25,7 @@ from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
 from specdecpp.data.tasks import code_execution_allowed, score_output
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair, resolve_device
 from specdecpp.models.reduced_vocab import output_vocab_size
-from specdecpp.models.static import check_fast, set_compile_options
+from specdecpp.models.static import GRAPH_BACKENDS, check_fast, set_compile_options
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method, takes_fast
 from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
@@ -132,7 +132,7 @@ def job_fast(cfg, spec: MethodSpec) -> str | None:
     if isinstance(fast, ListConfig | list):
         raise ValueError(f"fast={list(fast)}: one run takes one fast path; python -m infer.sweep runs every method "
                          "on each path of a list (make bench-fast)")
-    fast = check_fast("infer", fast, resolve_device(cfg.pair.get("device", "auto")) if fast == "graphs" else None)
+    fast = check_fast("infer", fast, resolve_device(cfg.pair.get("device", "auto")) if fast in GRAPH_BACKENDS else None)
     if fast is not None and not takes_fast(spec):
         log.info("method=%s ignores fast=%s (it does not decode with our engine's runners); its rows record fast: null",
                  spec.name, fast)

@@ -24,10 +24,11 @@ precision: --dtype (default: the pair config's, fast for the demo pair: bf16 on 
     same loop.
 --batch-sizes B ...: also t_draft(B) and t_target(B, n) (B rows of n tokens each, n <= 21) through
     the batched engine's forward (specdecpp.decoders.batch.BatchRunner), for the batched Eq. 2.3.
---fast static|compile|graphs: time the forwards on the fast path (docs/engine.md, "The fast path"): the
-    static KV cache, each width padded to its bucket (1, 2, 4, ..., 32; wider ones run eager) and,
-    with compile, each bucket compiled once before timing (with graphs, CUDA only: captured as a CUDA
-    graph on its first, untimed, forward); costs.json records it (provenance.fast).
+--fast static|compile|graphs|compile-graphs: time the forwards on the fast path (docs/engine.md, "The fast
+    path"): the static KV cache, each width padded to its bucket (1, 2, 4, ..., 32; wider ones run eager)
+    and, with compile, each bucket compiled once before timing (with graphs, CUDA only: captured as a CUDA
+    graph on its first, untimed, forward; compile-graphs: compiled, then captured); costs.json records it
+    (provenance.fast).
     Batched curves (--batch-sizes) too: the static batch runner, B padded to its batch bucket (1, 2,
     4, 8, 16) and n to its width bucket, each (B, n) bucket compiled or captured on its first, untimed,
     forward.
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                         "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
     parser.add_argument("--compare-dtype", nargs="*", default=[], metavar="DTYPE",
                         help="also time the pair at these precisions in the same loop (e.g. float32)")
-    parser.add_argument("--fast", choices=["static", "compile", "graphs"], help="time the forwards on the fast path "
+    parser.add_argument("--fast", choices=["static", "compile", "graphs", "compile-graphs"], help="time the forwards on the fast path "
                         "(default: eager)")
     parser.add_argument("--out", type=Path, help="write everything measured as JSON here")
     parser.add_argument("--costs-out", type=Path, help="write the pair's costs.json here "

@@ -176,12 +176,15 @@ def methods(args, draft) -> dict:
 
 def compile_record(models: dict) -> dict:
     """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket);
-    per captured step (--fast graphs: warm-up and capture) the same, prefixed "graphs "."""
+    per captured step (--fast graphs / compile-graphs: warm-up and capture, less the step's compile,
+    which is listed on its own) the same, prefixed with the backend."""
     out = {}
     for role, m in models.items():
         steps = model_steps(m)
-        for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
-            tag, key = ("graphs ", key[1:]) if key[0] == "graphs" else ("", key)
+        captured = {key: sec - steps.compile_seconds.get(key[1:], 0.0) * (key[0] == "compile-graphs")
+                    for key, sec in steps.capture_seconds.items()}
+        for key, sec in (*steps.compile_seconds.items(), *captured.items()):
+            tag, key = (f"{key[0]} ", key[1:]) if isinstance(key[0], str) else ("", key)
             out[f"{tag}{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else "")] = sec
     return out
 
@@ -459,7 +462,7 @@ def batch_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fast", choices=["static", "compile", "graphs"], nargs="+", default=["compile"],
+    ap.add_argument("--fast", choices=["static", "compile", "graphs", "compile-graphs"], nargs="+", default=["compile"],
                     help="the fast backend (default compile); with --batch one or more")
     ap.add_argument("--batch", type=int, nargs="+", help="measure generate_batch and data_gen's sampling at these "
                     "batch sizes instead (module docstring)")

@@ -21,6 +21,9 @@
 #            compile time; at most 3 min; JSON in $LOGS/bench_fast_cuda.json). (--random has no trained head: a
 #            head's eager/fast run needs the demo pair, `bench_fast.py --head DIR --fast graphs` after `pair`.)
 #            Its parts run alone as stages fast-graphs, fast-units (FAST_TEST_FILES narrows it) and fast-compile.
+#   fast-compile-graphs  fast="compile-graphs" (each bucket compiled by inductor, then captured): its CUDA tests
+#            (test_graphs.py's, and the greedy and same-seed exactness twins), then scripts/bench_fast.py --random
+#            --fast compile-graphs (JSON in $LOGS/bench_fast_compile_graphs_cuda.json); each at most 4 min
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
 #            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
 #            --breakdown (the loop's share of a round); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
@@ -91,13 +94,23 @@ for stage in "$@"; do
         workers=()
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-180} run fast-tests $PY -m pytest -m gpu \
-            -k "fast or static_runner or static_batch or graphs" -q -p no:cacheprovider "${workers[@]}" --durations=10 \
+            -k "(fast or static_runner or static_batch or graphs) and not compile-graphs and not compile_graphs" -q \
+            -p no:cacheprovider "${workers[@]}" --durations=10 \
             ${FAST_TEST_FILES:-tests/decoders/test_exactness.py tests/models/test_static_runner.py \
             tests/models/test_static_batch_runner.py tests/models/test_graphs.py tests/decoders/test_fast_decoders.py} ;;
     fast-compile)
         STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-180} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
+    fast-compile-graphs)
+        workers=()
+        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        STAGE_TIMEOUT=${FAST_CG_TESTS_TIMEOUT:-240} run fast-compile-graphs-tests $PY -m pytest -m gpu -q \
+            -k "compile_graphs or (compile-graphs and (greedy or same_seed))" -p no:cacheprovider "${workers[@]}" \
+            --durations=10 tests/models/test_graphs.py tests/decoders/test_exactness.py
+        STAGE_TIMEOUT=${FAST_CG_BENCH_TIMEOUT:-240} run fast-bench-compile-graphs $PY scripts/bench_fast.py --random \
+            --device cuda --fast compile-graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 \
+            --repeats 20 --out "$LOGS/bench_fast_compile_graphs_cuda.json" ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
         for sampling in greedy paper; do
             STAGE_TIMEOUT=${FAST_PAIR_TIMEOUT:-150} run "fast-pair-$sampling" $PY scripts/bench_fast.py --device cuda \

@@ -10,6 +10,13 @@
   compiled step per bucket, compiled lazily on its first use (inductor on CPU).
 - ``"graphs"`` (CUDA only; elsewhere a ValueError naming the device): the same steps run eagerly
   and captured as ``torch.cuda.CUDAGraph`` objects per bucket (below).
+- ``"compile-graphs"`` (CUDA only): each bucket's compiled step (as ``"compile"``: inductor's fused
+  kernels) captured as a CUDA graph, which is what ``torch.compile(mode="reduce-overhead")`` does
+  with its own graph trees, over the project's buffers. On an H100 a ``"graphs"`` step of a
+  30-layer, 135M-parameter Llama took 3.4 ms for weights that read in 0.09 ms: its eager step
+  dispatches about 1,100 operations that launch work (scripts/count_step_ops.py), and a replay
+  spends some 3 us on each (docs/results/gpu.md). Fusing them is what this backend is for. Not yet
+  measured on a GPU.
 
 What is owned: :class:`StaticKV`, a plain object (not a transformers ``Cache``) that Llama-style
 models take as their cache. Per layer it preallocates keys and values [1, kv_heads, size, head_dim]
@@ -110,7 +117,9 @@ compaction and a batch's row moves are in-place index copies, and a growing batc
 the larger set. A bucket is captured lazily on its first forward (or by ``CallRunners.warm_up``):
 the forward's tensors are copied into the step's static inputs, the eager step runs
 :data:`GRAPH_WARMUP` times on a side stream, then is captured (:func:`capture_graph`) and
-replayed; later forwards stage their inputs (:func:`stage_inputs`) and replay. The outputs of a
+replayed; later forwards stage their inputs (:func:`stage_inputs`) and replay. Under
+``"compile-graphs"`` the step is the bucket's compiled one (:func:`compiled_step`), compiled by the
+first warm-up run, so a bucket's capture time includes its compile (also in ``compile_seconds``). The outputs of a
 replay are overwritten by the next, so the runners return copies of the rows they hand out
 (:func:`graph_outputs`). Capture time per bucket goes to ``model_steps(model).capture_seconds``
 and a count of captures to ``.captures``. PEARL refuses it (two threads). On a CPU the tests put a
@@ -140,8 +149,10 @@ log = logging.getLogger(__name__)
 
 TARGET_BUCKETS = (1, 2, 4, 8, 16, 32)
 DRAFT_BUCKETS = (1, 2)
-FAST_BACKENDS = (None, "static", "compile", "graphs")
-GRAPHS_DEVICE_TYPES = ("cuda",)  # where fast="graphs" runs (tests add "cpu" beside a fake capture_graph)
+FAST_BACKENDS = (None, "static", "compile", "graphs", "compile-graphs")
+GRAPH_BACKENDS = ("graphs", "compile-graphs")  # the backends that capture CUDA graphs (on static KV buffers)
+BUCKETED_BACKENDS = ("compile", *GRAPH_BACKENDS)  # the backends whose buckets warm_up compiles or captures
+GRAPHS_DEVICE_TYPES = ("cuda",)  # where the graph backends run (tests add "cpu" beside a fake capture_graph)
 GRAPH_WARMUP = 3  # eager forwards on a side stream before a bucket's capture
 # inductor's settings for fast="compile" by device type, none elsewhere (module docstring, "Compile settings");
 # read when a bucket compiles (set_compile_options changes them)
@@ -158,8 +169,8 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
     static cache (:func:`check_static_model`) when ``fast`` is set."""
     if fast not in FAST_BACKENDS:
         raise ValueError(f"{where}: fast must be one of {', '.join(map(repr, FAST_BACKENDS))}, got {fast!r}")
-    if fast == "graphs" and device is not None and torch.device(device).type not in GRAPHS_DEVICE_TYPES:
-        raise ValueError(f"{where}: fast='graphs' needs CUDA; the models are on {torch.device(device)}. "
+    if fast in GRAPH_BACKENDS and device is not None and torch.device(device).type not in GRAPHS_DEVICE_TYPES:
+        raise ValueError(f"{where}: fast={fast!r} needs CUDA; the models are on {torch.device(device)}. "
                          "Use fast='compile' or 'static'")
     if fast is not None:
         for model in models:
@@ -170,7 +181,7 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
 def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
                buckets: tuple[int, ...] = TARGET_BUCKETS):
     """The runner the ``fast`` switch chooses (module docstring): ``None`` gives the eager
-    :class:`ModelRunner`, ``"static"`` / ``"compile"`` / ``"graphs"`` a :class:`StaticRunner`."""
+    :class:`ModelRunner`, ``"static"`` / ``"compile"`` / ``"graphs"`` / ``"compile-graphs"`` a :class:`StaticRunner`."""
     if fast is None:
         return ModelRunner(model, vocab, want_hidden)
     return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
@@ -235,8 +246,8 @@ class CallRunners:
         tokens (one forward of each width; the steps are kept for the process) unless compiled
         already; with ``rows``, those of a batch call of at most ``rows`` rows at once instead
         (every batch bucket up to the one that holds ``rows``, times every width). Returns the
-        seconds it took (0 unless ``fast`` is "compile" or "graphs", whose buckets it captures)."""
-        if self.fast not in ("compile", "graphs"):
+        seconds it took (0 unless ``fast`` compiles or captures: "compile", "graphs", "compile-graphs")."""
+        if self.fast not in BUCKETED_BACKENDS:
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
@@ -408,6 +419,8 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     def first(*args):
         import torch._inductor.config as inductor_config
 
+        if steps.compiled.get(key) is compiled:  # compiled by an earlier call (a graph's warm-up holds this wrapper)
+            return compiled(*args)
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
         with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options):
@@ -664,7 +677,7 @@ class StaticRunner(StaticModel):
         super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
         size = self.max_len + self.buckets[-1]
         buffers, self._graph_steps = None, {}
-        if fast == "graphs":  # the buffers the captured graphs of this model and size read (static addresses)
+        if fast in GRAPH_BACKENDS:  # the buffers the captured graphs of this model and size read (static addresses)
             self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
             buffers = (self.graph_set.keys, self.graph_set.values)
         self.cache = StaticKV(model.config, size, self.dtype, self.device, buffers)
@@ -699,7 +712,7 @@ class StaticRunner(StaticModel):
                                                slots, mask)
         self.cache.length = start + n
         rows = slice(n - n_logits, n)
-        return graph_outputs(self.fast == "graphs" and width in self.buckets, logits[rows, : self.vocab],
+        return graph_outputs(self.fast in GRAPH_BACKENDS and width in self.buckets, logits[rows, : self.vocab],
                              hidden[rows] if self.want_hidden else None)
 
     def _mask(self, n: int, width: int, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -729,15 +742,18 @@ class StaticRunner(StaticModel):
 
     def _step(self, width: int):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
-        if self.fast not in ("compile", "graphs") or width not in self.buckets:
+        if self.fast not in BUCKETED_BACKENDS or width not in self.buckets:
             return static_step
-        if self.fast == "graphs":  # one callable per bucket (as the compiled steps: meters key on it)
+        key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
+        step = static_step
+        if self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
+            step = compiled_step(self.model, static_step, key, name, self.steps, self.compile_options)
+        if self.fast in GRAPH_BACKENDS:  # one callable per bucket (as the compiled steps: meters key on it)
             if width not in self._graph_steps:
-                key, name = ("graphs", width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
-                self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, key, name, static_step)
+                self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, (self.fast, *key), name,
+                                                             step)
             return self._graph_steps[width]
-        return compiled_step(self.model, static_step, (width, self.cache.size),
-                             f"static_step_w{width}_s{self.cache.size}", self.steps, self.compile_options)
+        return step
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached): a position move."""
@@ -822,7 +838,7 @@ class StaticBatchRunner(StaticModel):
         capacity = next((b for b in self.batch_buckets if b >= rows), rows)
         if capacity <= self.capacity:
             return
-        if self.fast == "graphs":  # a leased set of that many rows (static addresses); the old one is released
+        if self.fast in GRAPH_BACKENDS:  # a leased set of that many rows (static addresses); the old one is released
             old_set = getattr(self, "graph_set", None)
             self.graph_set = lease_graph_set(self.model, self, capacity, self.size, self.dtype, self.device)
             keys, values = self.graph_set.keys, self.graph_set.values
@@ -861,7 +877,7 @@ class StaticBatchRunner(StaticModel):
             lengths[slot], real[slot] = self.lengths[b], m[b]
             if m[b]:
                 ids[slot, : m[b]] = chunk
-        compiled = self.fast in ("compile", "graphs") and batch in self.batch_buckets and padded in self.buckets
+        compiled = self.fast in BUCKETED_BACKENDS and batch in self.batch_buckets and padded in self.buckets
         logits, hidden = self._forward(ids, lengths, real, None, compiled)
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
         keep = width if n_logits is None else min(n_logits, width)
@@ -869,7 +885,7 @@ class StaticBatchRunner(StaticModel):
             order = torch.tensor(self.slot_of, device=self.device)
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
         logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
-        return graph_outputs(compiled and self.fast == "graphs", logits, hidden if self.want_hidden else None)
+        return graph_outputs(compiled and self.fast in GRAPH_BACKENDS, logits, hidden if self.want_hidden else None)
 
     def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
                  compiled: bool):
@@ -889,15 +905,12 @@ class StaticBatchRunner(StaticModel):
             window = RowWindow([k[:batch] for k in self.keys], [v[:batch] for v in self.values])
         else:
             window = RowWindow(self.keys, self.values, rows)
-        step = batch_step
-        if compiled and self.fast == "graphs":
-            key, args = ("graphs", width, self.size, batch), (ids, positions, slots, mask)
-            return self.graph_set.run(self.steps, key, f"batch_step_b{batch}_w{width}_s{self.size}", batch_step,
-                                      self.decoder, self.head, self.cache_arg, window, *args)
-        if compiled:
-            key = (width, self.size, batch)
-            step = compiled_step(self.model, batch_step, key, f"batch_step_b{batch}_w{width}_s{self.size}", self.steps,
-                                 self.compile_options)
+        step, key, name = batch_step, (width, self.size, batch), f"batch_step_b{batch}_w{width}_s{self.size}"
+        if compiled and self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
+            step = compiled_step(self.model, batch_step, key, name, self.steps, self.compile_options)
+        if compiled and self.fast in GRAPH_BACKENDS:
+            return self.graph_set.run(self.steps, (self.fast, *key), name, step, self.decoder, self.head,
+                                      self.cache_arg, window, ids, positions, slots, mask)
         with torch.no_grad():  # inference only; grad mode is part of a compiled step's guards
             return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
 

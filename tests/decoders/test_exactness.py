@@ -86,19 +86,30 @@ DECODERS = {
 # The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
 # and, slow (each width compiles once per process, seconds each), with its forwards compiled
 # (``-fast_compile``; PEARL refuses it). Batches run on the static batch runner (static cache of
-# per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) runs on
-# CUDA only: marked ``gpu``, its CPU cases skipped (``on``).
+# per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) and
+# ``-fast_compile-graphs`` (compiled, then captured; slow too) run on CUDA only: marked ``gpu``, their
+# CPU cases skipped (``on``).
 FAST_SLOW = {"static": False, "compile": True}
+GRAPHS = ("graphs", "compile-graphs")
 for _name in list(DECODERS):
-    for _fast in (*FAST_SLOW, "graphs"):
+    for _fast in (*FAST_SLOW, *GRAPHS):
         if _fast in PEARLDecoder.FAST or not _name.startswith("pearl"):
             DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(DECODERS[_name], fast=_fast)
 
 
+def on_cuda_only(name: str) -> bool:
+    return name.endswith(tuple(f"-fast_{g}" for g in GRAPHS))
+
+
+def marks(name: str, slow: bool = False) -> list:
+    """``gpu`` for a graphs variant, ``slow`` where ``slow`` or compiled."""
+    compiled = name.endswith(("-fast_compile", "-fast_compile-graphs"))
+    return [pytest.mark.gpu] * on_cuda_only(name) + [pytest.mark.slow] * (slow or compiled)
+
+
 def registry(slow=lambda name: False) -> list:
-    """The registry's names as parameters, marked ``slow`` where ``slow(name)`` or compiled."""
-    return [pytest.param(n, marks=pytest.mark.gpu) if n.endswith("-fast_graphs") else
-            pytest.param(n, marks=pytest.mark.slow) if slow(n) or n.endswith("-fast_compile") else n for n in DECODERS]
+    """The registry's names as parameters, marked ``slow`` where ``slow(name)`` or compiled, ``gpu`` on graphs."""
+    return [pytest.param(n, marks=marks(n, slow(n))) for n in DECODERS]
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
 
@@ -147,9 +158,9 @@ def cpu_pair32():
 
 def on(device: str, pair, name: str = ""):
     """The pair and heads on ``device`` (copies; the CPU originals stay for the references); a
-    ``-fast_graphs`` decoder ``name`` runs on CUDA only (its CPU refusal: test_fast_decoders.py)."""
-    if device == "cpu" and name.endswith("-fast_graphs"):
-        pytest.skip("fast='graphs' needs CUDA")
+    graphs decoder ``name`` runs on CUDA only (its CPU refusal: test_fast_decoders.py)."""
+    if device == "cpu" and on_cuda_only(name):
+        pytest.skip(f"fast={name.split('-fast_')[1]!r} needs CUDA")
     if device == "cpu":
         return pair
     draft, target, heads = pair
@@ -194,8 +205,7 @@ SAMPLINGS = [
 # compiled variants; on the CPU, make test samples the paper head and one decoder of each other kind
 # (one on the fast path), make test-full all of them
 @pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
-    [pytest.param(n, id=n, marks=pytest.mark.gpu if n.endswith("-fast_graphs") else pytest.mark.slow
-                  if n.startswith("batch") or n.endswith("-fast_compile") else ()) for n in DECODERS],
+    [pytest.param(n, id=n, marks=marks(n, n.startswith("batch") and not on_cuda_only(n))) for n in DECODERS],
     SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
                               "sequoia-two_level-T0.8-top3-eos2", "chain-svip-fast_static-T1"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):

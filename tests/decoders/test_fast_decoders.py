@@ -42,10 +42,11 @@ def test_every_constructor_checks_fast(pair):
                 "PEARLDecoder": lambda f: PEARLDecoder(draft, target, 2, fast=f)}
     for name, build in builders.items():
         with pytest.raises(ValueError, match=f"{name}: fast must be one of None, 'static', 'compile', 'graphs', "
-                                             "got 'turbo'"):
+                                             "'compile-graphs', got 'turbo'"):
             build("turbo")
-        with pytest.raises(ValueError, match=f"{name}: fast='graphs' needs CUDA; the models are on cpu"):
-            build("graphs")
+        for graphs in ("graphs", "compile-graphs"):
+            with pytest.raises(ValueError, match=f"{name}: fast='{graphs}' needs CUDA; the models are on cpu"):
+                build(graphs)
         assert build("static").fast == "static" and build(None).fast is None
     with pytest.raises(ValueError, match="PEARLDecoder: fast='compile' is not supported: PEARL runs the draft on a "
                                          "second thread"):
@@ -55,6 +56,8 @@ def test_every_constructor_checks_fast(pair):
     with pytest.raises(ValueError, match="PEARLDecoder: fast='graphs' is not supported: PEARL runs the draft on a "
                                          "second thread"):
         PEARLDecoder.check_settings(2, 1, None, "graphs")  # refused as compile is, whatever the device
+    with pytest.raises(ValueError, match="PEARLDecoder: fast='compile-graphs' is not supported"):
+        PEARLDecoder.check_settings(2, 1, None, "compile-graphs")
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])

@@ -190,3 +190,47 @@ def test_decoders_on_fake_graphs_equal_greedy_and_capture_once(graphs_on, name):
             assert decoder.generate(torch.tensor([prompt]), max_new_tokens=n).tokens.tolist() == ref.tolist()
         counts.append((model_steps(target).captures, model_steps(draft).captures))
     assert counts[0][0] > 0 and counts[1] == counts[0]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_graphs_compile_then_capture_each_bucket_once(graphs_on, device):
+    """fast='compile-graphs': each bucket's step compiles once, whole (no graph break), and its compiled
+    step is what the graph captures; the compile's own time is kept (the capture's warm-ups call the
+    compiled step again); random feeds, rollbacks and compactions then agree with the eager static and
+    dynamic runners, on this and a later runner, and nothing recompiles or is captured again."""
+    from torch._dynamo.utils import counters
+
+    graphs_on(device)
+    model = fresh(device, seed=8)
+    buckets = (1, 2, 4)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    runners = CallRunners("compile-graphs", (model,))
+    runners.warm_up(40, [(model, buckets)])
+    steps = model_steps(model)
+    size = runners.size
+    assert counters["stats"]["unique_graphs"] - graphs == len(buckets)
+    assert set(steps.compile_seconds) == {(n, size) for n in buckets}
+    assert set(steps.capture_seconds) == {("compile-graphs", n, size) for n in buckets} and steps.captures == 3
+    for n in buckets:  # the capture (warm-ups, capture) includes the compile, which takes most of it
+        assert steps.compile_seconds[(n, size)] > 0.5 * steps.capture_seconds[("compile-graphs", n, size)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (0, 1):
+            graph_runner = runners(40, buckets)(model, VOCAB, True)
+            assert graph_runner.cache.keys[0].data_ptr() == graph_runner.graph_set.keys[0].data_ptr()
+            refs = [ModelRunner(model, VOCAB, want_hidden=True),
+                    StaticRunner(model, VOCAB, want_hidden=True, max_len=graph_runner.max_len, buckets=buckets)]
+            with refs[0]:
+                run_both(random.Random(seed), model, [*refs, graph_runner], device, steps=30)
+            del graph_runner
+    assert steps.captures == 3 and counters["stats"]["unique_graphs"] - graphs == len(buckets)
+    assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_compile_graphs_refused_on_cpu():
+    model = tiny_lm(VOCAB, 32, 2, seed=5, scale=0.6)
+    with pytest.raises(ValueError, match="fast='compile-graphs' needs CUDA; the models are on cpu"):
+        StaticRunner(model, VOCAB, want_hidden=False, fast="compile-graphs")
+    with pytest.raises(ValueError, match="fast='compile-graphs' needs CUDA; the models are on cpu"):
+        CallRunners("compile-graphs", (model,))(64)(model, VOCAB, False)

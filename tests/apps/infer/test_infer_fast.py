@@ -38,7 +38,7 @@ def test_fast_is_checked_before_loading_and_names_the_file_only_when_set(base, t
     eager, fast = (app.prepare(make_cfg(*cfg, "method=fixed_k", "method.k=2", *extra)) for extra in ([], ["fast=static"]))
     assert eager.path.name == "k2__greedy__s0.jsonl" and eager.fast is None and eager.run_keys["fast"] is None
     assert fast.path.name == "k2_fast-static__greedy__s0.jsonl" and fast.run_keys["fast"] == "static"
-    with pytest.raises(ValueError, match="infer: fast must be one of None, 'static', 'compile', 'graphs', got 'turbo'"):
+    with pytest.raises(ValueError, match="infer: fast must be one of None, 'static', 'compile', 'graphs', 'compile-graphs', got 'turbo'"):
         app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=turbo"))
     with pytest.raises(ValueError, match="infer: fast='graphs' needs CUDA; the models are on cpu"):
         app.prepare(make_cfg(*cfg, "method=fixed_k", "pair.device=cpu", "fast=graphs"))

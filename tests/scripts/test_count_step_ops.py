@@ -1,0 +1,37 @@
+"""scripts/count_step_ops.py: the operations a static step dispatches, counted on tiny Llamas. Each
+decoder layer adds the same operations, seven of them matrix products (q, k, v, o, gate, up, down), and
+the output layer one more; the views are told apart from the operations that launch work."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import tiny_lm
+from tests.scripts.test_bench_fast import write_configs
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def test_counts_grow_by_one_layer_of_operations_per_layer():
+    from count_step_ops import VIEWS, count_feed
+
+    counts = {layers: count_feed(tiny_lm(64, 32, layers, seed=1), width=1) for layers in (1, 2, 3)}
+    work = {n: sum(v for k, v in c.items() if k not in VIEWS) for n, c in counts.items()}
+    assert all(counts[n]["mm"] == 7 * n + 1 for n in counts)  # seven per layer, one for the output layer
+    assert work[3] - work[2] == work[2] - work[1] > 7  # a layer's share is the same for every layer
+    assert 0 < sum(counts[1].values()) - work[1]  # views are counted apart
+
+
+def test_main_prints_a_row_per_model_and_width(tmp_path, capsys):
+    import count_step_ops
+
+    write_configs(tmp_path)  # a 1-layer draft and a 2-layer target
+    out = tmp_path / "ops.json"
+    assert count_step_ops.main(["--configs", str(tmp_path), "--widths", "1", "2", "--out", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| draft", "| target"))]
+    assert len(rows) == 4
+    result = json.loads(out.read_text())
+    assert result["draft_w1"]["layers"] == 1 and result["draft_w1"]["by_name"]["mm"] == 7 + 1
+    assert result["target_w2"]["layers"] == 2 and result["target_w2"]["by_name"]["mm"] == 2 * 7 + 1
