@@ -744,15 +744,16 @@ class StaticRunner(StaticModel):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
         if self.fast not in BUCKETED_BACKENDS or width not in self.buckets:
             return static_step
+        graph_step = self._graph_steps.get(width)
+        if graph_step is not None:
+            return graph_step
         key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
         step = static_step
         if self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
             step = compiled_step(self.model, static_step, key, name, self.steps, self.compile_options)
         if self.fast in GRAPH_BACKENDS:  # one callable per bucket (as the compiled steps: meters key on it)
-            if width not in self._graph_steps:
-                self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, (self.fast, *key), name,
-                                                             step)
-            return self._graph_steps[width]
+            step = self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, (self.fast, *key), name,
+                                                                step)
         return step
 
     def rollback(self, length: int) -> None:
