@@ -4,7 +4,8 @@
 #   tests    pytest -m gpu: the CUDA twins of every exactness test (chain, tree, batch, PEARL, cascades)
 #   core     the quick part of them first: every decoder's greedy equality and same-seed test, the T=1
 #            chi-square of every non-batch decoder, the attention-kernel test (no `slow` ones), eager and
-#            fast="graphs" (the fast_static variants run on CUDA in `tests`; fast-units tests the static runners)
+#            fast="graphs" (the fast_static variants run on CUDA in `tests`; fast-units tests the static runners), and
+#            the host reads of a round (tests/decoders/test_host_reads.py)
 #   pair     materialise the demo pair from a local GGUF ($GGUF, or the parts $GGUF_PARTS/part* joined)
 #   demo     make demo's stages on CUDA (data_gen, the head on the GPU, costs, potential, infer, report)
 #   bench    the benchmark on CUDA at a reduced size: costs, Sequoia's tree, every method, report
@@ -67,7 +68,8 @@ for stage in "$@"; do
         workers=()
         $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
         run core $PY -m pytest -m "gpu and not slow" -k "(greedy or same_seed or T1 or attention) and not fast_static" -q \
-            -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py tests/core/test_attention.py ;;
+            -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py tests/core/test_attention.py \
+            tests/decoders/test_host_reads.py ;;
     pair)
         if [ -n "${GGUF_PARTS:-}" ]; then
             GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf

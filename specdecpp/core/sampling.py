@@ -233,7 +233,7 @@ every seeded output, so a dataset is not resumed under another (before it was re
 ``torch.multinomial``)."""
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check: bool = True) -> torch.Tensor:
     """Draw one token id per row of ``probs`` ([..., V] -> [...]), row ``i`` with probability
     ``probs[i] / probs.sum()``; ``generator=None`` uses torch's global generator.
 
@@ -243,16 +243,51 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     token with mass. This is exact up to float64 rounding of the cumulative sum, and about 15x
     faster on a CPU over a 49k vocabulary than ``torch.multinomial``, which draws an exponential
     per entry (docs/results/fast.md). The rows must be non-negative, finite, with positive mass.
+
+    ``check=False`` leaves that check to the caller (it is a host read, so on CUDA a synchronisation
+    per draw; :func:`draw_token` and :func:`rows_valid` fold it into a read the caller makes anyway):
+    the draw is the same for valid rows, and an invalid row still gives an id below V.
     """
+    token, valid = _draw(probs, generator)
+    if not check:
+        return token.clamp_max_(probs.shape[-1] - 1)  # for valid rows a no-op
+    if not bool(valid):
+        raise ValueError(INVALID_PROBS)
+    return token
+
+
+INVALID_PROBS = "sample: every row of probs must be non-negative and finite with a positive sum"
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample`'s draw and whether every row was valid (a 0-d bool tensor, not read here)."""
     if probs.dim() == 0 or probs.shape[-1] == 0:
         raise ValueError(f"sample: probs must be [..., V] with V >= 1, got shape {tuple(probs.shape)}")
     cum = probs.to(torch.float64, copy=True).cumsum_(-1)  # in place: 4-10x faster than cumsum for several rows
     total = cum[..., -1:]
-    if not bool(((total > 0) & total.isfinite()).all() & (probs.amin() >= 0)):
-        raise ValueError("sample: every row of probs must be non-negative and finite with a positive sum")
+    valid = ((total > 0) & total.isfinite()).all() & (probs.amin() >= 0)
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cum, x, right=True).squeeze(-1)
+    return torch.searchsorted(cum, x, right=True).squeeze(-1), valid
+
+
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """``int(sample(probs, generator))`` for one row [V], its check and the token read together: one
+    host read (on CUDA one synchronisation, where ``int(sample(...))`` makes two). The same token and
+    the same ValueError."""
+    token, valid = _draw(probs, generator)
+    value, ok = torch.stack([token.reshape(()), valid.long()]).tolist()
+    if not ok:
+        raise ValueError(INVALID_PROBS)
+    return value
+
+
+def rows_valid(probs: torch.Tensor) -> torch.Tensor:
+    """Whether every row of ``probs`` [..., V] is what :func:`sample` draws from (non-negative, finite,
+    a positive sum), as a 0-d bool tensor for a caller to read with other values: the check a
+    ``sample(..., check=False)`` of these rows left out."""
+    total = probs.sum(-1, dtype=torch.float64)
+    return ((total > 0) & total.isfinite()).all() & (probs.amin() >= 0)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .sampling import KeptProbs, argmax, draw_few, sample
+from .sampling import KeptProbs, argmax, draw_few, draw_token, rows_valid
 
 
 def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -53,20 +53,24 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
             or (k == 0 and not bonus):
         raise ValueError(f"verify: expected q [K, V] and p [{'K+1' if bonus else 'K'}, V] for K={k} "
                          f"(K >= 1 without a bonus), got q {None if q is None else tuple(q.shape)}, p {tuple(p.shape)}")
-    if greedy:  # one reduction over every row (the first of ties)
-        top = argmax(p)
-        agree = (top[:k] == draft_tokens).tolist()
-        n = agree.index(False) if False in agree else k
-        return n, int(top[n]) if n < rows else None
+    if greedy:  # one reduction over every row (the first of ties); the argmaxes and the drafts in one read
+        read = torch.cat([argmax(p), draft_tokens.to(p.device)]).tolist()
+        top, drafted = read[:rows], read[rows:]
+        n = next((i for i in range(k) if top[i] != drafted[i]), k)
+        return n, top[n] if n < rows else None
     if k == 0:
-        return 0, int(sample(p[0], generator))
+        return 0, draw_token(p[0], generator)
     ratio = acceptance_ratio(p[:k], q, draft_tokens)
     u = torch.rand(k, generator=generator, device=ratio.device)
-    rejected = (u >= ratio).tolist()  # accept with probability ratio (u in [0, 1))
+    # accept with probability ratio (u in [0, 1)); read with the check of the draft's rows, which a
+    # drafter on CUDA leaves out of its draws (sample(check=False)): one host read for both
+    *rejected, q_ok = torch.cat([u >= ratio, rows_valid(q).reshape(1)]).tolist()
+    if not q_ok:
+        raise ValueError("verify: the draft's rows q must be non-negative and finite with a positive sum")
     if True not in rejected:
-        return k, int(sample(p[k], generator)) if bonus else None
+        return k, draw_token(p[k], generator) if bonus else None
     n = rejected.index(True)
-    return n, int(sample(residual(p[n], q[n]), generator))
+    return n, draw_token(residual(p[n], q[n]), generator)
 
 
 def _check_rows(name: str, k: int, q_rows: int, p_rows: int, bonus: bool) -> None:
@@ -89,13 +93,13 @@ def verify_rows(draft_tokens: torch.Tensor, q: Sequence[torch.Tensor], p_row: Ca
     k = draft_tokens.shape[0]
     _check_rows("verify_rows", k, len(q), p_rows, bonus)
     if k == 0:
-        return 0, int(sample(p_row(0), generator))
+        return 0, draw_token(p_row(0), generator)
     u = torch.rand(k, generator=generator, device=draft_tokens.device)
     for i in range(k):
         p_i = p_row(i)
         if bool(u[i] >= acceptance_ratio(p_i, q[i], draft_tokens[i])):  # rejected: the residual's draw
-            return i, int(sample(residual(p_i, q[i]), generator))
-    return k, int(sample(p_row(k), generator)) if bonus else None
+            return i, draw_token(residual(p_i, q[i]), generator)
+    return k, draw_token(p_row(k), generator) if bonus else None
 
 
 def verify_kept(draft_tokens: Sequence[int], q: Sequence[KeptProbs], p_row: Callable[[int], KeptProbs],

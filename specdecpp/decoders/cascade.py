@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.sampling import SamplingConfig, dense_rows, sample, warp
+from ..core.sampling import SamplingConfig, dense_rows, draw_token, warp
 from ..core.verify import verify
 from .rounds import Candidates
 
@@ -133,4 +133,4 @@ class CascadeRule:
             if token is not None:
                 return n, token
         pi_next = self._pi(peek().unsqueeze(0), logits[k : k + 1])[0]
-        return k, int(sample(pi_next, gen))
+        return k, draw_token(pi_next, gen)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.attention import decoding
-from ..core.sampling import SamplingConfig, argmax, sample, warp
+from ..core.sampling import SamplingConfig, argmax, draw_token, warp
 from ..core.timing import Clock
 from ..core.verify import residual
 from ..models.reduced_vocab import output_vocab_size
@@ -227,7 +227,7 @@ class TreeRule:
             r_dist = warp(logits[node + 1], self.sampling)
             child = self._accept_child(tree.children[node], drafted, r_dist, q_rows.get(node), gen)
             if isinstance(child, torch.Tensor):  # all rejected (or a leaf): the final token from R
-                return path, int(sample(child, gen))
+                return path, draw_token(child, gen)
             path.append(child)
             node = child
 

@@ -197,6 +197,49 @@ def test_sample_rejects_rows_that_are_not_distributions(probs):
         sample(torch.zeros(3, 0))
 
 
+@pytest.mark.parametrize("probs", [torch.tensor([0.5, -0.1, 0.6]), torch.tensor([0.5, float("nan"), 0.5]),
+                                   torch.tensor([0.0, 0.0]), torch.tensor([1.0, float("inf")])])
+def test_the_check_can_be_read_later_and_the_draw_stays_in_range(probs):
+    """sample(check=False) leaves the check to a later read: for a row that is no distribution it still
+    gives an id below V; draw_token reads the token and the check together and raises as sample does;
+    rows_valid is that check as a tensor."""
+    from specdecpp.core.sampling import draw_token, rows_valid
+
+    assert 0 <= int(sample(probs, torch.Generator().manual_seed(0), check=False)) < probs.shape[-1]
+    with pytest.raises(ValueError, match="sample: every row of probs must be non-negative and finite"):
+        draw_token(probs, torch.Generator().manual_seed(0))
+    uniform = torch.full_like(probs, 1 / probs.shape[-1])
+    assert bool(rows_valid(uniform)) and not bool(rows_valid(probs)) and not bool(rows_valid(torch.stack([uniform,
+                                                                                                          probs])))
+
+
+def test_verify_checks_the_draft_rows_a_drafter_left_unchecked():
+    """Off a CPU the drafter draws without checking its row (one host read per round instead of one per
+    draft); verify's one read of the verdict then checks the rows q, and a row that is no
+    distribution is an error, not a verdict."""
+    p = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(0)), -1)
+    q = p[:2].clone()
+    q[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="verify: the draft's rows q must be non-negative and finite"):
+        verify(torch.tensor([1, 4]), q, p, torch.Generator().manual_seed(0))
+
+
+def test_unchecked_draws_and_draw_token_equal_sample():
+    """For rows that are distributions, sample(check=False) and draw_token draw what sample draws, from
+    the same generator state, and leave the generator where sample leaves it."""
+    from specdecpp.core.sampling import draw_token, rows_valid
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        probs = torch.rand(2, 37, generator=gen) ** 4
+        probs[:, torch.randint(0, 37, (5,), generator=gen)] = 0.0
+        states = [torch.Generator().manual_seed(7) for _ in range(3)]
+        ref = sample(probs, states[0])
+        assert torch.equal(sample(probs, states[1], check=False), ref) and bool(rows_valid(probs))
+        assert draw_token(probs[0], states[2]) == int(sample(probs[0], torch.Generator().manual_seed(7)))
+        assert torch.equal(states[0].get_state(), states[1].get_state())
+
+
 @pytest.mark.parametrize("vocab", [49152, 20000])  # whole chunks; a last partial one
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_cpu_top_k_way_equals_the_dense_way(monkeypatch, vocab, temperature):

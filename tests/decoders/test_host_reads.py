@@ -1,0 +1,55 @@
+"""How often a chain round reads a device value on the host. On CUDA each read is a synchronisation,
+after which the GPU idles while the host launches the next work; on CUDA graphs that idling was most
+of the loop's 8-42% of a round (docs/results/gpu.md). The engine reads at most twice per round in the
+acceptance rule (the verdict with the check of the draft's rows, then the next token with its own
+check) and never while it drafts under fixed K: a draw's check waits for the rule's read (gpu only:
+torch.cuda's sync debug mode attributes each synchronisation to the engine's frames)."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+
+import pytest
+import torch
+
+from specdecpp import FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly
+from tests.helpers.tiny import noisy_copy, tiny_lm
+
+
+def engine_syncs(run, *args):
+    """``run(*args)`` under torch.cuda's sync debug mode: its result, and for each implicit
+    synchronisation the names of the engine's functions (specdecpp's frames) on the stack."""
+    found = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        found.append([f.name for f in traceback.extract_stack() if "/specdecpp/" in f.filename])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [None, "static"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
+def test_a_round_reads_twice_in_the_rule_and_never_while_drafting(fast, sampling):
+    target = tiny_lm(64, 32, 2, seed=5, scale=0.4).cuda()
+    draft = noisy_copy(target, 0.3, seed=6).cuda()
+    for policy in (FixedK(3), TargetOnly()):
+        decoder = SpeculativeDecoder(draft, target, policy, sampling, fast=fast)
+        prompt = torch.tensor([[1, 2, 3]], device="cuda")
+        decoder.generate(prompt, 4, torch.Generator().manual_seed(0))  # warm-up: kernels, allocator
+        out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
+        rounds = len(out.stats.accept_lengths)
+        drafting = [s for s in syncs if "block" in s and "feed" not in s]  # the drafter's own reads, not a forward's
+        in_rule = [s for s in syncs if "verify" in s]
+        assert drafting == [], drafting
+        assert len(in_rule) <= 2 * rounds, (len(in_rule), rounds, in_rule[:4])
