@@ -140,8 +140,9 @@ class Drafter:
         self.sampling, self.eos, self.clock = sampling, eos, clock
         self.needs_hidden = self.policy.needs_hidden
         self.stop_at_eos = bool(eos) and self.policy.reads_values
-        # a lossy rule (keep_logits) does not check the draft's rows itself, so its draws are checked here
-        self.check_draws = keep_logits
+        # a draw's check is a host read: off a CPU it waits for the exact rule's one read (verify), but a
+        # lossy rule (keep_logits) does not check the draft's rows, so its draws are checked here
+        self.check_draws = keep_logits or torch.device(model.device).type == "cpu"
         self.runner = runners(model, vocab, self.needs_hidden)
 
     def __enter__(self) -> Drafter:
@@ -167,9 +168,9 @@ class Drafter:
                 y = argmax(scores)
             else:  # sample(warp(scores)); on a CPU under top-k the row is kept sparse
                 q_k = warp_kept(scores, cfg)
-                if q_k is None:  # off a CPU, the row's check waits for the exact rule's one read (verify)
+                if q_k is None:
                     q_k = warp(scores, cfg)
-                    y = sample(q_k, gen, check=self.check_draws or q_k.device.type == "cpu")
+                    y = sample(q_k, gen, check=self.check_draws)
                 else:
                     y = torch.tensor(q_k.draw(gen))  # the policies read a token tensor
                 q_rows.append(q_k)

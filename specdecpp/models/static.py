@@ -12,11 +12,9 @@
   and captured as ``torch.cuda.CUDAGraph`` objects per bucket (below).
 - ``"compile-graphs"`` (CUDA only): each bucket's compiled step (as ``"compile"``: inductor's fused
   kernels) captured as a CUDA graph, which is what ``torch.compile(mode="reduce-overhead")`` does
-  with its own graph trees, over the project's buffers. On an H100 a ``"graphs"`` step of a
-  30-layer, 135M-parameter Llama took 3.4 ms for weights that read in 0.09 ms: its eager step
-  dispatches about 1,100 operations that launch work (scripts/count_step_ops.py), and a replay
-  spends some 3 us on each (docs/results/gpu.md). Fusing them is what this backend is for. Not yet
-  measured on a GPU.
+  with its own graph trees, over the project's buffers. A ``"graphs"`` replay of a small model is
+  bound by the number of the eager step's kernels (scripts/count_step_ops.py counts them; what an
+  H100 measured: docs/results/gpu.md); fusing them is what this backend is for.
 
 What is owned: :class:`StaticKV`, a plain object (not a transformers ``Cache``) that Llama-style
 models take as their cache. Per layer it preallocates keys and values [1, kv_heads, size, head_dim]
