@@ -177,13 +177,11 @@ def methods(args, draft) -> dict:
 def compile_record(models: dict) -> dict:
     """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket);
     per captured step (--fast graphs / compile-graphs: warm-up and capture, less the step's compile,
-    which is listed on its own) the same, prefixed with the backend."""
+    which is listed on its own: ``capture_seconds``) the same, prefixed with the backend."""
     out = {}
     for role, m in models.items():
         steps = model_steps(m)
-        captured = {key: sec - steps.compile_seconds.get(key[1:], 0.0) * (key[0] == "compile-graphs")
-                    for key, sec in steps.capture_seconds.items()}
-        for key, sec in (*steps.compile_seconds.items(), *captured.items()):
+        for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
             tag, key = (f"{key[0]} ", key[1:]) if isinstance(key[0], str) else ("", key)
             out[f"{tag}{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else "")] = sec
     return out

@@ -117,7 +117,8 @@ the forward's tensors are copied into the step's static inputs, the eager step r
 :data:`GRAPH_WARMUP` times on a side stream, then is captured (:func:`capture_graph`) and
 replayed; later forwards stage their inputs (:func:`stage_inputs`) and replay. Under
 ``"compile-graphs"`` the step is the bucket's compiled one (:func:`compiled_step`), compiled by the
-first warm-up run, so a bucket's capture time includes its compile (also in ``compile_seconds``). The outputs of a
+first warm-up run where an earlier forward has not compiled it; the capture time leaves that compile out (it is in
+``compile_seconds``). The outputs of a
 replay are overwritten by the next, so the runners return copies of the rows they hand out
 (:func:`graph_outputs`). Capture time per bucket goes to ``model_steps(model).capture_seconds``
 and a count of captures to ``.captures``. PEARL refuses it (two threads). On a CPU the tests put a
@@ -383,7 +384,7 @@ class _ModelSteps:
     warned_rows: bool = False
     causal: dict = field(default_factory=dict)  # (size, dtype, device) -> additive causal mask [size, size] (StaticRunner)
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
-    capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds
+    capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds, less a compile
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
 
 
@@ -557,13 +558,14 @@ class GraphSet:
 
     def run(self, steps: _ModelSteps, key: tuple, name: str, step, *args) -> tuple:
         """``step(*args)`` through bucket ``key``'s graph, captured on its first use (timed into
-        ``steps.capture_seconds[key]``, counted in ``steps.captures``): the first 4 arguments
+        ``steps.capture_seconds[key]``, less any compile its warm-ups ran, which ``compile_seconds`` holds;
+        counted in ``steps.captures``): the first 4 arguments
         (decoder, output layer, cache argument, cache) are fixed by the capture, the others are
         tensors staged into it. (Holds no runner: a runner's steps refer to it without a cycle.)"""
         fixed, inputs = args[:4], args[4:]
         graph = self.graphs.get(key)
         if graph is None:
-            t0 = time.perf_counter()
+            t0, compiling = time.perf_counter(), sum(steps.compile_seconds.values())
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
             try:
@@ -572,7 +574,8 @@ class GraphSet:
                 raise RuntimeError(f"fast='graphs': capturing {name} failed ({exc}); use fast='compile' or 'static'") from exc
             self.graphs[key] = graph
             steps.captures += 1
-            steps.capture_seconds[key] = time.perf_counter() - t0
+            compiled = sum(steps.compile_seconds.values()) - compiling  # compile-graphs: a first warm-up's compile
+            steps.capture_seconds[key] = time.perf_counter() - t0 - compiled
             log.info("captured %s in %.2f s", name, steps.capture_seconds[key])
         return graph(*inputs)
 

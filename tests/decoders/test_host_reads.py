@@ -41,8 +41,9 @@ def engine_syncs(run, *args):
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
                          ids=["greedy", "T1"])
 def test_a_round_reads_twice_in_the_rule_and_never_while_drafting(fast, sampling):
-    target = tiny_lm(64, 32, 2, seed=5, scale=0.4).cuda()
+    target = tiny_lm(64, 32, 2, seed=5, scale=0.4)
     draft = noisy_copy(target, 0.3, seed=6).cuda()
+    target = target.cuda()
     for policy in (FixedK(3), TargetOnly()):
         decoder = SpeculativeDecoder(draft, target, policy, sampling, fast=fast)
         prompt = torch.tensor([[1, 2, 3]], device="cuda")

@@ -213,8 +213,8 @@ def test_compile_graphs_compile_then_capture_each_bucket_once(graphs_on, device)
     assert counters["stats"]["unique_graphs"] - graphs == len(buckets)
     assert set(steps.compile_seconds) == {(n, size) for n in buckets}
     assert set(steps.capture_seconds) == {("compile-graphs", n, size) for n in buckets} and steps.captures == 3
-    for n in buckets:  # the capture (warm-ups, capture) includes the compile, which takes most of it
-        assert steps.compile_seconds[(n, size)] > 0.5 * steps.capture_seconds[("compile-graphs", n, size)]
+    for n in buckets:  # the first warm-up compiled; the capture's time leaves that out, and compiling takes longer
+        assert 0 < steps.capture_seconds[("compile-graphs", n, size)] < steps.compile_seconds[(n, size)]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (0, 1):
             graph_runner = runners(40, buckets)(model, VOCAB, True)
