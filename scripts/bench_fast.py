@@ -31,7 +31,10 @@ with ``--threads`` torch threads on a CPU:
    and the target's forwards (eager: the whole feed; fast: the step, compiled or not), the mask and
    padding around a fast step, and the rest of the loop (sampling, the acceptance rule, the commit,
    the policy, rollbacks) as a share of the round. The prefill (each runner's first feed of a
-   call) is left out of the rounds. ``--profile-outside N`` then runs each method once more on the
+   call) is left out of the rounds. On CUDA each meter synchronises the stream, so the host can no
+   longer queue a round's work ahead of the GPU: there the timed pass (tokens/s, ms per round, the
+   ratios) runs without meters, and a second pass with the same seeds gives the breakdown, whose
+   ms per round is then that pass's own (``--breakdown-pass``). ``--profile-outside N`` then runs each method once more on the
    fast path under cProfile (prompt 0, untimed otherwise) and lists its N functions of most own
    time, the forward steps among them: where the loop's time goes (cProfile slows Python code more
    than the forwards, so read its list as a ranking, the breakdown for the shares).
@@ -213,15 +216,26 @@ def ratio(rows, base) -> dict:
     return {"ratio": pooled(rows) / pooled(base), "ci95": list(ci) if ci else None}
 
 
-def summarize(rows: dict, names, fast: str, meters: dict | None = None) -> dict:
-    out, meters = {}, meters or {}
+def breakdown_apart(args, device: torch.device) -> bool:
+    """Whether ``--breakdown`` meters a decoding pass of its own (``--breakdown-pass``; ``auto``: on
+    CUDA, where each meter synchronises the stream, so the timed pass runs without them)."""
+    return args.breakdown and (args.breakdown_pass == "separate" or (args.breakdown_pass == "auto"
+                                                                     and device.type == "cuda"))
+
+
+def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered: dict | None = None) -> dict:
+    """Per method: tokens/s and ms per round of ``rows`` (the timed pass), the ratios with their
+    intervals, whether eager and fast gave the same tokens, and, where ``meters`` has the method, the
+    breakdown of ``metered`` (the pass the meters timed: ``rows`` unless the breakdown ran apart)."""
+    out, meters, metered = {}, meters or {}, metered or rows
     for name in names:
         eager, quick = rows[(name, None)], rows[(name, fast)]
         unequal = [r["prompt_id"] for r, q in zip(eager, quick, strict=True) if r["tokens"] != q["tokens"]]
         out[name] = {
             **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
                          / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs),
-                         **({"breakdown": breakdown(meters[(name, b)], rs)} if (name, b) in meters else {})}
+                         **({"breakdown": breakdown(meters[(name, b)], metered[(name, b)])}
+                            if (name, b) in meters else {})}
                for backend, b, rs in (("eager", None, eager), ("fast", fast, quick))},
             "fast_over_eager": ratio(quick, eager),
             "eager_over_target_only": ratio(eager, rows[("target_only", None)]),
@@ -490,6 +504,9 @@ def main(argv=None) -> int:
                     help="greedy (default) or paper (temperature 1, top-k 50; the same seeds on both backends)")
     ap.add_argument("--breakdown", action="store_true", help="time the draft's and the target's forwards, the "
                     "mask and the rest of each round from outside the runners (docstring, 4.)")
+    ap.add_argument("--breakdown-pass", choices=("auto", "same", "separate"), default="auto",
+                    help="with --breakdown: meter the timed pass (same) or a second pass with the same seeds "
+                    "(separate); auto: separate on CUDA, where the meters synchronise, else same")
     ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
                     help="with --breakdown: one more fast call per method under cProfile, its N functions of "
                     "most own time")
@@ -556,15 +573,24 @@ def main(argv=None) -> int:
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
         decoder.warm_up(longest, args.max_new_tokens)
         decoder.generate(ids[0], min(8, args.max_new_tokens), torch.Generator().manual_seed(0), eos_token_id=eos)
-    meters = {}
-    if args.breakdown:  # from here on, every runner's feeds are timed from outside
+    meters, apart = {}, breakdown_apart(args, device)
+
+    def metered() -> None:  # from here on, every runner's feeds are timed from outside
         roles = {id(draft): "draft", id(target): "target"}
         for key, decoder in decoders.items():
             decoder.runners = meters[key] = FeedMeters(decoder.runners, roles, Clock(device))
+
+    if args.breakdown and not apart:
+        metered()
     t0 = time.perf_counter()
-    rows = decode_all(decoders, ids, args, eos)
+    rows = metered_rows = decode_all(decoders, ids, args, eos)
     print(f"decoded in {time.perf_counter() - t0:.0f} s", flush=True)
-    summary = summarize(rows, policies, args.fast, meters)  # before the profiled calls add to the meters
+    if apart:  # the meters' synchronisations would stall the host's run-ahead: a pass of their own, same seeds
+        metered()
+        t0 = time.perf_counter()
+        metered_rows = decode_all(decoders, ids, args, eos)
+        print(f"decoded again under the breakdown's meters in {time.perf_counter() - t0:.0f} s", flush=True)
+    summary = summarize(rows, policies, args.fast, meters, metered_rows)  # before the profiled calls add to the meters
     profiled = {name: profile_outside(decoders[(name, args.fast)], ids[0], args, eos, args.profile_outside)
                 for name in policies} if args.profile_outside else None
 
@@ -573,6 +599,7 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "sampling": args.sampling, "context": args.context,
               "bandwidth_mb": mb, "forwards": forwards, "floor": floor,
               "methods": summary, "profile_outside": profiled,
+              "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
     return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
 

@@ -248,7 +248,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check:
     per draw; :func:`draw_token` and :func:`rows_valid` fold it into a read the caller makes anyway):
     the draw is the same for valid rows, and an invalid row still gives an id below V.
     """
-    token, valid = _draw(probs, generator)
+    token, valid = _draw(probs, generator, check)
     if not check:
         return token.clamp_max_(probs.shape[-1] - 1)  # for valid rows a no-op
     if not bool(valid):
@@ -259,13 +259,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check:
 INVALID_PROBS = "sample: every row of probs must be non-negative and finite with a positive sum"
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample`'s draw and whether every row was valid (a 0-d bool tensor, not read here)."""
+def _draw(probs: torch.Tensor, generator: torch.Generator | None,
+          check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sample`'s draw and whether every row was valid (a 0-d bool tensor, not read here; None
+    without ``check``: its eight operations are kernels on CUDA, for a check nobody reads)."""
     if probs.dim() == 0 or probs.shape[-1] == 0:
         raise ValueError(f"sample: probs must be [..., V] with V >= 1, got shape {tuple(probs.shape)}")
     cum = probs.to(torch.float64, copy=True).cumsum_(-1)  # in place: 4-10x faster than cumsum for several rows
     total = cum[..., -1:]
-    valid = _valid(total, probs)
+    valid = _valid(total, probs) if check else None
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
     return torch.searchsorted(cum, x, right=True).squeeze(-1), valid

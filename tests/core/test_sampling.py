@@ -240,6 +240,34 @@ def test_unchecked_draws_and_draw_token_equal_sample():
         assert torch.equal(states[0].get_state(), states[1].get_state())
 
 
+def test_an_unchecked_draw_computes_no_check():
+    """sample(check=False) dispatches none of the check's operations (on CUDA each is a kernel launched
+    for a value nobody reads): its operations are sample's less exactly those of rows' validity."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    probs = torch.rand(3, 50, generator=torch.Generator().manual_seed(1))
+    counted = []
+    for check in (True, False):
+        with Ops() as ops:
+            sample(probs, torch.Generator().manual_seed(2), check=check)
+        counted.append(ops.names)
+    checked, unchecked = counted
+    assert checked["bitwise_and"] == 2 and checked["_local_scalar_dense"] == 1  # the check's ands, and its read
+    assert unchecked["bitwise_and"] == 0 and unchecked["_local_scalar_dense"] == 0
+    assert sum(unchecked.values()) <= sum(checked.values()) - 8
+
+
 @pytest.mark.parametrize("vocab", [49152, 20000])  # whole chunks; a last partial one
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_cpu_top_k_way_equals_the_dense_way(monkeypatch, vocab, temperature):

@@ -82,9 +82,34 @@ def test_bench_fast_breakdown_splits_each_round_and_profiles_the_loop(tmp_path, 
     for name, p in result["profile_outside"].items():
         assert len(p["top"]) == 5 and 0 < p["steps_share"] < 1, name
         assert all("static_step" not in f["function"] for f in p["top"]), name  # the forwards are not listed
+    assert result["breakdown_pass"] == "same"  # on a CPU the meters wait for nothing: they time the timed pass
     with pytest.raises(SystemExit):
         bench_fast.main(["--configs", str(tmp_path), "--profile-outside", "3"])
     assert "--profile-outside needs --breakdown" in capsys.readouterr().err
+
+
+def test_bench_fast_breakdown_in_a_pass_of_its_own(tmp_path, capsys):
+    """--breakdown-pass separate (the default on CUDA, where the meters synchronise): the timed pass runs
+    without meters, a second pass with the same seeds is metered; its rounds are the timed pass's rounds
+    (the same tokens), and its shares add up."""
+    import bench_fast
+
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--sampling", "paper", "--breakdown",
+                            "--breakdown-pass", "separate", "--out", str(out)]) == 0
+    assert "decoded again under the breakdown's meters" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["breakdown_pass"] == "separate"
+    for name, m in result["methods"].items():
+        for backend in ("eager", "fast"):
+            b = m[backend]["breakdown"]
+            wall = m[backend]["n_generated"] / m[backend]["tokens_per_s"]  # the timed pass's seconds and rounds
+            assert b["rounds"] == round(1e3 * wall / m[backend]["ms_per_round"]), (name, backend)
+            parts = ("draft_forward", "target_forward", "in_feed", "loop")
+            assert sum(b[f"{k}_share"] for k in parts) == pytest.approx(1.0), (name, backend)
 
 
 def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):
