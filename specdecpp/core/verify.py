@@ -36,7 +36,7 @@ def residual(p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
 
 def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
            generator: torch.Generator | None = None, greedy: bool = False,
-           bonus: bool = True) -> tuple[int, int | None]:
+           bonus: bool = True, drafts_out: list | None = None) -> tuple[int, int | None]:
     """Verify K candidates; return ``(n_accepted, next_token)``.
 
     draft_tokens: LongTensor [K], the candidates y_1..y_K.
@@ -46,6 +46,8 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     K may be 0: then the bonus token from p_1 is the whole round (target-only decoding).
     bonus=False (PEARL): ``p`` is [K, V] and a round with all K accepted returns ``(K, None)``
     (no token is drawn from p_{K+1}; the next draft block continues from there).
+    drafts_out: a list to extend with the K candidates' values, read on the host together with the
+    verdict (no read of its own), so that a caller needs no read of the drafts to commit them.
     """
     k = draft_tokens.shape[0]
     rows = k + 1 if bonus else k
@@ -56,6 +58,8 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     if greedy:  # one reduction over every row (the first of ties); the argmaxes and the drafts in one read
         read = torch.cat([argmax(p), draft_tokens.to(p.device)]).tolist()
         top, drafted = read[:rows], read[rows:]
+        if drafts_out is not None:
+            drafts_out.extend(drafted)
         n = next((i for i in range(k) if top[i] != drafted[i]), k)
         return n, top[n] if n < rows else None
     if k == 0:
@@ -64,7 +68,13 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     u = torch.rand(k, generator=generator, device=ratio.device)
     # accept with probability ratio (u in [0, 1)); read with the check of the draft's rows, which a
     # drafter on CUDA leaves out of its draws (sample(check=False)): one host read for both
-    *rejected, q_ok = torch.cat([u >= ratio, rows_valid(q).reshape(1)]).tolist()
+    verdict = [u >= ratio, rows_valid(q).reshape(1)]
+    if drafts_out is None:
+        *rejected, q_ok = torch.cat(verdict).tolist()
+    else:  # the drafts in the same read
+        read = torch.cat([*(v.long() for v in verdict), draft_tokens.to(ratio.device)]).tolist()
+        rejected, q_ok = [bool(r) for r in read[:k]], read[k]
+        drafts_out.extend(read[k + 1 :])
     if not q_ok:
         raise ValueError("verify: the draft's rows q must be non-negative and finite with a positive sum")
     if True not in rejected:

@@ -94,9 +94,10 @@ class SpeculativeDecoder(FastPlanned):
                 k = block.k
                 logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
                 logits = processed(process.target_logits, 0, seq.tokens, list(range(n, n + k + 1)), logits)
-                n_acc, token = self.rule(drafter.candidates(block, seq.tokens, n), logits, gen)
+                candidates = drafter.candidates(block, seq.tokens, n)
+                n_acc, token = self.rule(candidates, logits, gen)
                 t_verified = marks.now()
-                kept = seq.commit(n_acc, token)
+                kept = seq.commit(n_acc, token, candidates.read)
                 target.rollback(seq.n - 1)
                 drafter.runner.rollback(seq.n - 1)
                 stats.add_round(k + block.extra_forwards, k, n_acc, k + 1 - kept,  # discarded: k - n_acc, plus after an EOS

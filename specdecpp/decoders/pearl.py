@@ -257,7 +257,7 @@ class PEARLDecoder:
                 n_test = m + min(block.k, 1)
                 tested = rounds.Candidates(seq.tokens[n : n + n_test], q_pending + block.q[:1])
                 n_acc, token = self.rule(tested, logits[:n_test], verify_gen, bonus=False)
-                kept = seq.commit(n_acc, token)
+                kept = seq.commit(n_acc, token, tested.read)
                 stats.n_pre_verify_rounds += m == 0
                 stats.n_post_verify_rounds += m > 0
                 stats.n_no_target_token += token is None

@@ -84,12 +84,15 @@ class Candidates:
     """What an acceptance rule tests: the drafted ``tokens`` [K] and, unless greedy, the draft's
     K rows ``q`` they were sampled from (as in :class:`Block`). What only a lossy rule (a cascade) reads: the draft's
     raw ``logits`` [K, V] of the candidates (None unless the drafter kept them) and ``peek()``, the
-    draft's raw logits [V] after the last candidate (one more draft forward, made only if called)."""
+    draft's raw logits [V] after the last candidate (one more draft forward, made only if called).
+    A rule that reads the candidates' values with its verdict leaves them in ``read``, which the
+    commit then takes instead of reading them again (:meth:`TokenBuffer.commit`)."""
 
     tokens: torch.Tensor
     q: list
     logits: torch.Tensor | None = None
     peek: Callable[[], torch.Tensor] | None = None
+    read: list[int] | None = None  # the candidates' values on the host, where the rule read them with its verdict
 
 
 @dataclass(frozen=True)
@@ -213,18 +216,20 @@ class ExactRule:
 
     def __call__(self, drafted: Candidates, logits: torch.Tensor, gen: torch.Generator | None,
                  bonus: bool = True) -> tuple[int, int | None]:
+        drafted.read = []  # the candidates' values, read with the verdict (the commit reads none)
         if self.sampling.greedy:  # argmax of the logits = argmax of the one-hot warp
-            return verify(drafted.tokens, None, logits, greedy=True, bonus=bonus)
+            return verify(drafted.tokens, None, logits, greedy=True, bonus=bonus, drafts_out=drafted.read)
         cfg = self.sampling
         if logits.device.type == "cpu":  # the same verdict, warping only the rows up to the first rejection
+            drafted.read = drafted.tokens.tolist()  # on a CPU a read waits for nothing
             if kept_rows(logits.shape[-1], cfg, logits.device):  # and every row kept sparse (top-k)
-                return verify_kept(drafted.tokens.tolist(), as_kept(drafted.q),
+                return verify_kept(drafted.read, as_kept(drafted.q),
                                    lambda i: warp_kept(logits[i], cfg), logits.shape[0], gen, bonus)
             return verify_rows(drafted.tokens, dense_rows(drafted.q), lambda i: warp(logits[i], cfg), logits.shape[0],
                                gen, bonus)
         p = warp(logits, cfg)
         q = torch.stack(dense_rows(drafted.q)) if drafted.q else p.new_zeros((0, p.shape[-1]))
-        return verify(drafted.tokens, q, p, gen, bonus=bonus)
+        return verify(drafted.tokens, q, p, gen, bonus=bonus, drafts_out=drafted.read if drafted.q else None)
 
 
 class TokenBuffer:
@@ -253,14 +258,19 @@ class TokenBuffer:
         """Tokens that may still be committed."""
         return self.end - self.n
 
-    def commit(self, n_accepted: int, token: int | None) -> int:
+    def commit(self, n_accepted: int, token: int | None, drafted: list[int] | None = None) -> int:
         """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
         from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS,
         or after the first prefix the ``stop`` hook ends, is cut and ends the sequence. Returns how
-        many tokens were kept (told to the ``committed`` hook)."""
+        many tokens were kept (told to the ``committed`` hook). ``drafted``: the drafts' values as
+        the rule read them (:attr:`Candidates.read`), at least ``n_accepted`` of them; then the
+        buffer is not read back (on CUDA a synchronisation saved), else it is."""
         if token is not None:
             self.tokens[self.n + n_accepted] = token
-        new = self.tokens[self.n : self.n + n_accepted + (token is not None)].tolist()
+        if drafted is not None and len(drafted) >= n_accepted:
+            new = [*drafted[:n_accepted], *(() if token is None else (token,))]
+        else:
+            new = self.tokens[self.n : self.n + n_accepted + (token is not None)].tolist()
         hit = next((i for i, t in enumerate(new) if t in self.eos), None)
         hooks = self.hooks
         before = len(new) if hit is None else hit  # the tokens before an EOS, which ends the row anyway

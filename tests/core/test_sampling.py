@@ -131,6 +131,23 @@ def test_verify_greedy_is_argmax_agreement():
     assert verify(torch.tensor([0, 1]), q, p, greedy=True) == (0, 2)
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_verify_hands_out_the_drafts_it_read_with_its_verdict(greedy):
+    """verify(..., drafts_out=L) extends L with the candidates' values (read with the verdict, so that a
+    commit need not read them) and changes nothing else: the same verdict, the generator left in the same
+    state; K = 0 adds nothing."""
+    for k in (0, 1, 3):
+        for seed in range(40):
+            p, q = _random_dists(k, 6, seed)
+            y = torch.randint(0, 6, (k,), generator=torch.Generator().manual_seed(seed))
+            gens = [torch.Generator().manual_seed(seed) for _ in range(2)]
+            out: list = []
+            got = verify(y, None if greedy else q, p, gens[0], greedy=greedy, drafts_out=out)
+            assert got == verify(y, None if greedy else q, p, gens[1], greedy=greedy)
+            assert out == y.tolist() and all(isinstance(t, int) for t in out)
+            assert torch.equal(gens[0].get_state(), gens[1].get_state())
+
+
 def test_verify_rejects_bad_shapes():
     p, q = _random_dists(2, 5, 0)
     with pytest.raises(ValueError, match="K\\+1"):

@@ -148,6 +148,36 @@ def test_same_generator_seed_gives_same_output(pair32):
     assert runs[0].tokens.tolist() != runs[2].tokens.tolist()
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0),
+                                      SamplingConfig(temperature=1.0, top_k=10)], ids=["greedy", "T1", "top_k"])
+@pytest.mark.parametrize("name", ["target_only", "fixed_k4", "svip"])
+def test_each_commit_takes_the_drafts_the_rule_read(pair32, monkeypatch, name, sampling):
+    """The exact rule reads the candidates with its verdict and the commit takes those values instead of
+    reading the buffer back (on CUDA a synchronisation per round saved): every commit of a chain round gets
+    them, they are what the buffer holds, and the output is what reading the buffer gives."""
+    from specdecpp.decoders.rounds import TokenBuffer
+
+    draft, target = pair32
+    commit, given = TokenBuffer.commit, []
+
+    def checked(self, n_accepted, token, drafted=None):
+        given.append(drafted is not None and drafted[:n_accepted] == self.tokens[self.n : self.n + n_accepted].tolist())
+        return commit(self, n_accepted, token, drafted)
+
+    def unread(self, n_accepted, token, drafted=None):  # the buffer read back, as before
+        return commit(self, n_accepted, token)
+
+    outs = []
+    for patched in (checked, unread):
+        monkeypatch.setattr(TokenBuffer, "commit", patched)
+        decoder = SpeculativeDecoder(draft, target, policies(32)[name], sampling)
+        outs.append([decoder.generate(torch.tensor([p]), 24, torch.Generator().manual_seed(3), eos_token_id=5)
+                     for p in PROMPTS])
+    assert given and all(given)
+    for a, b in zip(*outs, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.stats.accept_lengths == b.stats.accept_lengths
+
+
 def test_stats_are_consistent(pair32):
     draft, target = pair32
     decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=1.0))
