@@ -31,7 +31,7 @@ from specdecpp.data.labels import (
 from specdecpp.data.prompts import encode_prompt
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
-from specdecpp.models.static import check_fast, set_compile_options
+from specdecpp.models.static import GRAPH_BACKENDS, check_fast, set_compile_options
 
 from .plan import (
     Shard,
@@ -152,7 +152,7 @@ def _check_settings(cfg: DictConfig) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     fast = cfg.get("fast")
-    check_fast("data_gen", fast, resolve_device(cfg.pair.get("device", "auto")) if fast == "graphs" else None)
+    check_fast("data_gen", fast, resolve_device(cfg.pair.get("device", "auto")) if fast in GRAPH_BACKENDS else None)
 
 
 def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[Shard],

@@ -248,6 +248,8 @@ def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
         run(make_cfg(tiny_pair, prompts_file, out, "fast=turbo"))
     with pytest.raises(ValueError, match="data_gen: fast='graphs' needs CUDA; the models are on cpu"):
         run(make_cfg(tiny_pair, prompts_file, out, "pair.device=cpu", "fast=graphs"))
+    with pytest.raises(ValueError, match="data_gen: fast='compile-graphs' needs CUDA; the models are on cpu"):
+        run(make_cfg(tiny_pair, prompts_file, out, "pair.device=cpu", "fast=compile-graphs"))
     with pytest.raises(ValueError, match="shard.index=2 / shard.count=2"):
         run(make_cfg(tiny_pair, prompts_file, out, "shard.index=2", "shard.count=2"))
     assert not out.exists()

@@ -42,6 +42,8 @@ def test_fast_is_checked_before_loading_and_names_the_file_only_when_set(base, t
         app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=turbo"))
     with pytest.raises(ValueError, match="infer: fast='graphs' needs CUDA; the models are on cpu"):
         app.prepare(make_cfg(*cfg, "method=fixed_k", "pair.device=cpu", "fast=graphs"))
+    with pytest.raises(ValueError, match="infer: fast='compile-graphs' needs CUDA; the models are on cpu"):
+        app.prepare(make_cfg(*cfg, "method=fixed_k", "pair.device=cpu", "fast=compile-graphs"))
     with pytest.raises(ValueError, match="PEARLDecoder: fast='compile' is not supported"):
         app.prepare(make_cfg(*cfg, "method=pearl", "method.gamma=2", "fast=compile"))
     batched = app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=static", "batch_size=2"))
