@@ -292,8 +292,10 @@ def rows_valid(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _valid(total: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Every row total positive and finite, every entry non-negative (a 0-d bool tensor)."""
-    return ((total > 0) & total.isfinite()).all() & (probs.amin() >= 0)
+    """Every row total positive and finite, every entry non-negative (a 0-d bool tensor). ``0 < total <
+    inf`` is ``total > 0 and isfinite(total)`` (a NaN fails both comparisons) in two operations where
+    ``isfinite`` takes four (kernels on CUDA)."""
+    return ((total > 0) & (total < math.inf)).all() & (probs.amin() >= 0)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
