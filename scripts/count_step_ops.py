@@ -16,6 +16,16 @@ is one kernel or a few: a GEMM may launch a split-K pair, and attention runs fla
 memory-efficient kernels where the CPU has its own. So the count is a floor-level estimate of the
 graph's kernels, and the ms per kernel of a measured replay follows from it. Prints one table per
 model and width; ``--out`` writes JSON.
+
+``--loop`` counts instead what a chain round dispatches outside the forwards on the CUDA path, for K
+= 0 (target-only), 1 and 3, greedy and sampled (temperature 1, top-k 50), over random bf16 logits (a
+bf16 model's on CUDA) of 4,096 tokens (below ``TOP_K_MIN_VOCAB``, so that a CPU takes the dense ways
+CUDA takes; the count does not depend on the vocabulary): the drafter's draws (the argmax, or ``warp`` and an unchecked ``sample``) and their
+writes to the token buffer, the exact rule's CUDA branch (``warp`` of the K + 1 target rows, the draft
+rows stacked, ``verify`` reading the drafts with its verdict), and the commit
+(:meth:`~specdecpp.decoders.rounds.TokenBuffer.commit`, given the drafts read). On a CPU the engine
+takes other ways for the same verdicts (rows kept sparse, one row at a time), so these calls are
+made here as the CUDA branch makes them (``specdecpp.decoders.rounds.ExactRule``, ``Drafter.block``).
 """
 
 from __future__ import annotations
@@ -60,6 +70,39 @@ def count_feed(model, width: int, context: int = 16) -> collections.Counter:
     return counter.counts
 
 
+LOOP_SAMPLINGS = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, top_k=50)}
+
+
+def count_round_loop(k: int, sampling: str, vocab: int, seed: int = 0) -> collections.Counter:
+    """The operations of one chain round's loop on the CUDA path (module docstring, ``--loop``)."""
+    from specdecpp.core.sampling import SamplingConfig, argmax, dense_rows, sample, warp
+    from specdecpp.core.verify import verify
+    from specdecpp.decoders.rounds import Candidates, TokenBuffer
+
+    cfg = SamplingConfig(**LOOP_SAMPLINGS[sampling])
+    g = torch.Generator().manual_seed(seed)
+    draft_logits, target_logits = (torch.randn(n, vocab, generator=g).to(torch.bfloat16) for n in (k, k + 1))
+    seq = TokenBuffer(torch.tensor([[1, 2, 3]]), 16, None, torch.device("cpu"))
+    with OpCounter() as counter:
+        q = []
+        for i in range(k):  # Drafter.block off a CPU: no read
+            if cfg.greedy:
+                y = argmax(draft_logits[i])
+            else:
+                q.append(warp(draft_logits[i], cfg))
+                y = sample(q[-1], g, check=False)
+            seq.tokens[seq.n + i] = y
+        drafted = Candidates(seq.tokens[seq.n : seq.n + k], q, read=[])
+        if cfg.greedy:  # ExactRule off a CPU
+            n, token = verify(drafted.tokens, None, target_logits, greedy=True, drafts_out=drafted.read)
+        else:
+            p = warp(target_logits, cfg)
+            rows = torch.stack(dense_rows(q)) if q else p.new_zeros((0, vocab))
+            n, token = verify(drafted.tokens, rows, p, g, drafts_out=drafted.read if q else None)
+        seq.commit(n, token, drafted.read)
+    return counter.counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
@@ -68,8 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", help="a folder with draft.json and target.json (Llama configs), random weights")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--loop", action="store_true", help="count a chain round's loop outside the forwards on the "
+                    "CUDA path instead (module docstring)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.loop:
+        return loop_table(args)
     from bench_fast import load  # scripts/ is on a script's path
 
     draft, target, _, pair = load(args, torch.device("cpu"))
@@ -89,6 +136,26 @@ def main(argv=None) -> int:
                   f"{top} |")
             result[f"{role}_w{width}"] = {"layers": layers, "operations": n_all, "launching": n_work,
                                           "by_name": dict(counts)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def loop_table(args) -> int:
+    vocab = 4096  # below TOP_K_MIN_VOCAB: the dense ways (module docstring)
+    print(f"a chain round's loop on the CUDA path, random bf16 logits over {vocab} tokens")
+    print("| sampling | K | operations | views (no kernel) | launching work | most frequent |")
+    print("|---|---|---|---|---|---|")
+    result = {}
+    for sampling in LOOP_SAMPLINGS:
+        for k in (0, 1, 3):
+            counts = count_round_loop(k, sampling, vocab)
+            work = {name: n for name, n in counts.items() if name not in VIEWS}
+            n_work, n_all = sum(work.values()), sum(counts.values())
+            top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
+            print(f"| {sampling} | {k} | {n_all} | {n_all - n_work} | {n_work} | {top} |")
+            result[f"{sampling}_k{k}"] = {"operations": n_all, "launching": n_work, "by_name": dict(counts)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -35,3 +35,24 @@ def test_main_prints_a_row_per_model_and_width(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["draft_w1"]["layers"] == 1 and result["draft_w1"]["by_name"]["mm"] == 7 + 1
     assert result["target_w2"]["layers"] == 2 and result["target_w2"]["by_name"]["mm"] == 2 * 7 + 1
+
+
+def test_a_round_loop_counts_the_cuda_way_and_reads_no_scalar(tmp_path, capsys):
+    """--loop: a chain round's loop on the CUDA path. Each drafted token adds the same operations (greedy:
+    the argmax and its write; sampled: the warp, the draw and its write), sampling costs more than greedy,
+    the dense top-k is the one counted (CUDA's, not the CPU's sparse rows), and no operation reads a
+    scalar to the host one at a time (``item``/``int``: each a synchronisation on CUDA)."""
+    import count_step_ops
+    from count_step_ops import VIEWS, count_round_loop
+
+    work = {(s, k): sum(v for name, v in count_round_loop(k, s, 4096).items() if name not in VIEWS)
+            for s in ("greedy", "sampled") for k in (0, 1, 2, 3)}
+    for s in ("greedy", "sampled"):
+        assert work[(s, 3)] - work[(s, 2)] == work[(s, 2)] - work[(s, 1)] > 0, s
+    assert all(work[("sampled", k)] > work[("greedy", k)] for k in range(4))
+    counts = count_round_loop(3, "sampled", 4096)
+    assert counts["topk"] == 4 and counts["_local_scalar_dense"] == 0  # 3 draft rows, the target's 4 in one
+    out = tmp_path / "loop.json"
+    assert count_step_ops.main(["--loop", "--out", str(out)]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith(("| greedy", "| sampled"))]) == 6
+    assert set(json.loads(out.read_text())) == {f"{s}_k{k}" for s in ("greedy", "sampled") for k in (0, 1, 3)}
