@@ -22,7 +22,8 @@ model and width; ``--out`` writes JSON.
 bf16 model's on CUDA) of 4,096 tokens (below ``TOP_K_MIN_VOCAB``, so that a CPU takes the dense ways
 CUDA takes; the count does not depend on the vocabulary): the drafter's draws (the argmax, or ``warp`` and an unchecked ``sample``) and their
 writes to the token buffer, the exact rule's CUDA branch (``warp`` of the K + 1 target rows, the draft
-rows stacked, ``verify`` reading the drafts with its verdict), and the commit
+rows stacked, ``verify`` drawing the next token's candidate rows and reading them with its verdict and
+the drafts), and the commit
 (:meth:`~specdecpp.decoders.rounds.TokenBuffer.commit`, given the drafts read). On a CPU the engine
 takes other ways for the same verdicts (rows kept sparse, one row at a time), so these calls are
 made here as the CUDA branch makes them (``specdecpp.decoders.rounds.ExactRule``, ``Drafter.block``).

@@ -12,12 +12,13 @@ bonus token is drawn from ``p_{K+1}``. The output then has exactly the target's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .sampling import KeptProbs, argmax, draw_few, draw_token, rows_valid
+from .sampling import INVALID_PROBS, KeptProbs, argmax, draw_few, draw_token, rows_valid
 
 
 def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,9 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     (no token is drawn from p_{K+1}; the next draft block continues from there).
     drafts_out: a list to extend with the K candidates' values, read on the host together with the
     verdict (no read of its own), so that a caller needs no read of the drafts to commit them.
+    Host reads (on CUDA, synchronisations): one, greedy or sampled with a bonus (the next token is
+    drawn before the read, :func:`_verify_in_one_read`); two sampled without a bonus when a row is
+    rejected (the verdict, then the residual's draw).
     """
     k = draft_tokens.shape[0]
     rows = k + 1 if bonus else k
@@ -66,6 +70,8 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
         return 0, draw_token(p[0], generator)
     ratio = acceptance_ratio(p[:k], q, draft_tokens)
     u = torch.rand(k, generator=generator, device=ratio.device)
+    if bonus:  # every row's replacement drawn before the read: one read for the verdict and the next token
+        return _verify_in_one_read(draft_tokens, q, p, ratio, u, generator, drafts_out)
     # accept with probability ratio (u in [0, 1)); read with the check of the draft's rows, which a
     # drafter on CUDA leaves out of its draws (sample(check=False)): one host read for both
     verdict = [u >= ratio, rows_valid(q).reshape(1)]
@@ -81,6 +87,36 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
         return k, draw_token(p[k], generator) if bonus else None
     n = rejected.index(True)
     return n, draw_token(residual(p[n], q[n]), generator)
+
+
+def _verify_in_one_read(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, ratio: torch.Tensor,
+                        u: torch.Tensor, generator: torch.Generator | None,
+                        drafts_out: list | None) -> tuple[int, int]:
+    """:func:`verify`'s sampled rule with a bonus token, read once. The token that follows the verdict is
+    drawn from the residual of the first rejected row or, all accepted, from p_{K+1}: here every one of
+    those K + 1 rows is drawn before the read, all with the one float64 uniform that the chosen row's
+    own draw (:func:`~specdecpp.core.sampling.draw_token`) would take, by the same arithmetic row by
+    row. So the verdict, the token and the generator's state are :func:`verify`'s two-read way's
+    (tests/core/test_sampling.py), and on CUDA a round synchronises once instead of twice."""
+    k = draft_tokens.shape[0]
+    rows = torch.cat([residual(p[:k], q), p[k:]])  # row i < K: the residual of a rejection at i; row K: p_{K+1}
+    cum = rows.to(torch.float64, copy=True).cumsum_(-1)
+    total = cum[:, -1:]
+    ok = (total.squeeze(-1) > 0) & (total.squeeze(-1) < math.inf) & (rows.amin(-1) >= 0)  # each row's draw check
+    shared = torch.rand((1,), generator=generator, dtype=torch.float64, device=rows.device)
+    x = torch.minimum(shared * total, total.nextafter(torch.zeros_like(total)))
+    tokens = torch.searchsorted(cum, x, right=True).squeeze(-1)
+    read = torch.cat([(u >= ratio).long(), rows_valid(q).long().reshape(1), ok.long(), tokens,
+                      draft_tokens.to(rows.device)]).tolist()
+    rejected, q_ok = read[:k], read[k]
+    if not q_ok:
+        raise ValueError("verify: the draft's rows q must be non-negative and finite with a positive sum")
+    if drafts_out is not None:
+        drafts_out.extend(read[3 * k + 3 :])
+    n = next((i for i, r in enumerate(rejected) if r), k)
+    if not read[k + 1 + n]:
+        raise ValueError(INVALID_PROBS)
+    return n, read[2 * k + 2 + n]
 
 
 def _check_rows(name: str, k: int, q_rows: int, p_rows: int, bonus: bool) -> None:

@@ -405,6 +405,35 @@ def test_verify_rows_gives_verify_s_verdict_and_warps_no_row_after_the_first_rej
         verify_rows(torch.tensor([1, 2]), list(q), lambda i: p[i], 2)
 
 
+def test_verify_reads_once_and_draws_what_the_row_by_row_rule_draws():
+    """With a bonus token, verify draws every candidate replacement row (each rejection's residual and
+    p_{K+1}) before its one read, with the single uniform the chosen row's own draw takes: over a large
+    vocabulary, from bf16 logits, it returns the row-by-row rule's verdict and token and leaves the
+    generator in the same state; a chosen row that is no distribution is still sample's ValueError."""
+    from specdecpp.core.sampling import INVALID_PROBS, warp
+
+    cfg = SamplingConfig(temperature=1.0, top_k=50)
+    gen = torch.Generator().manual_seed(21)
+    outcomes = set()
+    for trial in range(120):
+        k = trial % 4 + 1
+        logits = torch.randn(2 * k + 1, 4096, generator=gen).to(torch.bfloat16) * 3
+        q, p = warp(logits[:k], cfg), warp(logits[k:], cfg)
+        if trial % 3 == 0:  # a draft close to the target: more acceptances, the bonus row drawn
+            q = warp(logits[k : 2 * k], cfg)
+        y = sample(q, gen)
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        got = verify(y, q, p, a)
+        assert got == verify_rows(y, list(q), lambda i, p=p: p[i], k + 1, b)
+        assert torch.equal(a.get_state(), b.get_state())
+        outcomes.add(got[0] == k)
+    assert outcomes == {True, False}
+    p, q = _random_dists(2, 6, seed=3)
+    p[2] = float("nan")  # the bonus row, chosen when both candidates are accepted (q = p: ratio 1)
+    with pytest.raises(ValueError, match=INVALID_PROBS.split(":")[0]):
+        verify(torch.tensor([0, 1]), p[:2].clone(), p, torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("shape", [(49152,), (4, 49152), (2, 3, 100), (7,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_argmax_is_the_first_of_ties_as_max_indices(shape, dtype):
