@@ -407,9 +407,10 @@ class BatchRun:
         return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
                                   [self.gens[i] for i in self.rows], self.hooks.draft_logits)
 
-    def verify(self, block: BatchBlock) -> tuple[list[tuple[int, int | None]], float]:
+    def verify(self, block: BatchBlock) -> tuple[list[tuple[int, int | None, list | None]], float]:
         """One target forward over every row's candidates (p_1..p_{K_b+1} per row), then each row's
-        ``(n_accepted, token)`` from the rule with the row's generator; and when they were known."""
+        ``(n_accepted, token, drafts read)`` from the rule with the row's generator (the drafts as the
+        rule read them, :attr:`Candidates.read`, for the commit); and when they were known."""
         live, ks = self.live, block.ks
         chunks = [s.tokens[self.target.lengths[b] : s.n + k] for b, (s, k) in enumerate(zip(live, ks, strict=True))]
         logits = self.target.feed(chunks)[0]
@@ -420,16 +421,19 @@ class BatchRun:
                            [s.tokens for s, k in zip(live, ks, strict=True) for _ in range(k + 1)],
                            [s.n + j for s, k in zip(live, ks, strict=True) for j in range(k + 1)], torch.cat(rows))
             rows = list(done.split([k + 1 for k in ks]))
-        verdicts = [self.rule(self.drafter.candidates(block, live, b), rows[b], self.gens[i])
-                    for b, i in enumerate(self.rows)]
+        verdicts = []
+        for b, i in enumerate(self.rows):
+            candidates = self.drafter.candidates(block, live, b)
+            verdicts.append((*self.rule(candidates, rows[b], self.gens[i]), candidates.read))
         return verdicts, self.marks.now()
 
-    def commit(self, block: BatchBlock, verdicts: list[tuple[int, int | None]], t_verified: float) -> None:
-        """Each row commits its verdict and counts its round; both caches roll back to the commits."""
+    def commit(self, block: BatchBlock, verdicts: list[tuple[int, int | None, list | None]], t_verified: float) -> None:
+        """Each row commits its verdict (without reading its drafts back where the rule read them) and
+        counts its round; both caches roll back to the commits."""
         k_max = max(block.ks)
         self.rounds.append((len(self.rows), k_max, k_max + (block.peeked is not None)))
-        for i, k, (n_acc, token), extra in zip(self.rows, block.ks, verdicts, block.extra_forwards, strict=True):
-            kept = self.seqs[i].commit(n_acc, token)
+        for i, k, (n_acc, token, read), extra in zip(self.rows, block.ks, verdicts, block.extra_forwards, strict=True):
+            kept = self.seqs[i].commit(n_acc, token, read)
             self.stats[i].add_round(k + extra, k, n_acc, k + 1 - kept, block.t1 - block.t0, t_verified - block.t1)
         for runner in self.runners:
             runner.rollback([s.n - 1 for s in self.live])

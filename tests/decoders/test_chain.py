@@ -178,6 +178,33 @@ def test_each_commit_takes_the_drafts_the_rule_read(pair32, monkeypatch, name, s
         assert a.tokens.tolist() == b.tokens.tolist() and a.stats.accept_lengths == b.stats.accept_lengths
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+def test_each_batch_row_commits_the_drafts_its_rule_read(pair32, monkeypatch, sampling):
+    """The batch runner hands each row's commit the drafts its rule read: every commit gets them, they are
+    what the row's buffer holds, and the outputs are those of reading the buffers back."""
+    from specdecpp.decoders.rounds import TokenBuffer
+
+    draft, target = pair32
+    commit, given = TokenBuffer.commit, []
+
+    def checked(self, n_accepted, token, drafted=None):
+        given.append(drafted is not None and drafted[:n_accepted] == self.tokens[self.n : self.n + n_accepted].tolist())
+        return commit(self, n_accepted, token, drafted)
+
+    def unread(self, n_accepted, token, drafted=None):
+        return commit(self, n_accepted, token)
+
+    outs = []
+    for patched in (checked, unread):
+        monkeypatch.setattr(TokenBuffer, "commit", patched)
+        decoder = SpeculativeDecoder(draft, target, FixedK(3), sampling)
+        outs.append(decoder.generate_batch([torch.tensor(p) for p in PROMPTS], 20, eos_token_id=5, batch_size=2,
+                                           generators=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))]))
+    assert given and all(given)
+    for a, b in zip(*outs, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.stats.accept_lengths == b.stats.accept_lengths
+
+
 def test_stats_are_consistent(pair32):
     draft, target = pair32
     decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=1.0))
