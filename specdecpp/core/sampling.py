@@ -248,10 +248,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check:
     per draw; :func:`draw_token` and :func:`rows_valid` fold it into a read the caller makes anyway):
     the draw is the same for valid rows, and an invalid row still gives an id below V.
     """
-    token, valid = _draw(probs, generator, check)
+    token, ok = _draw(probs, generator, check)
     if not check:
         return token.clamp_max_(probs.shape[-1] - 1)  # for valid rows a no-op
-    if not bool(valid):
+    if not bool(ok.all()):
         raise ValueError(INVALID_PROBS)
     return token
 
@@ -259,43 +259,52 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check:
 INVALID_PROBS = "sample: every row of probs must be non-negative and finite with a positive sum"
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None,
-          check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`sample`'s draw and whether every row was valid (a 0-d bool tensor, not read here; None
-    without ``check``: its eight operations are kernels on CUDA, for a check nobody reads)."""
+def _draw(probs: torch.Tensor, generator: torch.Generator | None, check: bool = True,
+          one_uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sample`'s draw and each row's check (:func:`_rows_ok`, a bool tensor [...], not read
+    here; None without ``check``: its operations are kernels on CUDA, for a check nobody reads).
+    ``one_uniform``: every row drawn with the same single uniform (:func:`draw_each`)."""
     if probs.dim() == 0 or probs.shape[-1] == 0:
         raise ValueError(f"sample: probs must be [..., V] with V >= 1, got shape {tuple(probs.shape)}")
     cum = probs.to(torch.float64, copy=True).cumsum_(-1)  # in place: 4-10x faster than cumsum for several rows
     total = cum[..., -1:]
-    valid = _valid(total, probs) if check else None
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    ok = _rows_ok(total[..., 0], probs) if check else None
+    u = torch.rand((1,) if one_uniform else total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cum, x, right=True).squeeze(-1), valid
+    return torch.searchsorted(cum, x, right=True).squeeze(-1), ok
 
 
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """``int(sample(probs, generator))`` for one row [V], its check and the token read together: one
     host read (on CUDA one synchronisation, where ``int(sample(...))`` makes two). The same token and
     the same ValueError."""
-    token, valid = _draw(probs, generator)
-    value, ok = torch.stack([token.reshape(()), valid.long()]).tolist()
-    if not ok:
+    token, ok = _draw(probs, generator)
+    value, valid = torch.stack([token.reshape(()), ok.long()]).tolist()
+    if not valid:
         raise ValueError(INVALID_PROBS)
     return value
+
+
+def draw_each(rows: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token from each row of ``rows`` [R, V], every one drawn with the one float64 uniform that a
+    single row's draw (:func:`draw_token`) takes, and each row's check (bool [R]); nothing is read.
+    The row a caller then picks gives the token, and leaves the generator in the state, that
+    ``draw_token`` of that row alone would (the verification's one-read rule, core/verify.py)."""
+    return _draw(rows, generator, one_uniform=True)
 
 
 def rows_valid(probs: torch.Tensor) -> torch.Tensor:
     """Whether every row of ``probs`` [..., V] is what :func:`sample` draws from (non-negative, finite,
     a positive sum), as a 0-d bool tensor for a caller to read with other values: the check a
     ``sample(..., check=False)`` of these rows left out."""
-    return _valid(probs.sum(-1, dtype=torch.float64), probs)
+    return _rows_ok(probs.sum(-1, dtype=torch.float64), probs).all()
 
 
-def _valid(total: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Every row total positive and finite, every entry non-negative (a 0-d bool tensor). ``0 < total <
-    inf`` is ``total > 0 and isfinite(total)`` (a NaN fails both comparisons) in two operations where
-    ``isfinite`` takes four (kernels on CUDA)."""
-    return ((total > 0) & (total < math.inf)).all() & (probs.amin() >= 0)
+def _rows_ok(total: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Whether each row of ``probs`` [..., V] (row totals ``total`` [...]) has a positive, finite total
+    and no negative entry (bool [...]). ``0 < total < inf`` is ``total > 0 and isfinite(total)`` (a NaN
+    fails both comparisons) in two operations where ``isfinite`` takes four (kernels on CUDA)."""
+    return (total > 0) & (total < math.inf) & (probs.amin(-1) >= 0)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,13 +12,14 @@ bonus token is drawn from ``p_{K+1}``. The output then has exactly the target's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .sampling import INVALID_PROBS, KeptProbs, argmax, draw_few, draw_token, rows_valid
+from .sampling import INVALID_PROBS, KeptProbs, argmax, draw_each, draw_few, draw_token, rows_valid
+
+INVALID_Q = "verify: the draft's rows q must be non-negative and finite with a positive sum"
 
 
 def acceptance_ratio(p_i: torch.Tensor, q_i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
         rejected, q_ok = [bool(r) for r in read[:k]], read[k]
         drafts_out.extend(read[k + 1 :])
     if not q_ok:
-        raise ValueError("verify: the draft's rows q must be non-negative and finite with a positive sum")
+        raise ValueError(INVALID_Q)
     if True not in rejected:
         return k, draw_token(p[k], generator) if bonus else None
     n = rejected.index(True)
@@ -100,17 +101,12 @@ def _verify_in_one_read(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Te
     (tests/core/test_sampling.py), and on CUDA a round synchronises once instead of twice."""
     k = draft_tokens.shape[0]
     rows = torch.cat([residual(p[:k], q), p[k:]])  # row i < K: the residual of a rejection at i; row K: p_{K+1}
-    cum = rows.to(torch.float64, copy=True).cumsum_(-1)
-    total = cum[:, -1:]
-    ok = (total.squeeze(-1) > 0) & (total.squeeze(-1) < math.inf) & (rows.amin(-1) >= 0)  # each row's draw check
-    shared = torch.rand((1,), generator=generator, dtype=torch.float64, device=rows.device)
-    x = torch.minimum(shared * total, total.nextafter(torch.zeros_like(total)))
-    tokens = torch.searchsorted(cum, x, right=True).squeeze(-1)
+    tokens, ok = draw_each(rows, generator)
     read = torch.cat([(u >= ratio).long(), rows_valid(q).long().reshape(1), ok.long(), tokens,
                       draft_tokens.to(rows.device)]).tolist()
     rejected, q_ok = read[:k], read[k]
     if not q_ok:
-        raise ValueError("verify: the draft's rows q must be non-negative and finite with a positive sum")
+        raise ValueError(INVALID_Q)
     if drafts_out is not None:
         drafts_out.extend(read[3 * k + 3 :])
     n = next((i for i, r in enumerate(rejected) if r), k)
