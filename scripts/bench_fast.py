@@ -203,6 +203,8 @@ def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
             s = out.stats
             rows[key].append({"prompt_id": str(j), "timed": True, "n_generated": s.n_generated,
                               "wall_time_s": s.wall_time_s, "rounds": len(s.accept_lengths),
+                              "first_round_s": s.first_round_s, "candidate_lengths": s.candidate_lengths,
+                              "draft_forwards": s.n_draft_calls, "replayed_rounds": s.replayed_rounds,
                               "tokens": out.tokens[0, prompt.shape[1]:].tolist()})
     return rows
 
@@ -223,10 +225,39 @@ def breakdown_apart(args, device: torch.device) -> bool:
                                                                      and device.type == "cuda"))
 
 
-def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered: dict | None = None) -> dict:
+def after_first(rows: list[dict], times: dict) -> dict:
+    """The rounds after each call's first (the first holds the prefill): ms per round, what the
+    forwards alone take per round by ``times`` ({"target": {width: s}, "draft": {width: s}}, as
+    measured: a round of K candidates costs t_target at the smallest measured width >= K + 1 (the
+    widest measured beyond it) and K draft forwards of one token, a replayed round's first of two
+    tokens), and the share of the rounds' time outside the forwards (``outside_share_est``)."""
+    target = {int(w): t for w, t in times["target"].items()}
+    draft = {int(w): t for w, t in times["draft"].items()}
+    t_target = [target[w] for w in sorted(target)]
+    wall = forwards = 0.0
+    rounds = 0
+    for r in rows:
+        later = r["candidate_lengths"][1:]
+        rounds += len(later)
+        wall += r["wall_time_s"] - r["first_round_s"]
+        forwards += sum(next((target[w] for w in sorted(target) if w >= k + 1), t_target[-1]) for k in later)
+        drafted = r["draft_forwards"] - r["candidate_lengths"][0] if r["candidate_lengths"] else 0
+        replayed_drafting = r["replayed_rounds"] if r["draft_forwards"] else 0  # target-only replays draft nothing
+        forwards += drafted * draft[1] + replayed_drafting * (draft.get(2, draft[1]) - draft[1])
+    if not rounds:
+        return {}
+    return {"ms_per_round": 1e3 * wall / rounds, "forwards_ms_per_round_est": 1e3 * forwards / rounds,
+            "outside_share_est": 1 - forwards / wall if wall > 0 else None,
+            "replayed_rounds": sum(r["replayed_rounds"] for r in rows)}
+
+
+def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered: dict | None = None,
+              forwards: dict | None = None) -> dict:
     """Per method: tokens/s and ms per round of ``rows`` (the timed pass), the ratios with their
     intervals, whether eager and fast gave the same tokens, and, where ``meters`` has the method, the
-    breakdown of ``metered`` (the pass the meters timed: ``rows`` unless the breakdown ran apart)."""
+    breakdown of ``metered`` (the pass the meters timed: ``rows`` unless the breakdown ran apart);
+    with ``forwards`` (the measured forwards by backend), the rounds after the first against what
+    their forwards alone take (:func:`after_first`)."""
     out, meters, metered = {}, meters or {}, metered or rows
     for name in names:
         eager, quick = rows[(name, None)], rows[(name, fast)]
@@ -235,7 +266,8 @@ def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered:
             **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
                          / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs),
                          **({"breakdown": breakdown(meters[(name, b)], metered[(name, b)])}
-                            if (name, b) in meters else {})}
+                            if (name, b) in meters else {}),
+                         **({"after_first": after_first(rs, forwards[backend])} if forwards else {})}
                for backend, b, rs in (("eager", None, eager), ("fast", fast, quick))},
             "fast_over_eager": ratio(quick, eager),
             "eager_over_target_only": ratio(eager, rows[("target_only", None)]),
@@ -369,8 +401,26 @@ def table(result: dict) -> str:
     comp = result["compile_seconds"]
     lines += ["", f"Compile time (not in any timing above): {sum(comp.values()):.1f} s" + (
         " (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")" if comp else "")]
+    if any("after_first" in m["fast"] for m in result["methods"].values()):
+        lines += ["", after_first_table(result)]
     if any("breakdown" in m["fast"] for m in result["methods"].values()):
         lines += ["", breakdown_table(result)]
+    return "\n".join(lines)
+
+
+def after_first_table(result: dict) -> str:
+    """The rounds after each call's first, unmetered, against the forwards alone (:func:`after_first`)."""
+    lines = [f"## Outside the forwards (timed pass; rounds after each call's first; capture_rounds="
+             f"{result.get('capture_rounds', True)})", "",
+             "| method | backend | ms/round | forwards alone (est.) ms | outside the forwards | rounds replayed |",
+             "|---|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        for backend in ("eager", "fast"):
+            a = m[backend].get("after_first")
+            if a:
+                share = a["outside_share_est"]
+                lines.append(f"| {name} | {backend} | {a['ms_per_round']:.3f} | {a['forwards_ms_per_round_est']:.3f} | "
+                             f"{'n/a' if share is None else f'{100 * share:.1f}%'} | {a['replayed_rounds']} |")
     return "\n".join(lines)
 
 
@@ -510,6 +560,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
                     help="with --breakdown: one more fast call per method under cProfile, its N functions of "
                     "most own time")
+    ap.add_argument("--no-capture-rounds", action="store_true", help="on the graph backends, replay each forward "
+                    "but not whole rounds (specdecpp/decoders/captured.py)")
     ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
     ap.add_argument("--out", type=Path, help="write everything measured as JSON here")
     args = ap.parse_args(argv)
@@ -551,7 +603,8 @@ def main(argv=None) -> int:
     context = torch.cat([ids[0][0], torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(1))
                          .to(device)])[: args.context][None]
     models = {"target": target, "draft": draft, "target+fast": target, "draft+fast": draft}
-    timed = step_times(models, context, args.repeats, {"target": list(WIDTHS), "target+fast": list(WIDTHS)},
+    timed = step_times(models, context, args.repeats, {"target": list(WIDTHS), "target+fast": list(WIDTHS),
+                                                       "draft": [2], "draft+fast": [2]},
                        {"target+fast": args.fast, "draft+fast": args.fast})
     forwards = {backend: {role: {str(n): t for n, t in timed[role + suffix].items()} for role in ("target", "draft")}
                 for backend, suffix in (("eager", ""), ("fast", "+fast"))}
@@ -567,7 +620,8 @@ def main(argv=None) -> int:
 
     policies = methods(args, draft)
     sampling = SAMPLINGS[args.sampling]
-    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, sampling, fast=backend)
+    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, sampling, fast=backend,
+                                                    capture_rounds=not args.no_capture_rounds)
                 for name, policy in policies.items() for backend in (None, args.fast)}
     longest = max(p.shape[1] for p in ids)
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
@@ -590,7 +644,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         metered_rows = decode_all(decoders, ids, args, eos)
         print(f"decoded again under the breakdown's meters in {time.perf_counter() - t0:.0f} s", flush=True)
-    summary = summarize(rows, policies, args.fast, meters, metered_rows)  # before the profiled calls add to the meters
+    summary = summarize(rows, policies, args.fast, meters, metered_rows,  # before the profiled calls add to the meters
+                        forwards)
     profiled = {name: profile_outside(decoders[(name, args.fast)], ids[0], args, eos, args.profile_outside)
                 for name in policies} if args.profile_outside else None
 
@@ -600,6 +655,7 @@ def main(argv=None) -> int:
               "bandwidth_mb": mb, "forwards": forwards, "floor": floor,
               "methods": summary, "profile_outside": profiled,
               "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
+              "capture_rounds": not args.no_capture_rounds,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
     return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
 

@@ -25,6 +25,10 @@
 #   fast-compile-graphs  fast="compile-graphs" (each bucket compiled by inductor, then captured): its CUDA tests
 #            (test_graphs.py's, and the greedy and same-seed exactness twins), then scripts/bench_fast.py --random
 #            --fast compile-graphs (JSON in $LOGS/bench_fast_compile_graphs_cuda.json); each at most 4 min
+#   rounds   captured rounds (a fixed-K or target-only round as one CUDA graph, specdecpp/decoders/captured.py): their
+#            CUDA tests with the host reads and the graphs twins of target-only and fixed K, then scripts/bench_fast.py
+#            --random on $ROUNDS_BACKEND (graphs) greedy and sampled, rounds captured and (--no-capture-rounds) per
+#            forward; JSON in $LOGS/bench_rounds_*_cuda.json
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
 #            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
 #            --breakdown (the loop's share of a round, from a second, metered pass); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
@@ -113,6 +117,22 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${FAST_CG_BENCH_TIMEOUT:-240} run fast-bench-compile-graphs $PY scripts/bench_fast.py --random \
             --device cuda --fast compile-graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 \
             --repeats 20 --out "$LOGS/bench_fast_compile_graphs_cuda.json" ;;
+    rounds)  # captured rounds (specdecpp/decoders/captured.py): their CUDA tests, then each round as one graph against per forward
+        workers=()
+        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -p no:cacheprovider \
+            "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
+            tests/models/test_graphs.py tests/decoders/test_exactness.py \
+            -k "captured or replay or reads or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))"
+        for mode in captured per-forward; do
+            for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do
+                STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-150} run "rounds-bench-$mode-$sampling" $PY scripts/bench_fast.py \
+                    --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" --prompts "${FAST_PROMPTS:-4}" \
+                    --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" \
+                    $([ "$mode" = per-forward ] && echo --no-capture-rounds) \
+                    --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${mode}_${sampling}_cuda.json"
+            done
+        done ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
         for sampling in greedy paper; do
             STAGE_TIMEOUT=${FAST_PAIR_TIMEOUT:-280} run "fast-pair-$sampling" $PY scripts/bench_fast.py --device cuda \

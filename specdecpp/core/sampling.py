@@ -270,8 +270,24 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None, check: bool = 
     total = cum[..., -1:]
     ok = _rows_ok(total[..., 0], probs) if check else None
     u = torch.rand((1,) if one_uniform else total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    return _inverse_cdf(cum, total, u), ok
+
+
+def _inverse_cdf(cum: torch.Tensor, total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative mass ``cum`` [..., V] exceeds ``u * total`` (``total`` [..., 1],
+    ``u`` float64 uniforms broadcast to it), the draw clamped below the total."""
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cum, x, right=True).squeeze(-1), ok
+    return torch.searchsorted(cum, x, right=True).squeeze(-1)
+
+
+def draw_with(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample`'s draw of each row of ``probs`` [..., V] with given float64 uniforms ``u``
+    (broadcast to [..., 1]), and each row's check (bool [...]); nothing is read and no generator is
+    touched, so a CUDA graph can hold it (a captured round draws its uniforms before the replay,
+    specdecpp/decoders/captured.py). An invalid row still gives an id below V."""
+    cum = probs.to(torch.float64, copy=True).cumsum_(-1)
+    total = cum[..., -1:]
+    return _inverse_cdf(cum, total, u).clamp_max_(probs.shape[-1] - 1), _rows_ok(total[..., 0], probs)
 
 
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -13,6 +13,7 @@ from ..models.reduced_vocab import output_vocab_size
 from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
+from .captured import replayable, round_candidates, round_graph
 from .cascade import Cascade, CascadeRule
 from .rounds import (
     CallHooks,
@@ -37,7 +38,8 @@ class SpeculativeDecoder(FastPlanned):
     """
 
     def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None,
-                 profile: bool = False, cascade: Cascade | None = None, fast: str | None = None) -> None:
+                 profile: bool = False, cascade: Cascade | None = None, fast: str | None = None,
+                 capture_rounds: bool = True) -> None:
         """``profile=True`` synchronises CUDA around every round's draft and target phases so that
         ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
         the wall time and reports those two as NaN (on CPU they are measured either way).
@@ -51,7 +53,9 @@ class SpeculativeDecoder(FastPlanned):
         bucket (``specdecpp.models.static``, docs/engine.md "The fast path"). Sampling, the rule,
         the commit and the policy run outside the compiled forwards either way, so the output is
         the same; in ``generate_batch`` too (a static cache of per-row lengths, forwards padded to
-        (batch, width) buckets)."""
+        (batch, width) buckets). ``"graphs"`` / ``"compile-graphs"`` (CUDA): each bucket's forward a
+        CUDA graph, and under fixed K or target-only each whole round one graph
+        (``capture_rounds``; specdecpp/decoders/captured.py)."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
@@ -61,6 +65,7 @@ class SpeculativeDecoder(FastPlanned):
         self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
         self.runners = CallRunners(self.fast, (draft, target))
         self.cascade = cascade
+        self.capture_rounds = bool(capture_rounds)
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
@@ -84,11 +89,27 @@ class SpeculativeDecoder(FastPlanned):
                           runners=self.runners(tokens, plan[0][1]))
         target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
         stats = RunStats()
+        k_round = round_candidates(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks,
+                                   plan[1][1])
+        graph = None
         t_start = clock.now()
 
         with drafter:
             while not seq.finished:
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
+                if k_round is not None and replayable(seq, k_round, drafter.runner, target):  # one captured round
+                    if graph is None:
+                        graph = round_graph(drafter.runner, target, k_round, self.sampling, self.vocab, seq)
+                    n_acc, token, drafts = graph.run(seq, gen)
+                    kept = seq.commit(n_acc, token, drafts, written=True)
+                    target.cache.length = seq.n - 1  # the replay fed up to n + K - 1; the host sets what is kept
+                    if k_round:
+                        drafter.runner.cache.length = min(n + k_round - 1, seq.n - 1)
+                    stats.add_round(k_round, k_round, n_acc, k_round + 1 - kept, 0.0, 0.0)
+                    stats.replayed_rounds += 1
+                    if stats.n_target_calls == 1:  # a prompt of one token: the target-only prefill is a replay
+                        stats.first_round_s = clock.now() - t_start
+                    continue
                 block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen,
                                       generated=n - seq.prompt_len, process=process.draft_logits)
                 k = block.k
@@ -102,8 +123,10 @@ class SpeculativeDecoder(FastPlanned):
                 drafter.runner.rollback(seq.n - 1)
                 stats.add_round(k + block.extra_forwards, k, n_acc, k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
                                 block.t1 - block.t0, t_verified - block.t1)
+                if stats.n_target_calls == 1:  # the rule has read on the host: on CUDA this waits for nothing more
+                    stats.first_round_s = clock.now() - t_start
 
-        if not marks.exact:
+        if not marks.exact or stats.replayed_rounds:  # a captured round's draft and target times are not apart
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
 

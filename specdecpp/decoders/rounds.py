@@ -258,15 +258,18 @@ class TokenBuffer:
         """Tokens that may still be committed."""
         return self.end - self.n
 
-    def commit(self, n_accepted: int, token: int | None, drafted: list[int] | None = None) -> int:
+    def commit(self, n_accepted: int, token: int | None, drafted: list[int] | None = None, written: bool = False) -> int:
         """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
         from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS,
         or after the first prefix the ``stop`` hook ends, is cut and ends the sequence. Returns how
         many tokens were kept (told to the ``committed`` hook). ``drafted``: the drafts' values as
         the rule read them (:attr:`Candidates.read`), at least ``n_accepted`` of them; then the
-        buffer is not read back (on CUDA a synchronisation saved), else it is."""
-        if token is not None:
-            self.tokens[self.n + n_accepted] = token
+        buffer is not read back (on CUDA a synchronisation saved), else it is. ``written``: the buffer
+        holds ``token`` already (a captured round wrote it). The token is written by a fill (on CUDA a
+        kernel with the value as its argument): an assignment of a Python int copies a host tensor to
+        the device, which waits for the stream (a synchronisation per round)."""
+        if token is not None and not written:
+            self.tokens.narrow(0, self.n + n_accepted, 1).fill_(token)
         if drafted is not None and len(drafted) >= n_accepted:
             new = [*drafted[:n_accepted], *(() if token is None else (token,))]
         else:
@@ -341,6 +344,8 @@ class RunStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
+    replayed_rounds: int = 0  # rounds replayed as one CUDA graph (specdecpp/decoders/captured.py)
+    first_round_s: float = float("nan")  # the first round's wall time, the prefill's forwards included (chain decoders)
 
     @property
     def discard_rate(self) -> float:

@@ -550,6 +550,7 @@ class GraphSet:
         self.keys, self.values = kv_buffers(config, rows, size, dtype, device)
         self.rows, self.size = rows, size
         self.graphs: dict = {}
+        self.rounds: dict = {}  # a target's set: the captured rounds over it (specdecpp/decoders/captured.py)
         self.pool = None  # torch.cuda.graph_pool_handle(), taken at the first capture
         self.owner = None  # weakref to the runner that holds the set
 
@@ -725,13 +726,7 @@ class StaticRunner(StaticModel):
         padding rows only themselves, nobody a slot at or above length + n otherwise."""
         start, device = self.length, self.cache.keys[0].device
         if allowed is None:
-            size = self.cache.size
-            causal = self.steps.causal.get((size, self.dtype, device))
-            if causal is None:
-                seen = torch.ones(size, size, dtype=torch.bool, device=device).tril_()
-                causal = torch.zeros(size, size, dtype=self.dtype, device=device).masked_fill_(~seen, self.mask_min)
-                self.steps.causal[(size, self.dtype, device)] = causal
-            return causal[start : start + width][None, None]
+            return self.causal_mask()[start : start + width][None, None]
         grid = torch.zeros(width, self.cache.size, dtype=torch.bool, device=device)
         if allowed.shape != (n, start + n):
             raise ValueError(f"attention_mask must be [n, cached + n] = [{n}, {start + n}], got {tuple(allowed.shape)}")
@@ -741,6 +736,17 @@ class StaticRunner(StaticModel):
         mask = torch.zeros(grid.shape, dtype=self.cache.keys[0].dtype, device=device)
         return mask.masked_fill_(~grid, self.mask_min)[None, None]
 
+    def causal_mask(self) -> torch.Tensor:
+        """The additive causal mask [size, size] of this cache's size, one per (size, dtype, device)
+        kept for the process: row i sees the slots up to i."""
+        size, device = self.cache.size, self.cache.keys[0].device
+        causal = self.steps.causal.get((size, self.dtype, device))
+        if causal is None:
+            seen = torch.ones(size, size, dtype=torch.bool, device=device).tril_()
+            causal = torch.zeros(size, size, dtype=self.dtype, device=device).masked_fill_(~seen, self.mask_min)
+            self.steps.causal[(size, self.dtype, device)] = causal
+        return causal
+
     def _step(self, width: int):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
         if self.fast not in BUCKETED_BACKENDS or width not in self.buckets:
@@ -748,14 +754,38 @@ class StaticRunner(StaticModel):
         graph_step = self._graph_steps.get(width)
         if graph_step is not None:
             return graph_step
-        key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
-        step = static_step
-        if self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
-            step = compiled_step(self.model, static_step, key, name, self.steps, self.compile_options)
+        step = self.plain_step(width)
         if self.fast in GRAPH_BACKENDS:  # one callable per bucket (as the compiled steps: meters key on it)
+            key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
             step = self._graph_steps[width] = functools.partial(self.graph_set.run, self.steps, (self.fast, *key), name,
                                                                 step)
         return step
+
+    def plain_step(self, width: int):
+        """A bucket's step as a graph captures it: the compiled step under ``"compile"`` and
+        ``"compile-graphs"``, else the eager :func:`static_step`."""
+        if self.fast not in ("compile", "compile-graphs") or width not in self.buckets:
+            return static_step
+        key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
+        return compiled_step(self.model, static_step, key, name, self.steps, self.compile_options)
+
+    def forward_at(self, width: int):
+        """A chain forward of one bucket's width, as a captured round runs it
+        (specdecpp/decoders/captured.py): a callable ``(ids [width], start) -> (logits [width, V], hidden
+        [width, H])`` writing slots ``start`` .. ``start + width - 1``, ``start`` a 0-d long tensor on the
+        device, so nothing is read on the host; ``length`` is left to the caller. It holds this
+        runner's buffers (under the graph backends, its leased set's) and no reference to the runner."""
+        if width not in self.buckets:
+            raise ValueError(f"forward_at: width {width} is not one of the buckets {self.buckets}")
+        cache = StaticKV(self.model.config, self.cache.size, self.dtype, self.device, (self.cache.keys, self.cache.values))
+        fixed, step, causal = (self.decoder, self.head, self.cache_arg, cache), self.plain_step(width), self.causal_mask()
+
+        def forward(ids: torch.Tensor, start: torch.Tensor):
+            offsets = torch.arange(width, device=ids.device)
+            slots, positions = start + offsets, start + offsets  # two tensors (an alias would be another graph)
+            return step(*fixed, ids, positions, slots, causal.index_select(0, slots)[None, None])
+
+        return forward
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached): a position move."""

@@ -57,3 +57,26 @@ def test_a_round_reads_once_in_the_rule_and_never_while_drafting_or_committing(f
         assert drafting == [], drafting
         assert [s for s in syncs if "commit" in s] == []
         assert len(in_rule) <= rounds, (len(in_rule), rounds, in_rule[:4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, top_k=10)],
+                         ids=["greedy", "T1-top10"])
+def test_a_replayed_round_reads_once(sampling):
+    """fast='graphs' under fixed K and target-only: each round after the prefill's is one captured
+    graph (specdecpp/decoders/captured.py), after which the host reads one tensor, and nothing else
+    in the call reads more than the rounds do."""
+    target = tiny_lm(64, 32, 2, seed=5, scale=0.4)
+    draft = noisy_copy(target, 0.3, seed=6).cuda()
+    target = target.cuda()
+    for policy in (FixedK(3), TargetOnly()):
+        decoder = SpeculativeDecoder(draft, target, policy, sampling, fast="graphs")
+        prompt = torch.tensor([[1, 2, 3]], device="cuda")
+        decoder.warm_up(3, 24)  # every bucket captured (a capture synchronises), then the round graph:
+        decoder.generate(prompt, 8, torch.Generator().manual_seed(0))
+        out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
+        replayed = [s for s in syncs if s[-2:] == ["generate", "run"]]  # RoundGraph.run's read (the outer "run": decoding's)
+        assert out.stats.replayed_rounds >= 4
+        assert len(replayed) == out.stats.replayed_rounds, (len(replayed), out.stats)
+        rounds = [s for s in syncs if s[-1] != "now"]  # the call's clock synchronises at its start, first round and end
+        assert len(rounds) <= len(out.stats.accept_lengths), rounds

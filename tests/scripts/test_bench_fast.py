@@ -47,6 +47,10 @@ def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
         assert m["eager"]["n_generated"] == m["fast"]["n_generated"] == 16
         assert m["fast_over_eager"]["ratio"] > 0 and len(m["fast_over_eager"]["ci95"]) == 2
         assert m["eager"]["ms_per_round"] > 0
+        for backend in ("eager", "fast"):
+            a = m[backend]["after_first"]
+            assert a["ms_per_round"] > 0 and a["forwards_ms_per_round_est"] > 0 and a["replayed_rounds"] == 0
+    assert "Outside the forwards" in printed
     assert result["compile_seconds"] == {}  # static: nothing compiled
     with pytest.raises(SystemExit):
         bench_fast.main(["--random", "--configs", str(tmp_path)])
@@ -132,3 +136,24 @@ def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "compile"])
     assert "--fast takes one backend" in capsys.readouterr().err
+
+
+def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards():
+    """Two calls' rows by hand: the first round of each is left out, a round of K candidates costs
+    t_target at the smallest measured width >= K + 1 (the widest beyond) plus K one-token draft
+    forwards, and a replayed round's first draft forward is a two-token one (a target-only
+    replay drafts nothing)."""
+    import bench_fast
+
+    times = {"target": {"1": 0.010, "2": 0.012, "4": 0.016}, "draft": {"1": 0.001, "2": 0.0015}}
+    rows = [{"wall_time_s": 0.5, "first_round_s": 0.1, "candidate_lengths": [3, 3, 1, 6], "draft_forwards": 13,
+             "replayed_rounds": 2},
+            {"wall_time_s": 0.2, "first_round_s": 0.05, "candidate_lengths": [0, 0], "draft_forwards": 0,
+             "replayed_rounds": 1}]
+    a = bench_fast.after_first(rows, times)
+    forwards = (0.016 + 0.012 + 0.016) + 10 * 0.001 + 2 * 0.0005 + 0.010  # K = 3, 1, 6 (width 7: the widest), then K = 0
+    assert a["ms_per_round"] == pytest.approx(1e3 * (0.4 + 0.15) / 4)
+    assert a["forwards_ms_per_round_est"] == pytest.approx(1e3 * forwards / 4)
+    assert a["outside_share_est"] == pytest.approx(1 - forwards / 0.55)
+    assert a["replayed_rounds"] == 3
+    assert bench_fast.after_first([{**rows[1], "candidate_lengths": [0]}], times) == {}

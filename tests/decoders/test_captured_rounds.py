@@ -1,0 +1,142 @@
+"""Captured rounds (specdecpp/decoders/captured.py): under fast='graphs' a fixed-K or target-only round
+is one CUDA graph. On the CPU the graph is tests/models/test_graphs.py's fake (every replay reruns the
+captured function and rewrites its outputs in place); on CUDA (``gpu``) the real capture. The rounds
+must be exact by the same tests as every decoder: greedy output equals the target's own, sampled
+output has the target's exact distribution (chi-square against enumeration, EOS included), the same
+seed gives the same output, and the caches after many replayed rounds equal a fresh prefill. Rounds
+are replayed (counted), each round graph is captured once, and the rounds that must not be captured
+(adaptive policies, logits hooks, profile, capture_rounds=False) are not."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly
+from specdecpp.decoders.rounds import CallHooks
+from specdecpp.models.static import model_steps
+from tests.decoders.test_exactness import PROMPT, _pair6, assert_cache_is_fresh_prefill
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
+from tests.helpers.tiny import noisy_copy, tiny_lm
+from tests.models.test_graphs import graphs_on  # noqa: F401  (a fixture)
+
+DEVICES = [pytest.param("cpu", id="cpu-fake"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+POLICIES = [pytest.param(lambda: TargetOnly(), id="target_only"), pytest.param(lambda: FixedK(1), id="k1"),
+            pytest.param(lambda: FixedK(3), id="k3")]
+
+
+def pair32(device: str):
+    target = tiny_lm(32, 32, 2, seed=5, scale=0.4)
+    draft = noisy_copy(target, 0.1, seed=6)  # close enough that whole blocks are accepted too
+    return draft.to(device), target.to(device), target
+
+
+def rounds_captured(model) -> list:
+    return [k for k in model_steps(model).capture_seconds if k[0] == "round"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replayed_rounds_equal_target_greedy_and_capture_once(graphs_on, device, policy):  # noqa: F811
+    graphs_on(device)
+    draft, target, cpu_target = pair32(device)
+    decoder = SpeculativeDecoder(draft, target, policy(), SamplingConfig(temperature=0), fast="graphs")
+    accepted, captured = [], []
+    for _ in range(2):
+        for prompt, n, eos in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21), (None, 9)):
+            ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=0)[0].tolist()
+            if eos in ref[len(prompt):]:
+                ref = ref[: ref.index(eos, len(prompt)) + 1]
+            out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n, eos_token_id=eos)
+            assert out.tokens[0].cpu().tolist() == ref, (prompt, n, eos)
+            rounds = len(out.stats.accept_lengths)
+            if n == 21 and eos is None:  # after the prefill's round every round fits until the last K
+                assert out.stats.replayed_rounds >= rounds - 1 - decoder.policy.max_candidates, out.stats
+            accepted += [a for a, c in zip(out.stats.accept_lengths, out.stats.candidate_lengths, strict=True) if c]
+        captured.append(list(rounds_captured(target)))
+    assert len(captured[0]) == 1 and captured[1] == captured[0]  # one round graph, captured once
+    if decoder.policy.max_candidates:
+        assert 0 in accepted and decoder.policy.max_candidates in accepted  # rejections and full blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replayed_rounds_same_seed_same_output(graphs_on, device, policy):  # noqa: F811
+    graphs_on(device)
+    draft, target, _ = pair32(device)
+    decoder = SpeculativeDecoder(draft, target, policy(), SamplingConfig(temperature=1.0, top_k=10), fast="graphs")
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]], device=device), 24, generator=torch.Generator().manual_seed(seed))
+        assert out.stats.replayed_rounds >= len(out.stats.accept_lengths) // 2 > 0
+        return out.tokens.tolist(), out.stats.accept_lengths
+
+    first = run(0)
+    assert run(0) == first and run(1) != first
+
+
+SAMPLINGS = [pytest.param(SamplingConfig(temperature=1.0), None, id="T1"),
+             pytest.param(SamplingConfig(temperature=0.8, top_k=3), 2, id="T0.8-top3-eos2")]
+
+
+@pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
+    POLICIES, SAMPLINGS, DEVICES, fast={"k3-T1", "k1-T0.8-top3-eos2", "target_only-T1"}))
+def test_replayed_rounds_have_the_target_distribution(graphs_on, policy, sampling, eos, device):  # noqa: F811
+    """The first 3 tokens of 6 generated follow the target's exact warped distribution. A prompt of 2
+    tokens makes the call's first round the prefill's; the rounds after it are replays, some of
+    whose tokens fall in the window (K=3: the first round commits at most 4)."""
+    graphs_on(device)
+    draft, target = _pair6()
+    expected = exact_distribution(target, PROMPT, 3, sampling, eos)
+    decoder = SpeculativeDecoder(draft.to(device), copy.deepcopy(target).to(device), policy(), sampling, fast="graphs")
+    g = torch.Generator().manual_seed(1234)
+    seqs, replayed, accepted = [], 0, 0
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos, max_new_tokens=6)
+        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()))
+        replayed += out.stats.replayed_rounds
+        accepted += sum(out.stats.accept_lengths)
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    assert replayed > 600
+    if decoder.policy.max_candidates:
+        assert accepted > 300
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+def test_caches_after_replayed_rounds_equal_fresh_prefill(graphs_on, device, sampling):  # noqa: F811
+    graphs_on(device)
+    draft, target, _ = pair32(device)
+    decoder = SpeculativeDecoder(draft, target, FixedK(3), sampling, fast="graphs")
+    out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40, generator=torch.Generator().manual_seed(3),
+                           return_caches=True)
+    tokens, s = out.tokens[0], out.stats
+    assert s.replayed_rounds > 5 and min(s.accept_lengths) < 3  # replays with rejections
+    for role, model in (("target", target), ("draft", draft)):
+        cache = out.caches[role]
+        length = cache.get_seq_length()
+        assert length == len(tokens) - 1 if role == "target" else len(tokens) - 2 <= length <= len(tokens) - 1
+        assert_cache_is_fresh_prefill(model, cache, tokens, length)
+
+
+def test_rounds_not_captured_where_they_cannot_be(graphs_on):  # noqa: F811
+    """Adaptive policies, logits hooks, profile=True and capture_rounds=False decode round by round
+    (same greedy tokens); so do the static and compile backends."""
+    graphs_on("cpu")
+    draft, target, _ = pair32("cpu")
+    greedy, prompt = SamplingConfig(temperature=0), torch.tensor([[1, 2, 3]])
+    ref = SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs").generate(prompt, 12).tokens
+    cases = [(SpeculativeDecoder(draft, target, SVIP(0.3, max_candidates=4), greedy, fast="graphs"), None),
+             (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs"),
+              CallHooks(target_logits=lambda rows, tokens, ends, logits: logits)),
+             (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs", profile=True), None),
+             (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs", capture_rounds=False), None),
+             (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="static"), None)]
+    for decoder, hooks in cases:
+        out = decoder.generate(prompt, 12, hooks=hooks)
+        assert out.stats.replayed_rounds == 0
+        assert out.tokens.tolist() == ref.tolist()
