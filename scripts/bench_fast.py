@@ -39,6 +39,17 @@ with ``--threads`` torch threads on a CPU:
    time, the forward steps among them: where the loop's time goes (cProfile slows Python code more
    than the forwards, so read its list as a ranking, the breakdown for the shares).
 
+5. The rounds after each call's first (which holds the eager prefill), from the timed pass: ms per
+   round against what their forwards take as measured in 1. (K draft forwards and one target forward
+   of the verification's bucket): "outside the forwards (est.)". On CUDA that estimate runs low,
+   since a timed forward pays its own launch and synchronisation and the forwards inside a captured
+   round do not (docs/results/gpu.md). ``--round-graphs`` (graph backends) measures it instead: each
+   captured round graph (specdecpp/decoders/captured.py) replayed back to back against a graph of
+   its forwards alone, device time by CUDA events, beside the decoding ms per round; the share
+   outside the forwards splits into the device's (the round graph beyond its forwards: warps, draws,
+   the rule) and the host's (the decoding round beyond its graph). ``--no-capture-rounds`` replays
+   each forward but not whole rounds.
+
 Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
 forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
 (``--out``) and prints a markdown table.
@@ -62,6 +73,7 @@ import cProfile
 import json
 import pstats
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -180,11 +192,15 @@ def methods(args, draft) -> dict:
 def compile_record(models: dict) -> dict:
     """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket);
     per captured step (--fast graphs / compile-graphs: warm-up and capture, less the step's compile,
-    which is listed on its own: ``capture_seconds``) the same, prefixed with the backend."""
+    which is listed on its own: ``capture_seconds``) the same, prefixed with the backend; per captured
+    round "round ROLE K w s"."""
     out = {}
     for role, m in models.items():
         steps = model_steps(m)
         for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
+            if key[0] == "round":  # a captured round (specdecpp/decoders/captured.py): K, the target's width, size
+                out[f"round {role} K{key[1]} w{key[2]} s{key[3]}"] = sec
+                continue
             tag, key = (f"{key[0]} ", key[1:]) if isinstance(key[0], str) else ("", key)
             out[f"{tag}{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else "")] = sec
     return out
@@ -246,9 +262,69 @@ def after_first(rows: list[dict], times: dict) -> dict:
         forwards += drafted * draft[1] + replayed_drafting * (draft.get(2, draft[1]) - draft[1])
     if not rounds:
         return {}
+    ks = Counter(k for r in rows for k in r["candidate_lengths"][1:])
     return {"ms_per_round": 1e3 * wall / rounds, "forwards_ms_per_round_est": 1e3 * forwards / rounds,
+            "k": ks.most_common(1)[0][0],  # the K of most rounds (fixed K: all but the last few)
             "outside_share_est": 1 - forwards / wall if wall > 0 else None,
             "replayed_rounds": sum(r["replayed_rounds"] for r in rows)}
+
+
+def time_round_graphs(target, device: torch.device, repeats: int) -> list[dict]:
+    """Each round graph captured over ``target`` (``specdecpp.decoders.captured``) replayed ``repeats``
+    times back to back, against a graph of its forwards alone (``RoundGraph.forwards``, captured
+    here) replayed as often: device time per replay (CUDA events; on a CPU the wall time), ``n``
+    put back before each replay. What lies between the two is the round's work on the device
+    outside the forwards (the warps, draws and the rule); a decoding round's time beyond the round
+    graph's is the host's."""
+    from specdecpp.decoders.captured import round_graphs
+    from specdecpp.models import static
+
+    out = []
+    for graph in round_graphs(target):
+        start = int(graph.n)
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        with torch.no_grad():
+            forwards_replay, _ = static.capture_graph(graph.forwards, pool)
+        timed = {}
+        for name, replay in (("round", graph.replay), ("forwards", forwards_replay)):
+            graph.n.fill_(start)
+            replay()  # once untimed
+            begin = end = None
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                begin.record()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                graph.n.fill_(start)
+                replay()
+            if device.type == "cuda":
+                end.record()
+                torch.cuda.synchronize(device)
+                timed[name] = begin.elapsed_time(end) / repeats
+            else:
+                timed[name] = 1e3 * (time.perf_counter() - t0) / repeats
+        graph.n.fill_(start)
+        graph.n_host = start
+        out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "round_graph_ms": timed["round"],
+                    "forwards_graph_ms": timed["forwards"]})
+    return out
+
+
+def round_graphs_table(result: dict) -> str:
+    """The round graphs against their forwards, beside each captured method's ms per decoding round."""
+    by_k = {m["fast"]["after_first"]["k"]: (name, m) for name, m in result["methods"].items()
+            if m["fast"].get("after_first", {}).get("replayed_rounds")}  # the methods whose rounds were captured
+    lines = ["## Captured rounds against their forwards (device time per replay; rounds after each call's first)", "",
+             "| method | K | target width | round graph ms | its forwards alone ms | decoding ms/round | "
+             "outside the forwards | of it on the device | of it on the host |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["round_graphs"]:
+        name, m = by_k.get(r["k"], (f"K={r['k']}", None))
+        wall = m["fast"]["after_first"]["ms_per_round"] if m else float("nan")
+        fwd, graph = r["forwards_graph_ms"], r["round_graph_ms"]
+        lines.append(f"| {name} | {r['k']} | {r['width']} | {graph:.3f} | {fwd:.3f} | {wall:.3f} | "
+                     f"{100 * (1 - fwd / wall):.1f}% | {100 * (graph - fwd) / wall:.1f}% | {100 * (wall - graph) / wall:.1f}% |")
+    return "\n".join(lines)
 
 
 def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered: dict | None = None,
@@ -403,6 +479,8 @@ def table(result: dict) -> str:
         " (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")" if comp else "")]
     if any("after_first" in m["fast"] for m in result["methods"].values()):
         lines += ["", after_first_table(result)]
+    if result.get("round_graphs"):
+        lines += ["", round_graphs_table(result)]
     if any("breakdown" in m["fast"] for m in result["methods"].values()):
         lines += ["", breakdown_table(result)]
     return "\n".join(lines)
@@ -562,6 +640,8 @@ def main(argv=None) -> int:
                     "most own time")
     ap.add_argument("--no-capture-rounds", action="store_true", help="on the graph backends, replay each forward "
                     "but not whole rounds (specdecpp/decoders/captured.py)")
+    ap.add_argument("--round-graphs", action="store_true", help="after decoding on a graph backend, time each "
+                    "captured round graph against a graph of its forwards alone (docstring, 5.)")
     ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
     ap.add_argument("--out", type=Path, help="write everything measured as JSON here")
     args = ap.parse_args(argv)
@@ -576,6 +656,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile_outside and not args.breakdown:
         ap.error("--profile-outside needs --breakdown")
+    if args.round_graphs and (args.no_capture_rounds or args.batch or not set(args.fast) & {"graphs", "compile-graphs"}):
+        ap.error("--round-graphs needs --fast graphs or compile-graphs, rounds captured, and no --batch")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
     if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
@@ -646,6 +728,7 @@ def main(argv=None) -> int:
         print(f"decoded again under the breakdown's meters in {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summarize(rows, policies, args.fast, meters, metered_rows,  # before the profiled calls add to the meters
                         forwards)
+    rounds = time_round_graphs(target, device, args.repeats) if args.round_graphs else None
     profiled = {name: profile_outside(decoders[(name, args.fast)], ids[0], args, eos, args.profile_outside)
                 for name in policies} if args.profile_outside else None
 
@@ -655,7 +738,7 @@ def main(argv=None) -> int:
               "bandwidth_mb": mb, "forwards": forwards, "floor": floor,
               "methods": summary, "profile_outside": profiled,
               "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
-              "capture_rounds": not args.no_capture_rounds,
+              "capture_rounds": not args.no_capture_rounds, "round_graphs": rounds,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
     return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
 

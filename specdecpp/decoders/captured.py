@@ -140,6 +140,19 @@ class RoundGraph:
         self.n.add_(n_acc + 1)
         return (torch.cat([n_acc.reshape(1), valid.reshape(1), drafted, token]),)
 
+    def forwards(self) -> tuple[torch.Tensor, ...]:
+        """The round's forwards alone: the same widths, slots and buffers, each draft forward fed the
+        token the buffer holds there, no draw, rule or write of ``n``. What a benchmark captures to
+        time the round graph against (scripts/bench_fast.py ``--round-graphs``); its forwards write
+        the caches above ``n`` only, which the next round writes again."""
+        n, outs = self.n, []
+        if self.k:
+            outs.append(self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)[0])
+            for i in range(1, self.k):
+                outs.append(self.draft_one(self.tokens.index_select(0, (n + (i - 1)).reshape(1)), n + (i - 1))[0])
+        outs.append(self.target_fwd(self.tokens.index_select(0, n - 1 + self.pad), n - 1)[0])
+        return tuple(outs)
+
     def capture(self, seq: TokenBuffer, pool) -> float:
         """Capture the round on ``seq``'s state (warm-ups run it for real, so ``n`` is put back
         after them; what they wrote above ``n`` the first replay writes again). Seconds it took."""
@@ -204,3 +217,9 @@ def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: Sam
     else:
         graph.bind(seq)
     return graph
+
+
+def round_graphs(target) -> list[RoundGraph]:
+    """Every round graph captured over ``target``'s buffers in this process (its graph sets')."""
+    sets = model_steps(target).graph_sets.values()
+    return [graph for group in sets for graph_set in group for graph in graph_set.rounds.values()]

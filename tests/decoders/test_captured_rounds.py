@@ -140,3 +140,21 @@ def test_rounds_not_captured_where_they_cannot_be(graphs_on):  # noqa: F811
         out = decoder.generate(prompt, 12, hooks=hooks)
         assert out.stats.replayed_rounds == 0
         assert out.tokens.tolist() == ref.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+def test_replayed_rounds_over_compiled_steps_equal_target_greedy(graphs_on):  # noqa: F811
+    """fast='compile-graphs' (the fake capture on a CPU): a round graph holds each bucket's compiled
+    step, compiled once (the round's warm-ups call the same compiled steps the buckets' graphs do)."""
+    graphs_on("cpu")
+    draft, target, cpu_target = pair32("cpu")
+    decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=0), fast="compile-graphs")
+    compiled = []
+    for prompt, n in (([1, 2, 3], 21), ([4, 4, 9, 10, 11, 3, 5], 16)):
+        ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n)
+        assert out.tokens.tolist() == ref.tolist() and out.stats.replayed_rounds > 2
+        compiled.append(sorted(model_steps(target).compile_seconds))
+    assert any(key[0] == 4 for key in compiled[0])  # the verification's bucket, compiled
+    assert compiled[1] == compiled[0] and len(rounds_captured(target)) == 1  # nothing compiled or captured again

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers.paths import REPO
+from tests.models.test_graphs import graphs_on  # noqa: F401  (a fixture)
 
 ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -157,3 +158,29 @@ def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards(
     assert a["outside_share_est"] == pytest.approx(1 - forwards / 0.55)
     assert a["replayed_rounds"] == 3
     assert bench_fast.after_first([{**rows[1], "candidate_lengths": [0]}], times) == {}
+
+
+def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, graphs_on):  # noqa: F811
+    """--fast graphs on the CPU's fake capture (tests/models/test_graphs.py): the rounds of target-only
+    and fixed K are captured (replayed in decoding), and --round-graphs times each round graph and a
+    graph of its forwards alone, one row per K, beside that method's decoding ms per round."""
+    import bench_fast
+
+    graphs_on("cpu")
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "2", "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", "--round-graphs",
+                            "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Captured rounds against their forwards" in printed and "| fixed_k3 | 3 | 4 |" in printed
+    result = json.loads(out.read_text())
+    assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
+    assert all(r["round_graph_ms"] > 0 and r["forwards_graph_ms"] > 0 for r in result["round_graphs"])
+    for name in ("target_only", "fixed_k1", "fixed_k2", "fixed_k3"):
+        assert result["methods"][name]["fast"]["after_first"]["replayed_rounds"] > 0, name
+    assert result["methods"]["svip"]["fast"]["after_first"]["replayed_rounds"] == 0
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--round-graphs"])
+    assert "--round-graphs needs" in capsys.readouterr().err
