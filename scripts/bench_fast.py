@@ -305,7 +305,6 @@ def time_round_graphs(target, device: torch.device, repeats: int) -> list[dict]:
             else:
                 timed[name] = 1e3 * (time.perf_counter() - t0) / repeats
         graph.n.fill_(start)
-        graph.n_host = start
         out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "round_graph_ms": timed["round"],
                     "forwards_graph_ms": timed["forwards"]})
     return out

@@ -7,9 +7,12 @@ small kernels launched one by one from Python, which on an H100 took 17-42% of a
 be captured whole, as gpt-fast and vLLM capture a decoding step: under :class:`~specdecpp.stopping.
 policies.FixedK` and :class:`~specdecpp.stopping.policies.TargetOnly` a round always drafts K
 candidates, so the round is one graph, replayed once per round, and the host reads one small
-tensor (the verdict, the drafts and the next token) after it. A :class:`SpeculativeDecoder` uses
-it by default on the graph backends (``capture_rounds=False`` turns it off); adaptive policies
-(SVIP, the heads) decide after each candidate on the host and keep the per-forward graphs.
+tensor (the verdict, the drafts and the next token) after it (:class:`RoundGraph`). An adaptive
+policy (SVIP, the heads: any policy with ``stop_rows``) decides after each candidate, so its round is
+captured in pieces (:class:`StepGraphs`): one graph per candidate, in which the policy decides on the
+device and the host reads the decision (as the uncaptured drafter reads it), then one graph per K
+for the verdict, read once. A :class:`SpeculativeDecoder` uses them by default on the graph
+backends (``capture_rounds=False`` turns them off).
 
 What one round graph does, for committed tokens ``tokens[:n]`` with ``n`` a device scalar (both
 caches hold ``tokens[:n - 1]``, the draft's last slot possibly not yet):
@@ -33,8 +36,10 @@ uncaptured call with one seed give different samples, each with the target's exa
 (tests/decoders/test_captured_rounds.py).
 
 Where the round is not captured: the first round of a call (the prefill), a round with room for
-fewer than K candidates (the end of a call), a call with logits hooks (transformers' processors),
-``profile=True`` (the round's draft and target times cannot be split inside one graph), and cascades.
+fewer than K candidates (the end of a call; an adaptive round: for none), a call with logits hooks
+(transformers' processors), ``profile=True`` (the round's draft and target times cannot be split
+inside one graph), cascades, and a policy without ``stop_rows`` or with more candidates than the
+widest bucket holds.
 
 A round graph is captured once per process for a (draft buffers, target buffers, K, width,
 sampling) and kept on the target's :class:`~specdecpp.models.static.GraphSet` with a token buffer and
@@ -45,6 +50,7 @@ buffer); what a capture costs is counted in ``model_steps(target).capture_second
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -53,66 +59,81 @@ from ..core.sampling import INVALID_PROBS, SamplingConfig, argmax, draw_with, ro
 from ..core.verify import acceptance_ratio, residual
 from ..models import static
 from ..models.static import GRAPH_BACKENDS, StaticRunner, model_steps
-from ..stopping.policies import FixedK, TargetOnly
+from ..stopping.policies import FixedK, StopPolicy, TargetOnly
 from .rounds import CallHooks, TokenBuffer
 
 
-def round_candidates(policy, fast: str | None, capture: bool, cascade, profile: bool, hooks: CallHooks | None,
-                     target_buckets: tuple[int, ...]) -> int | None:
-    """The K of a call's captured rounds, or None where its rounds are not captured (module docstring)."""
+def round_plan(policy, fast: str | None, capture: bool, cascade, profile: bool, hooks: CallHooks | None,
+               target_buckets: tuple[int, ...], max_new_tokens: int) -> tuple[str, int] | None:
+    """How a call's rounds are captured (module docstring): ``("round", K)`` for fixed K and
+    target-only (a whole round one graph), ``("steps", K)`` for a policy that decides on the device
+    (``stop_rows``: SVIP, the heads) with at most K candidates a round (its ``max_candidates``, or
+    fewer where the call has room for fewer), None where they are not captured (also where K + 1
+    tokens are wider than the widest bucket)."""
     if not capture or fast not in GRAPH_BACKENDS or cascade is not None or profile:
-        return None
-    if not isinstance(policy, (FixedK, TargetOnly)):
         return None
     if hooks is not None and (hooks.draft_logits is not None or hooks.target_logits is not None):
         return None
-    k = policy.max_candidates
-    return k if k + 1 <= target_buckets[-1] else None
+    if isinstance(policy, (FixedK, TargetOnly)):
+        k, how = policy.max_candidates, "round"
+    elif type(policy).stop_rows is StopPolicy.stop_rows:  # it decides one row at a time, on the host
+        return None
+    else:
+        k, how = min(policy.max_candidates, max_new_tokens - 1), "steps"
+        if k < 1:
+            return None
+    return (how, k) if k + 1 <= target_buckets[-1] else None
 
 
-class RoundGraph:
-    """One captured round (module docstring) over a draft and a target runner's buffers; built by
-    :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq, generator)``
-    replays it and returns ``(n_accepted, token, drafts)`` after one host read."""
+class RoundParts:
+    """What a captured round is built from, over a draft and a target runner's buffers: a token
+    buffer with ``n`` (the committed count) on the device, the round's uniforms, and the round's two
+    halves as functions of device state only (no host read), :meth:`candidate` and :meth:`verdict`.
+    :class:`RoundGraph` captures a whole fixed-K round from them, :class:`StepGraphs` an adaptive
+    policy's candidates one graph each and its verdicts one graph per K."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
-                 width: int) -> None:
+                 widths: dict[int, int]) -> None:
+        """``k``: the most candidates a round drafts; ``widths``: the target's bucket for each K."""
         device = target.device
-        self.k, self.sampling, self.vocab, self.width = k, sampling, vocab, width
+        self.k, self.sampling, self.vocab, self.widths = k, sampling, vocab, widths
         self.greedy = sampling.greedy
         self.tokens = torch.zeros(target.cache.size + 1, dtype=torch.long, device=device)
-        self.n = torch.ones((), dtype=torch.long, device=device)
-        self.n_host: int | None = None  # what self.n holds, as far as the host knows
+        self.n = torch.ones((), dtype=torch.long, device=device)  # set by the host before each round
         self.u = torch.zeros(2 * k + 1, dtype=torch.float64, device=device)
-        self.pad = torch.arange(width, device=device).clamp_(max=k)  # the target's ids: tokens[n - 1 + pad]
         self.two = torch.arange(2, device=device)
-        self.kk = torch.arange(k, device=device)
+        self.offsets = torch.arange(k, device=device)
         self.draft_two = draft.forward_at(2) if k else None
         self.draft_one = draft.forward_at(1) if k > 1 else None
-        self.target_fwd = target.forward_at(width)
-        self.replay = self.out = None
+        self.target_fwd = {kk: target.forward_at(w) for kk, w in widths.items()}
+        self.pads = {kk: torch.arange(w, device=device).clamp_(max=kk) for kk, w in widths.items()}  # tokens[n - 1 + pad]
 
-    def _round(self) -> tuple[torch.Tensor]:
-        k, n, cfg = self.k, self.n, self.sampling
-        drafts, q_rows, checks = [], [], []
-        for i in range(k):
-            if i == 0:
-                logits, _ = self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)
-                row = logits[1, : self.vocab]
-            else:
-                logits, _ = self.draft_one(drafts[-1].reshape(1), n + (i - 1))
-                row = logits[0, : self.vocab]
-            if self.greedy:
-                y = argmax(row)
-            else:
-                q_i = warp(row, cfg)
-                y, _ = draw_with(q_i, self.u[i : i + 1])
-                q_rows.append(q_i)
-            drafts.append(y.reshape(()))
-        drafted = torch.stack(drafts) if k else self.kk
-        if k:
-            self.tokens.index_copy_(0, n + self.kk, drafted)
-        logits, _ = self.target_fwd(self.tokens.index_select(0, n - 1 + self.pad), n - 1)
+    def candidate(self, i: int, previous: torch.Tensor | None):
+        """Draft candidate ``i`` (0-based) after ``tokens[:n + i]``: the draft feeds ``tokens[n - 2 :
+        n]`` (i = 0) or ``previous`` (the candidate before, 0-d) and draws ``y`` from its row with
+        uniform ``u[i]`` (greedy: the argmax). Returns ``(y, q, row, hidden)``: the candidate (0-d),
+        the row q it was drawn from (None under greedy), the draft's raw logits row [V] and its
+        final hidden state [H]."""
+        n = self.n
+        if i == 0:
+            logits, hidden = self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)
+            row, hidden = logits[1, : self.vocab], hidden[1]
+        else:
+            logits, hidden = self.draft_one(previous.reshape(1), n + (i - 1))
+            row, hidden = logits[0, : self.vocab], hidden[0]
+        if self.greedy:
+            return argmax(row).reshape(()), None, row, hidden
+        q = warp(row, self.sampling)
+        return draw_with(q, self.u[i : i + 1])[0].reshape(()), q, row, hidden
+
+    def verdict(self, k: int, drafted: torch.Tensor, q_rows: torch.Tensor | None) -> torch.Tensor:
+        """The target's verification of ``drafted`` [k] (already in ``tokens[n : n + k]``), drawn from
+        ``q_rows`` [k, V]: the exact rule with uniforms ``u[K:K + k]`` and ``u[2K]`` (K the most
+        candidates), the next token written after the accepted ones. Returns ``[n_accepted, valid,
+        y_1..y_k, token]``. ``n`` stays: the host sets it before each round (so a capture's warm-ups
+        all run at one position)."""
+        n, cfg = self.n, self.sampling
+        logits, _ = self.target_fwd[k](self.tokens.index_select(0, n - 1 + self.pads[k]), n - 1)
         logits = logits[: k + 1, : self.vocab]
         if self.greedy:
             top = argmax(logits)
@@ -121,24 +142,65 @@ class RoundGraph:
             valid = torch.ones_like(n)
         else:
             p = warp(logits, cfg)
-            rows = p
+            rows, q_ok = p, None
             if k:
-                q = torch.stack(q_rows)
-                ratio = acceptance_ratio(p[:k], q, drafted)
-                n_acc = (self.u[k : 2 * k] < ratio).long().cumprod(0).sum()
-                rows = torch.cat([residual(p[:k], q), p[k:]])
-                checks.append(rows_valid(q))
+                ratio = acceptance_ratio(p[:k], q_rows, drafted)
+                n_acc = (self.u[self.k : self.k + k] < ratio).long().cumprod(0).sum()
+                rows = torch.cat([residual(p[:k], q_rows), p[k:]])  # row i < k: a rejection at i's residual; row k: p_{k+1}
+                q_ok = rows_valid(q_rows)  # the check the draft's draws left out
             else:
                 n_acc = torch.zeros_like(n)
-            each, ok = draw_with(rows, self.u[2 * k :])
+            each, ok = draw_with(rows, self.u[2 * self.k :])  # one uniform: the chosen row's draw
             token = each.gather(0, n_acc.reshape(1))
             valid = ok.gather(0, n_acc.reshape(1))[0]
-            for c in checks:
-                valid = valid & c
-            valid = valid.long()
+            valid = (valid if q_ok is None else valid & q_ok).long()
         self.tokens.index_copy_(0, (n + n_acc).reshape(1), token)
-        self.n.add_(n_acc + 1)
-        return (torch.cat([n_acc.reshape(1), valid.reshape(1), drafted, token]),)
+        return torch.cat([n_acc.reshape(1), valid.reshape(1), drafted, token])
+
+    def bind(self, seq: TokenBuffer) -> None:
+        """Make ``seq`` keep its tokens in this graph's buffer (a view of it; the prompt copied over)."""
+        size = seq.tokens.shape[0]
+        if size > self.tokens.shape[0]:
+            raise ValueError(f"a round graph holds {self.tokens.shape[0]} tokens; the call needs {size}")
+        self.tokens[:size] = seq.tokens
+        seq.tokens = self.tokens[:size]
+
+    def start(self, seq: TokenBuffer, generator: torch.Generator | None) -> None:
+        """Before a round's first replay: ``n`` set (a fill, no read), the round's uniforms drawn."""
+        self.n.fill_(seq.n)
+        if not self.greedy:
+            self.u.uniform_(generator=generator)
+
+    def verdict_read(self, read: list[int], seq: TokenBuffer, k: int) -> tuple[int, int, list[int]]:
+        """``(n_accepted, token, drafts)`` from a verdict's values read on the host, or sample's ValueError."""
+        n_acc, valid, drafts, token = read[0], read[1], read[2 : 2 + k], read[2 + k]
+        if not valid:
+            raise ValueError(INVALID_PROBS)
+        return n_acc, token, drafts
+
+
+class RoundGraph(RoundParts):
+    """A whole fixed-K (or target-only) round as one graph (module docstring); built by
+    :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq,
+    generator)`` replays it and returns ``(n_accepted, token, drafts)`` after one host read."""
+
+    def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
+                 width: int) -> None:
+        super().__init__(draft, target, k, sampling, vocab, {k: width})
+        self.width = width
+        self.replay = self.out = None
+
+    def _round(self) -> tuple[torch.Tensor]:
+        drafts, q_rows, y = [], [], None
+        for i in range(self.k):
+            y, q, _, _ = self.candidate(i, y)
+            drafts.append(y)
+            q_rows.append(q)
+        drafted = torch.stack(drafts) if self.k else self.n.new_zeros(0)
+        if self.k:
+            self.tokens.index_copy_(0, self.n + self.offsets, drafted)
+        q = torch.stack(q_rows) if self.k and not self.greedy else None
+        return (self.verdict(self.k, drafted, q),)
 
     def forwards(self) -> tuple[torch.Tensor, ...]:
         """The round's forwards alone: the same widths, slots and buffers, each draft forward fed the
@@ -150,48 +212,114 @@ class RoundGraph:
             outs.append(self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)[0])
             for i in range(1, self.k):
                 outs.append(self.draft_one(self.tokens.index_select(0, (n + (i - 1)).reshape(1)), n + (i - 1))[0])
-        outs.append(self.target_fwd(self.tokens.index_select(0, n - 1 + self.pad), n - 1)[0])
+        outs.append(self.target_fwd[self.k](self.tokens.index_select(0, n - 1 + self.pads[self.k]), n - 1)[0])
         return tuple(outs)
 
     def capture(self, seq: TokenBuffer, pool) -> float:
-        """Capture the round on ``seq``'s state (warm-ups run it for real, so ``n`` is put back
-        after them; what they wrote above ``n`` the first replay writes again). Seconds it took."""
+        """Capture the round at ``seq``'s ``n`` (the warm-ups run it for real: what they write above
+        ``n`` the first replay writes again). Seconds it took."""
         t0 = time.perf_counter()
         self.n.fill_(seq.n)
         with torch.no_grad():
             self.replay, (self.out,) = static.capture_graph(self._round, pool)
-        self.n.fill_(seq.n)
-        self.n_host = seq.n
         return time.perf_counter() - t0
 
-    def bind(self, seq: TokenBuffer) -> None:
-        """Make ``seq`` keep its tokens in this graph's buffer (a view of it; the prompt copied over)."""
-        size = seq.tokens.shape[0]
-        if size > self.tokens.shape[0]:
-            raise ValueError(f"a round graph holds {self.tokens.shape[0]} tokens; the call needs {size}")
-        self.tokens[:size] = seq.tokens
-        seq.tokens = self.tokens[:size]
-        self.n_host = None
-
     def run(self, seq: TokenBuffer, generator: torch.Generator | None) -> tuple[int, int, list[int]]:
-        if self.n_host != seq.n:
-            self.n.fill_(seq.n)
-        if not self.greedy:
-            self.u.uniform_(generator=generator)
+        self.start(seq, generator)
         self.replay()
-        read = self.out.tolist()  # the round's one host read
-        n_acc, valid, drafts, token = read[0], read[1], read[2 : 2 + self.k], read[2 + self.k]
-        if not valid:
-            raise ValueError(INVALID_PROBS)
-        self.n_host = seq.n + n_acc + 1
-        return n_acc, token, drafts
+        return self.verdict_read(self.out.tolist(), seq, self.k)  # the round's one host read
+
+
+class StepGraphs(RoundParts):
+    """An adaptive policy's round (SVIP, the heads: any policy with ``stop_rows``) as graphs: one per
+    candidate (the draft's forward, the draw, the policy's decision on the device, the candidate and
+    its q kept), read on the host after each replay (the stop flag and the candidate, as the
+    uncaptured drafter reads a value-reading policy's decision), then one per K for the verdict
+    (the target's forward and the exact rule over the candidates kept), read once. Built by
+    :func:`step_graphs`; every graph is captured at once on first use, in order, so that a policy's
+    round state (SpecDec++'s running product, allocated by its first candidate's decision) is one
+    tensor across the candidates' graphs. ``policy.generated`` is a device tensor the first
+    candidate's graph sets (a head's position feature reads it)."""
+
+    def __init__(self, draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
+                 vocab: int, eos: set[int]) -> None:
+        """``k``: the most candidates a round drafts (:func:`round_plan`); ``eos``: the tokens that
+        end a block (where the policy reads values, as the uncaptured drafter)."""
+        widths = {kk: next(b for b in target.buckets if b >= kk + 1) for kk in range(1, k + 1)}
+        super().__init__(draft, target, k, sampling, vocab, widths)
+        device = target.device
+        self.policy, self.eos = policy, eos
+        self.needs_hidden = policy.needs_hidden
+        self.drafted = torch.zeros(k, dtype=torch.long, device=device)
+        self.q = None if self.greedy else torch.zeros(k, vocab, dtype=torch.float32, device=device)
+        self.prompt_len = torch.zeros((), dtype=torch.long, device=device)
+        self.generated = torch.zeros((), dtype=torch.long, device=device)
+        self.active = torch.ones(1, dtype=torch.bool, device=device)
+        self.steps: list = []  # (replay, out) per candidate
+        self.verdicts: dict = {}  # K -> (replay, out)
+
+    def _candidate_step(self, i: int) -> tuple[torch.Tensor]:
+        if i == 0:  # the policy's round state, made anew by this graph; the round's start in the response
+            self.policy.begin_round(self.generated)
+            self.generated.copy_(self.n - self.prompt_len)
+        y, q, row, hidden = self.candidate(i, None if i == 0 else self.drafted[i - 1])
+        self.drafted[i : i + 1] = y
+        self.tokens.index_copy_(0, (self.n + i).reshape(1), y.reshape(1))
+        if q is not None:
+            self.q[i] = q
+        stop = self.policy.stop_rows(i + 1, row[None], hidden[None] if self.needs_hidden else None, y.reshape(1),
+                                     self.active)
+        return (torch.stack([stop.reshape(()).long(), y]),)
+
+    def capture(self, seq: TokenBuffer, pool) -> float:
+        """Every candidate's graph, then every verdict's, at ``seq``'s ``n`` (the warm-ups run them for
+        real: the candidates' write the tokens the verdicts' read). Seconds it took."""
+        t0 = time.perf_counter()
+        self.prompt_len.fill_(seq.prompt_len)
+        with torch.no_grad():
+            self.n.fill_(seq.n)
+            for i in range(self.k):
+                replay, (out,) = static.capture_graph(functools.partial(self._candidate_step, i), pool)
+                self.steps.append((replay, out))
+            for k in range(1, self.k + 1):
+                q = None if self.q is None else self.q[:k]
+                replay, (out,) = static.capture_graph(functools.partial(self._verdict_step, k, q), pool)
+                self.verdicts[k] = (replay, out)
+        self.n.fill_(seq.n)
+        return time.perf_counter() - t0
+
+    def _verdict_step(self, k: int, q: torch.Tensor | None) -> tuple[torch.Tensor]:
+        return (self.verdict(k, self.drafted[:k], q),)
+
+    def bind(self, seq: TokenBuffer) -> None:
+        super().bind(seq)
+        self.prompt_len.fill_(seq.prompt_len)
+
+    def run(self, seq: TokenBuffer, count: int, generator: torch.Generator | None) -> tuple[int, int, int, list[int]]:
+        """One round of at most ``count`` candidates: ``(k, n_accepted, token, drafts)``, a host read
+        after each candidate (its stop flag and value: the policy's decision, or EOS among the
+        candidates, ends the block) and one after the verdict."""
+        self.start(seq, generator)
+        k = 0
+        while k < count:
+            replay, out = self.steps[k]
+            replay()
+            stop, y = out.tolist()
+            k += 1
+            if stop or y in self.eos:
+                break
+        replay, out = self.verdicts[k]
+        replay()
+        return (k, *self.verdict_read(out.tolist(), seq, k))
 
 
 def replayable(seq: TokenBuffer, k: int, draft, target) -> bool:
-    """Whether ``seq``'s next round can be a replay: K candidates fit, the target holds ``tokens[:n -
-    1]`` and the draft at least ``tokens[:n - 2]`` (not so before the prefill)."""
+    """Whether ``seq``'s next round can be a replay: K candidates fit (an adaptive round: one, ``k``
+    None), the target holds ``tokens[:n - 1]`` and the draft at least ``tokens[:n - 2]`` (not so
+    before the prefill)."""
     n = seq.n
-    return seq.room - 1 >= k and target.length == n - 1 and (k == 0 or (n >= 2 and draft.length >= n - 2))
+    fits = seq.room - 1 >= (1 if k is None else k)
+    return fits and target.length == n - 1 and (k == 0 or (n >= 2 and draft.length >= n - 2))
 
 
 def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
@@ -220,6 +348,33 @@ def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: Sam
 
 
 def round_graphs(target) -> list[RoundGraph]:
-    """Every round graph captured over ``target``'s buffers in this process (its graph sets')."""
+    """Every whole-round graph (:class:`RoundGraph`) captured over ``target``'s buffers in this process."""
     sets = model_steps(target).graph_sets.values()
-    return [graph for group in sets for graph_set in group for graph in graph_set.rounds.values()]
+    return [graph for group in sets for graph_set in group for graph in graph_set.rounds.values()
+            if isinstance(graph, RoundGraph)]
+
+
+def step_graphs(draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
+                vocab: int, eos: set[int], seq: TokenBuffer) -> StepGraphs:
+    """The step graphs of these runners' buffers, ``policy`` (this object: its round state lives in
+    them), at most ``k`` candidates and ``sampling``: kept on the target's graph set, captured on first
+    use (on ``seq``'s state)."""
+    key = (id(draft.graph_set), "steps", id(policy), k, sampling.temperature, sampling.top_k, sampling.top_p, vocab,
+           tuple(sorted(eos)))
+    rounds = target.graph_set.rounds
+    graphs = rounds.get(key)
+    if graphs is None:
+        graphs = StepGraphs(draft, target, policy, k, sampling, vocab, eos)
+        graphs.bind(seq)
+        pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        steps = model_steps(target.model)
+        compiling = sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
+        seconds = graphs.capture(seq, pool)
+        compiled = (sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
+                    - compiling)
+        steps.capture_seconds[("steps", k, graphs.widths[k], target.cache.size)] = seconds - compiled
+        steps.captures += 1
+        rounds[key] = graphs
+    else:
+        graphs.bind(seq)
+    return graphs

@@ -13,7 +13,7 @@ from ..models.reduced_vocab import output_vocab_size
 from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
-from .captured import replayable, round_candidates, round_graph
+from .captured import replayable, round_graph, round_plan, step_graphs
 from .cascade import Cascade, CascadeRule
 from .rounds import (
     CallHooks,
@@ -89,23 +89,29 @@ class SpeculativeDecoder(FastPlanned):
                           runners=self.runners(tokens, plan[0][1]))
         target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
         stats = RunStats()
-        k_round = round_candidates(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks,
-                                   plan[1][1])
+        captured = round_plan(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks, plan[1][1],
+                              max_new_tokens)
         graph = None
         t_start = clock.now()
 
         with drafter:
             while not seq.finished:
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
-                if k_round is not None and replayable(seq, k_round, drafter.runner, target):  # one captured round
-                    if graph is None:
-                        graph = round_graph(drafter.runner, target, k_round, self.sampling, self.vocab, seq)
-                    n_acc, token, drafts = graph.run(seq, gen)
+                if captured is not None and replayable(seq, captured[1] if captured[0] == "round" else None,
+                                                       drafter.runner, target):
+                    if captured[0] == "round":  # a whole round, one graph
+                        graph = graph or round_graph(drafter.runner, target, captured[1], self.sampling, self.vocab, seq)
+                        k = captured[1]
+                        n_acc, token, drafts = graph.run(seq, gen)
+                    else:  # one graph per candidate, then the verdict's
+                        graph = graph or step_graphs(drafter.runner, target, self.policy, captured[1], self.sampling,
+                                                     self.vocab, drafter.eos if drafter.stop_at_eos else set(), seq)
+                        k, n_acc, token, drafts = graph.run(seq, min(captured[1], seq.room - 1), gen)
                     kept = seq.commit(n_acc, token, drafts, written=True)
                     target.cache.length = seq.n - 1  # the replay fed up to n + K - 1; the host sets what is kept
-                    if k_round:
-                        drafter.runner.cache.length = min(n + k_round - 1, seq.n - 1)
-                    stats.add_round(k_round, k_round, n_acc, k_round + 1 - kept, 0.0, 0.0)
+                    if k:
+                        drafter.runner.cache.length = min(n + k - 1, seq.n - 1)
+                    stats.add_round(k, k, n_acc, k + 1 - kept, 0.0, 0.0)
                     stats.replayed_rounds += 1
                     if stats.n_target_calls == 1:  # a prompt of one token: the target-only prefill is a replay
                         stats.first_round_s = clock.now() - t_start

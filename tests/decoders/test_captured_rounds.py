@@ -5,7 +5,8 @@ must be exact by the same tests as every decoder: greedy output equals the targe
 output has the target's exact distribution (chi-square against enumeration, EOS included), the same
 seed gives the same output, and the caches after many replayed rounds equal a fresh prefill. Rounds
 are replayed (counted), each round graph is captured once, and the rounds that must not be captured
-(adaptive policies, logits hooks, profile, capture_rounds=False) are not."""
+(logits hooks, profile, capture_rounds=False) are not. An adaptive policy's rounds (SVIP, the heads) are
+captured a candidate at a time (StepGraphs): their stop decisions equal the round-by-round drafter's."""
 
 from __future__ import annotations
 
@@ -15,9 +16,19 @@ import itertools
 import pytest
 import torch
 
-from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    NextTokenHead,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+)
 from specdecpp.decoders.rounds import CallHooks
 from specdecpp.models.static import model_steps
+from specdecpp.stopping.policies import StopPolicy
 from tests.decoders.test_exactness import PROMPT, _pair6, assert_cache_is_fresh_prefill
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 from tests.helpers.tiny import noisy_copy, tiny_lm
@@ -123,14 +134,23 @@ def test_caches_after_replayed_rounds_equal_fresh_prefill(graphs_on, device, sam
         assert_cache_is_fresh_prefill(model, cache, tokens, length)
 
 
+class HostOnly(StopPolicy):
+    """A policy without ``stop_rows``: it decides on the host, one row at a time."""
+
+    name, max_candidates, needs_hidden = "host_only", 3, False
+
+    def should_stop(self, k, logits, hidden, token=None) -> bool:
+        return k >= 2 or float(logits.max()) > 1e9
+
+
 def test_rounds_not_captured_where_they_cannot_be(graphs_on):  # noqa: F811
-    """Adaptive policies, logits hooks, profile=True and capture_rounds=False decode round by round
-    (same greedy tokens); so do the static and compile backends."""
+    """A policy that decides only on the host, logits hooks, profile=True and capture_rounds=False
+    decode round by round (same greedy tokens); so does the static backend."""
     graphs_on("cpu")
     draft, target, _ = pair32("cpu")
     greedy, prompt = SamplingConfig(temperature=0), torch.tensor([[1, 2, 3]])
     ref = SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs").generate(prompt, 12).tokens
-    cases = [(SpeculativeDecoder(draft, target, SVIP(0.3, max_candidates=4), greedy, fast="graphs"), None),
+    cases = [(SpeculativeDecoder(draft, target, HostOnly(), greedy, fast="graphs"), None),
              (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs"),
               CallHooks(target_logits=lambda rows, tokens, ends, logits: logits)),
              (SpeculativeDecoder(draft, target, FixedK(3), greedy, fast="graphs", profile=True), None),
@@ -158,3 +178,115 @@ def test_replayed_rounds_over_compiled_steps_equal_target_greedy(graphs_on):  # 
         compiled.append(sorted(model_steps(target).compile_seconds))
     assert any(key[0] == 4 for key in compiled[0])  # the verification's bucket, compiled
     assert compiled[1] == compiled[0] and len(rounds_captured(target)) == 1  # nothing compiled or captured again
+
+
+def test_a_replayed_round_refuses_invalid_draft_rows(graphs_on):  # noqa: F811
+    """A round graph checks the draft's rows q on the device and the host raises sample's ValueError
+    after the replay: here the draft's output layer turns NaN after the round graph was captured."""
+    from specdecpp.core.sampling import INVALID_PROBS
+    from specdecpp.decoders.captured import round_graphs
+    from specdecpp.decoders.rounds import TokenBuffer
+
+    graphs_on("cpu")
+    draft, target, _ = pair32("cpu")
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(draft, target, FixedK(2), sampling, fast="graphs")
+    prompt = torch.tensor([[1, 2, 3]])
+    assert decoder.generate(prompt, 12, generator=torch.Generator().manual_seed(0)).stats.replayed_rounds > 0
+    (graph,) = round_graphs(target)
+    seq = TokenBuffer(prompt, 12, None, torch.device("cpu"))
+    graph.bind(seq)
+    n_acc, token, drafts = graph.run(seq, torch.Generator().manual_seed(1))  # valid rows: a verdict
+    assert 0 <= n_acc <= 2 and len(drafts) == 2 and 0 <= token < 32
+    with torch.no_grad():
+        draft.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=INVALID_PROBS.split(":")[0]):
+        graph.run(seq, torch.Generator().manual_seed(1))
+
+
+# Adaptive policies (specdecpp.decoders.captured.StepGraphs): one graph per candidate, the policy's
+# stop_rows deciding on the device, and one per K for the verdict.
+ADAPTIVE = [pytest.param(lambda heads: SVIP(threshold=heads.get("svip", 0.33), max_candidates=4), id="svip"),
+            pytest.param(lambda heads: SpecDecPP(heads["paper"], 0.5, max_candidates=4), id="paper_head"),
+            pytest.param(lambda heads: SpecDecPP(heads["next"], 0.5, max_candidates=4), id="lag_free_head")]
+
+
+def heads32(draft):
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        heads = {"paper": AcceptanceHead(32, 2), "next": NextTokenHead(32, 1)}
+    # SVIP's threshold where its stop varies on this pair (0.33 stops after every first candidate)
+    return {"svip": 0.6, **{k: h.to(next(draft.parameters()).device) for k, h in heads.items()}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_captured_steps_decide_as_the_host_does(graphs_on, device, policy):  # noqa: F811
+    """Greedy, an adaptive policy's captured candidates stop where the round-by-round drafter stops
+    (the same candidate lengths, round for round: the policy's decision and its round state on the
+    device are the host's), and the output is the target's own greedy decoding."""
+    graphs_on(device)
+    draft, target, cpu_target = pair32(device)
+    heads = heads32(draft)
+    greedy = SamplingConfig(temperature=0)
+    captured = SpeculativeDecoder(draft, target, policy(heads), greedy, fast="graphs")
+    by_round = SpeculativeDecoder(draft, target, policy(heads), greedy, fast="static")
+    lengths = set()
+    for _ in range(2):
+        for prompt, n, eos in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21), (None, 9)):
+            ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=0)[0].tolist()
+            if eos in ref[len(prompt):]:
+                ref = ref[: ref.index(eos, len(prompt)) + 1]
+            ids = torch.tensor([prompt], device=device)
+            out = captured.generate(ids, max_new_tokens=n, eos_token_id=eos)
+            host = by_round.generate(ids, max_new_tokens=n, eos_token_id=eos)
+            assert out.tokens[0].cpu().tolist() == ref, (prompt, n, eos)
+            assert out.stats.candidate_lengths == host.stats.candidate_lengths, (prompt, n, eos)
+            if n == 21 and eos is None:
+                # all but the prefill's and, with room for no candidate, the last
+                assert out.stats.replayed_rounds >= len(out.stats.accept_lengths) - 2
+            lengths.update(out.stats.candidate_lengths[1:])
+    assert len(lengths - {0}) >= 2, lengths  # the stop really varies between replayed rounds
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_captured_steps_same_seed_same_output(graphs_on, device, policy):  # noqa: F811
+    graphs_on(device)
+    draft, target, _ = pair32(device)
+    decoder = SpeculativeDecoder(draft, target, policy(heads32(draft)), SamplingConfig(temperature=1.0, top_k=10),
+                                 fast="graphs")
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]], device=device), 24, generator=torch.Generator().manual_seed(seed))
+        assert out.stats.replayed_rounds >= len(out.stats.accept_lengths) - 2 > 3
+        return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
+
+    first = run(0)
+    assert run(0) == first and run(1) != first
+
+
+@pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
+    ADAPTIVE, SAMPLINGS, DEVICES, fast={"paper_head-T1", "lag_free_head-T0.8-top3-eos2"}))
+def test_captured_steps_have_the_target_distribution(graphs_on, policy, sampling, eos, device):  # noqa: F811
+    """As the fixed-K rounds' test, with the exactness registry's centred heads (their stop varies on
+    this prompt): the first 3 of 6 tokens follow the target's exact distribution, and the replayed
+    rounds' candidate lengths vary."""
+    from tests.decoders.test_exactness import _heads
+
+    graphs_on(device)
+    draft, target = _pair6()
+    heads = {k: h.to(device) for k, h in _heads(draft).items()}
+    expected = exact_distribution(target, PROMPT, 3, sampling, eos)
+    decoder = SpeculativeDecoder(copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device), policy(heads),
+                                 sampling, fast="graphs")
+    g = torch.Generator().manual_seed(1234)
+    seqs, replayed, lengths = [], 0, set()
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos, max_new_tokens=6)
+        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()))
+        replayed += out.stats.replayed_rounds
+        lengths.update(out.stats.candidate_lengths[1:])
+    assert chi_square_pvalue(seqs, expected) > 1e-4
+    assert replayed > 600 and len(lengths) >= 2, (replayed, lengths)

@@ -80,3 +80,30 @@ def test_a_replayed_round_reads_once(sampling):
         assert len(replayed) == out.stats.replayed_rounds, (len(replayed), out.stats)
         rounds = [s for s in syncs if s[-1] != "now"]  # the call's clock synchronises at its start, first round and end
         assert len(rounds) <= len(out.stats.accept_lengths), rounds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, top_k=10)],
+                         ids=["greedy", "T1-top10"])
+def test_an_adaptive_replayed_round_reads_once_per_candidate_and_once_after(sampling):
+    """fast='graphs' under SVIP and a SpecDec++ head: a round is a graph per candidate, each read once
+    (its stop flag and value, as the uncaptured drafter reads a value-reading policy), then the
+    verdict's graph, read once (specdecpp/decoders/captured.py, StepGraphs)."""
+    from specdecpp import SVIP, AcceptanceHead, SpecDecPP
+
+    target = tiny_lm(64, 32, 2, seed=5, scale=0.4)
+    draft = noisy_copy(target, 0.3, seed=6).cuda()
+    target = target.cuda()
+    torch.manual_seed(1)
+    for policy in (SVIP(0.6, max_candidates=4), SpecDecPP(AcceptanceHead(32, 2).cuda(), 0.5, max_candidates=4)):
+        decoder = SpeculativeDecoder(draft, target, policy, sampling, fast="graphs")
+        prompt = torch.tensor([[1, 2, 3]], device="cuda")
+        decoder.warm_up(3, 24)
+        decoder.generate(prompt, 8, torch.Generator().manual_seed(0))
+        out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
+        s = out.stats
+        replayed = [x for x in syncs if x[-2:] == ["generate", "run"]]
+        assert s.replayed_rounds >= len(s.accept_lengths) - 2
+        replayed_k = s.candidate_lengths[1 : 1 + s.replayed_rounds]  # the prefill's round is not replayed
+        assert len(replayed) == sum(replayed_k) + s.replayed_rounds, (len(replayed), s)
+        assert [x for x in syncs if "commit" in x] == []
