@@ -322,29 +322,39 @@ def replayable(seq: TokenBuffer, k: int, draft, target) -> bool:
     return fits and target.length == n - 1 and (k == 0 or (n >= 2 and draft.length >= n - 2))
 
 
+def _kept(draft: StaticRunner, target: StaticRunner, key: tuple, label: tuple, build, seq: TokenBuffer):
+    """The captured graphs under ``key`` on the target's graph set, bound to ``seq``; built by
+    ``build()`` and captured on ``seq``'s state on first use, the capture's seconds (less any compile
+    its warm-ups ran) kept in ``model_steps(target).capture_seconds[label]``."""
+    rounds = target.graph_set.rounds
+    graphs = rounds.get(key)
+    if graphs is not None:
+        graphs.bind(seq)
+        return graphs
+    graphs = build()
+    graphs.bind(seq)
+    pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+    steps, models = model_steps(target.model), (target.model, draft.model)
+
+    def compiled() -> float:
+        return sum(sum(model_steps(m).compile_seconds.values()) for m in models)
+
+    before = compiled()
+    seconds = graphs.capture(seq, pool)
+    steps.capture_seconds[label] = seconds - (compiled() - before)
+    steps.captures += 1
+    rounds[key] = graphs
+    return graphs
+
+
 def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
                 seq: TokenBuffer) -> RoundGraph:
     """The round graph of these runners' buffers, K, the target's bucket for K + 1 tokens and
     ``sampling``: kept on the target's graph set, captured on its first use (on ``seq``'s state)."""
     width = next(b for b in target.buckets if b >= k + 1)
     key = (id(draft.graph_set), k, width, sampling.temperature, sampling.top_k, sampling.top_p, vocab)
-    rounds = target.graph_set.rounds
-    graph = rounds.get(key)
-    if graph is None:
-        graph = RoundGraph(draft, target, k, sampling, vocab, width)
-        graph.bind(seq)
-        pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-        steps = model_steps(target.model)
-        compiling = sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
-        seconds = graph.capture(seq, pool)
-        compiled = (sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
-                    - compiling)
-        steps.capture_seconds[("round", k, width, target.cache.size)] = seconds - compiled
-        steps.captures += 1
-        rounds[key] = graph
-    else:
-        graph.bind(seq)
-    return graph
+    return _kept(draft, target, key, ("round", k, width, target.cache.size),
+                 lambda: RoundGraph(draft, target, k, sampling, vocab, width), seq)
 
 
 def round_graphs(target) -> list[RoundGraph]:
@@ -361,20 +371,6 @@ def step_graphs(draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k
     use (on ``seq``'s state)."""
     key = (id(draft.graph_set), "steps", id(policy), k, sampling.temperature, sampling.top_k, sampling.top_p, vocab,
            tuple(sorted(eos)))
-    rounds = target.graph_set.rounds
-    graphs = rounds.get(key)
-    if graphs is None:
-        graphs = StepGraphs(draft, target, policy, k, sampling, vocab, eos)
-        graphs.bind(seq)
-        pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-        steps = model_steps(target.model)
-        compiling = sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
-        seconds = graphs.capture(seq, pool)
-        compiled = (sum(steps.compile_seconds.values()) + sum(model_steps(draft.model).compile_seconds.values())
-                    - compiling)
-        steps.capture_seconds[("steps", k, graphs.widths[k], target.cache.size)] = seconds - compiled
-        steps.captures += 1
-        rounds[key] = graphs
-    else:
-        graphs.bind(seq)
-    return graphs
+    width = next(b for b in target.buckets if b >= k + 1)
+    return _kept(draft, target, key, ("steps", k, width, target.cache.size),
+                 lambda: StepGraphs(draft, target, policy, k, sampling, vocab, eos), seq)

@@ -45,6 +45,13 @@ def pair32(device: str):
     return draft.to(device), target.to(device), target
 
 
+def greedy_reference(model, prompt: list[int], n: int, eos: int | None) -> list[int]:
+    """The target's own greedy decoding of ``prompt``, ``n`` new tokens or up to and with an EOS."""
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)[0].tolist()
+    return ref[: ref.index(eos, len(prompt)) + 1] if eos in ref[len(prompt):] else ref
+
+
 def rounds_captured(model) -> list:
     return [k for k in model_steps(model).capture_seconds if k[0] == "round"]
 
@@ -58,10 +65,7 @@ def test_replayed_rounds_equal_target_greedy_and_capture_once(graphs_on, device,
     accepted, captured = [], []
     for _ in range(2):
         for prompt, n, eos in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21), (None, 9)):
-            ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                      eos_token_id=eos, pad_token_id=0)[0].tolist()
-            if eos in ref[len(prompt):]:
-                ref = ref[: ref.index(eos, len(prompt)) + 1]
+            ref = greedy_reference(cpu_target, prompt, n, eos)
             out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n, eos_token_id=eos)
             assert out.tokens[0].cpu().tolist() == ref, (prompt, n, eos)
             rounds = len(out.stats.accept_lengths)
@@ -234,10 +238,7 @@ def test_captured_steps_decide_as_the_host_does(graphs_on, device, policy):  # n
     lengths = set()
     for _ in range(2):
         for prompt, n, eos in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21), (None, 9)):
-            ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                      eos_token_id=eos, pad_token_id=0)[0].tolist()
-            if eos in ref[len(prompt):]:
-                ref = ref[: ref.index(eos, len(prompt)) + 1]
+            ref = greedy_reference(cpu_target, prompt, n, eos)
             ids = torch.tensor([prompt], device=device)
             out = captured.generate(ids, max_new_tokens=n, eos_token_id=eos)
             host = by_round.generate(ids, max_new_tokens=n, eos_token_id=eos)
