@@ -322,6 +322,10 @@ def replayable(seq: TokenBuffer, k: int, draft, target) -> bool:
     return fits and target.length == n - 1 and (k == 0 or (n >= 2 and draft.length >= n - 2))
 
 
+class CaptureFailed(RuntimeError):
+    """A round's capture failed; the decoder goes on round by round (per-forward graphs)."""
+
+
 def _kept(draft: StaticRunner, target: StaticRunner, key: tuple, label: tuple, build, seq: TokenBuffer):
     """The captured graphs under ``key`` on the target's graph set, bound to ``seq``; built by
     ``build()`` and captured on ``seq``'s state on first use, the capture's seconds (less any compile
@@ -340,7 +344,10 @@ def _kept(draft: StaticRunner, target: StaticRunner, key: tuple, label: tuple, b
         return sum(sum(model_steps(m).compile_seconds.values()) for m in models)
 
     before = compiled()
-    seconds = graphs.capture(seq, pool)
+    try:
+        seconds = graphs.capture(seq, pool)
+    except RuntimeError as exc:
+        raise CaptureFailed(f"capturing {type(graphs).__name__} {label} failed ({exc})") from exc
     steps.capture_seconds[label] = seconds - (compiled() - before)
     steps.captures += 1
     rounds[key] = graphs

@@ -3,6 +3,7 @@ target pass and rolls both KV caches back to the accepted prefix (the parts: spe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -13,7 +14,7 @@ from ..models.reduced_vocab import output_vocab_size
 from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
-from .captured import replayable, round_graph, round_plan, step_graphs
+from .captured import CaptureFailed, replayable, round_graph, round_plan, step_graphs
 from .cascade import Cascade, CascadeRule
 from .rounds import (
     CallHooks,
@@ -27,6 +28,8 @@ from .rounds import (
     processed,
     start_generate,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SpeculativeDecoder(FastPlanned):
@@ -99,13 +102,20 @@ class SpeculativeDecoder(FastPlanned):
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
                 if captured is not None and replayable(seq, captured[1] if captured[0] == "round" else None,
                                                        drafter.runner, target):
+                    try:
+                        graph = graph or (
+                            round_graph(drafter.runner, target, captured[1], self.sampling, self.vocab, seq)
+                            if captured[0] == "round" else
+                            step_graphs(drafter.runner, target, self.policy, captured[1], self.sampling, self.vocab,
+                                        drafter.eos if drafter.stop_at_eos else set(), seq))
+                    except CaptureFailed as exc:  # said once; this decoder's rounds run per forward from now on
+                        log.warning("%s; decoding round by round (capture_rounds=False)", exc)
+                        self.capture_rounds, captured = False, None
+                        continue
                     if captured[0] == "round":  # a whole round, one graph
-                        graph = graph or round_graph(drafter.runner, target, captured[1], self.sampling, self.vocab, seq)
                         k = captured[1]
                         n_acc, token, drafts = graph.run(seq, gen)
                     else:  # one graph per candidate, then the verdict's
-                        graph = graph or step_graphs(drafter.runner, target, self.policy, captured[1], self.sampling,
-                                                     self.vocab, drafter.eos if drafter.stop_at_eos else set(), seq)
                         k, n_acc, token, drafts = graph.run(seq, min(captured[1], seq.room - 1), gen)
                     kept = seq.commit(n_acc, token, drafts, written=True)
                     target.cache.length = seq.n - 1  # the replay fed up to n + K - 1; the host sets what is kept

@@ -291,3 +291,27 @@ def test_captured_steps_have_the_target_distribution(graphs_on, policy, sampling
         lengths.update(out.stats.candidate_lengths[1:])
     assert chi_square_pvalue(seqs, expected) > 1e-4
     assert replayed > 600 and len(lengths) >= 2, (replayed, lengths)
+
+
+@pytest.mark.parametrize("policy", [pytest.param(lambda: FixedK(3), id="k3"),
+                                    pytest.param(lambda: SVIP(0.6, max_candidates=4), id="svip")])
+def test_a_failed_round_capture_falls_back_to_rounds_one_by_one(graphs_on, monkeypatch, caplog, policy):  # noqa: F811
+    """A round's capture that fails (a RuntimeError, as CUDA raises for an operation it cannot
+    capture) is said once in a warning, and the call, and the decoder's later calls, go on round by
+    round with the same greedy tokens."""
+    from specdecpp.decoders import captured
+
+    def fail(self, seq, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs_on("cpu")
+    monkeypatch.setattr(captured.RoundGraph, "capture", fail)
+    monkeypatch.setattr(captured.StepGraphs, "capture", fail)
+    draft, target, cpu_target = pair32("cpu")
+    decoder = SpeculativeDecoder(draft, target, policy(), SamplingConfig(temperature=0), fast="graphs")
+    for prompt in ([1, 2, 3], [7]):
+        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=12)
+        assert out.tokens[0].tolist() == greedy_reference(cpu_target, prompt, 12, None)
+        assert out.stats.replayed_rounds == 0
+    assert decoder.capture_rounds is False
+    assert sum("decoding round by round" in r.getMessage() for r in caplog.records) == 1
