@@ -292,7 +292,8 @@ class EngineRunner:
     synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA).
     On the fast path, whose steps bypass the models' hooks, ``forward_time_s`` is the time inside
     the static runners' forward steps (``meters.FeedMeters``; the mask and the padding around a
-    step count as the loop's, as transformers' own mask building counts as the forward's eagerly)."""
+    step count as the loop's, as transformers' own mask building counts as the forward's eagerly);
+    where rounds were replayed as CUDA graphs (``replayed_rounds`` in the row), None."""
 
     timed = True
 
@@ -318,8 +319,10 @@ class EngineRunner:
         finally:
             meters, decoder.runners = decoder.runners, runners
         seconds = d.seconds + t.seconds if hooked else meters.total(part="step")
+        replayed = out.stats.replayed_rounds  # captured rounds (specdecpp/decoders/captured.py): no step is timed inside
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {
-            "forward_time_s": seconds if self.clock.exact else None}
+            "forward_time_s": seconds if self.clock.exact and not replayed else None,
+            "row": {"replayed_rounds": replayed}}
 
     def generate_batch(self, prompts, max_new_tokens, seeds, eos_token_id, batch_size, fill: bool = False):
         """``generate`` for a list of prompt_ids [1, L], ``batch_size`` rows at once (continuous
