@@ -181,8 +181,8 @@ class RoundParts:
 
 class RoundGraph(RoundParts):
     """A whole fixed-K (or target-only) round as one graph (module docstring); built by
-    :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq,
-    generator)`` replays it and returns ``(n_accepted, token, drafts)`` after one host read."""
+    :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq, count,
+    generator)`` replays it and returns ``(K, n_accepted, token, drafts)`` after one host read."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
                  width: int) -> None:
@@ -224,10 +224,12 @@ class RoundGraph(RoundParts):
             self.replay, (self.out,) = static.capture_graph(self._round, pool)
         return time.perf_counter() - t0
 
-    def run(self, seq: TokenBuffer, generator: torch.Generator | None) -> tuple[int, int, list[int]]:
+    def run(self, seq: TokenBuffer, count: int, generator: torch.Generator | None) -> tuple[int, int, int, list[int]]:
+        """One round: ``(K, n_accepted, token, drafts)`` after one host read (``count``, the
+        candidates the round has room for, is at least K: :func:`replayable`)."""
         self.start(seq, generator)
         self.replay()
-        return self.verdict_read(self.out.tolist(), seq, self.k)  # the round's one host read
+        return (self.k, *self.verdict_read(self.out.tolist(), seq, self.k))  # the round's one host read
 
 
 class StepGraphs(RoundParts):

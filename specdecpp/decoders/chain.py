@@ -102,21 +102,11 @@ class SpeculativeDecoder(FastPlanned):
                 n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
                 if captured is not None and replayable(seq, captured[1] if captured[0] == "round" else None,
                                                        drafter.runner, target):
-                    try:
-                        graph = graph or (
-                            round_graph(drafter.runner, target, captured[1], self.sampling, self.vocab, seq)
-                            if captured[0] == "round" else
-                            step_graphs(drafter.runner, target, self.policy, captured[1], self.sampling, self.vocab,
-                                        drafter.eos if drafter.stop_at_eos else set(), seq))
-                    except CaptureFailed as exc:  # said once; this decoder's rounds run per forward from now on
-                        log.warning("%s; decoding round by round (capture_rounds=False)", exc)
-                        self.capture_rounds, captured = False, None
+                    graph = graph or self._captured(captured, drafter, target, seq)
+                    if graph is None:  # the capture failed: round by round from here on
+                        captured = None
                         continue
-                    if captured[0] == "round":  # a whole round, one graph
-                        k = captured[1]
-                        n_acc, token, drafts = graph.run(seq, gen)
-                    else:  # one graph per candidate, then the verdict's
-                        k, n_acc, token, drafts = graph.run(seq, min(captured[1], seq.room - 1), gen)
+                    k, n_acc, token, drafts = graph.run(seq, min(captured[1], seq.room - 1), gen)
                     kept = seq.commit(n_acc, token, drafts, written=True)
                     target.cache.length = seq.n - 1  # the replay fed up to n + K - 1; the host sets what is kept
                     if k:
@@ -145,6 +135,22 @@ class SpeculativeDecoder(FastPlanned):
         if not marks.exact or stats.replayed_rounds:  # a captured round's draft and target times are not apart
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
+
+    def _captured(self, captured: tuple[str, int], drafter: Drafter, target, seq):
+        """The call's captured rounds (specdecpp/decoders/captured.py): a whole round's graph
+        (``("round", K)``) or the graphs of an adaptive policy's candidates and verdicts (``("steps",
+        K)``), bound to ``seq``; None where the capture failed, which is said once, and this decoder
+        then decodes round by round (``capture_rounds`` False)."""
+        how, k = captured
+        try:
+            if how == "round":
+                return round_graph(drafter.runner, target, k, self.sampling, self.vocab, seq)
+            return step_graphs(drafter.runner, target, self.policy, k, self.sampling, self.vocab,
+                               drafter.eos if drafter.stop_at_eos else set(), seq)
+        except CaptureFailed as exc:
+            log.warning("%s; decoding round by round (capture_rounds=False)", exc)
+            self.capture_rounds = False
+            return None
 
     @decoding
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,

@@ -200,12 +200,12 @@ def test_a_replayed_round_refuses_invalid_draft_rows(graphs_on):  # noqa: F811
     (graph,) = round_graphs(target)
     seq = TokenBuffer(prompt, 12, None, torch.device("cpu"))
     graph.bind(seq)
-    n_acc, token, drafts = graph.run(seq, torch.Generator().manual_seed(1))  # valid rows: a verdict
-    assert 0 <= n_acc <= 2 and len(drafts) == 2 and 0 <= token < 32
+    k, n_acc, token, drafts = graph.run(seq, 2, torch.Generator().manual_seed(1))  # valid rows: a verdict
+    assert k == 2 and 0 <= n_acc <= 2 and len(drafts) == 2 and 0 <= token < 32
     with torch.no_grad():
         draft.lm_head.weight.fill_(float("nan"))
     with pytest.raises(ValueError, match=INVALID_PROBS.split(":")[0]):
-        graph.run(seq, torch.Generator().manual_seed(1))
+        graph.run(seq, 2, torch.Generator().manual_seed(1))
 
 
 # Adaptive policies (specdecpp.decoders.captured.StepGraphs): one graph per candidate, the policy's
