@@ -170,14 +170,18 @@ def test_rounds_not_captured_where_they_cannot_be(graphs_on):  # noqa: F811
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
 def test_replayed_rounds_over_compiled_steps_equal_target_greedy(graphs_on):  # noqa: F811
     """fast='compile-graphs' (the fake capture on a CPU): a round graph holds each bucket's compiled
-    step, compiled once (the round's warm-ups call the same compiled steps the buckets' graphs do)."""
+    step, compiled once and never recompiled (dynamo's error_on_recompile): the round's forwards, at a
+    device-side position with a gathered mask, and the end-of-call rounds' per-forward graphs, with a
+    slice of the causal mask, pass the same guards."""
+    import torch._dynamo
     graphs_on("cpu")
     draft, target, cpu_target = pair32("cpu")
     decoder = SpeculativeDecoder(draft, target, FixedK(3), SamplingConfig(temperature=0), fast="compile-graphs")
     compiled = []
     for prompt, n in (([1, 2, 3], 21), ([4, 4, 9, 10, 11, 3, 5], 16)):
         ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-        out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = decoder.generate(torch.tensor([prompt]), max_new_tokens=n)
         assert out.tokens.tolist() == ref.tolist() and out.stats.replayed_rounds > 2
         compiled.append(sorted(model_steps(target).compile_seconds))
     assert any(key[0] == 4 for key in compiled[0])  # the verification's bucket, compiled
