@@ -46,6 +46,7 @@ from specdecpp.models.loading import load_model
 from tests.helpers.paths import REPO
 from tests.helpers.stats import chi_square_pvalue, sequence_distribution
 from tests.helpers.tiny import build_tokenizer, noisy_copy, tiny_lm
+from tests.models.test_graphs import graphs_on  # noqa: F401  (a fixture)
 
 FOLDER = str(REPO / "hub" / "specdecpp-generate")
 KWARGS_ROUTE = pytest.mark.skipif(not hasattr(GenerationMixin, "_extract_generation_mode_kwargs"),
@@ -113,6 +114,23 @@ def test_greedy_equals_plain_generate_for_every_policy(pair, name):
             assert out.sequences.tolist() == ref.tolist(), (text, n)
             accepted += sum(sum(s.accept_lengths) for s in out.run_stats)
     assert name == "target_only" or accepted > 0  # rounds with accepted candidates ran
+
+
+@pytest.mark.parametrize("name", ["fixed_k4", "svip", "head"])
+def test_generate_replays_captured_rounds_on_the_graph_backend(pair, name, graphs_on):  # noqa: F811
+    """fast='graphs' through generate (the fake capture on a CPU, tests/models/test_graphs.py): with no
+    logits processor beyond the sampling settings, the rounds are captured (specdecpp/decoders/captured.py)
+    and the greedy output is still plain generate's."""
+    graphs_on("cpu")
+    replayed = 0
+    for text in PROMPTS:
+        ids = encode(pair.tok, text)
+        ref = pair.target.generate(ids, max_new_tokens=24, do_sample=False)
+        out = pair.target.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
+                                   custom_generate=door(pair, fast="graphs", **policy(pair, name)))
+        assert out.sequences.tolist() == ref.tolist(), text
+        replayed += sum(s.replayed_rounds for s in out.run_stats)
+    assert replayed > 0
 
 
 @KWARGS_ROUTE
