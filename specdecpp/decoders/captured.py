@@ -25,8 +25,9 @@ caches hold ``tokens[:n - 1]``, the draft's last slot possibly not yet):
 3. the exact rule on the device: greedy, accept while ``y_i`` is the target's argmax; sampled,
    accept ``y_i`` while ``u_i < min(1, p_i(y_i) / q_i(y_i))``, then draw the next token from the
    residual of the first rejection or from p_{K+1} (core/verify.py, the same formulas);
-4. the next token is written after the accepted ones, ``n`` advances, and
-   ``[n_accepted, valid, y_1..y_K, token]`` is left in one output tensor.
+4. the next token is written after the accepted ones, and ``[n_accepted, valid, y_1..y_K, token]``
+   is left in one output tensor. ``n`` is set by the host before each replay (a fill, no read), so
+   a capture's warm-ups all run at one position.
 
 Randomness: the 2K + 1 uniforms of a round (K draws, K tests, the next token's draw) are drawn
 from the call's generator into the graph's input before each replay (one kernel), so the graph
