@@ -193,13 +193,13 @@ def compile_record(models: dict) -> dict:
     """Seconds per compiled step: "ROLE wWIDTH sSIZE" (one row) or "... bBATCH" (a batch bucket);
     per captured step (--fast graphs / compile-graphs: warm-up and capture, less the step's compile,
     which is listed on its own: ``capture_seconds``) the same, prefixed with the backend; per captured
-    round "round ROLE K w s"."""
+    round "round ROLE K w s" ("steps ...": an adaptive policy's graphs, K the most candidates)."""
     out = {}
     for role, m in models.items():
         steps = model_steps(m)
         for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
-            if key[0] == "round":  # a captured round (specdecpp/decoders/captured.py): K, the target's width, size
-                out[f"round {role} K{key[1]} w{key[2]} s{key[3]}"] = sec
+            if key[0] in ("round", "steps"):  # captured rounds (specdecpp/decoders/captured.py): K, target width, size
+                out[f"{key[0]} {role} K{key[1]} w{key[2]} s{key[3]}"] = sec
                 continue
             tag, key = (f"{key[0]} ", key[1:]) if isinstance(key[0], str) else ("", key)
             out[f"{tag}{role} w{key[0]} s{key[1]}" + (f" b{key[2]}" if len(key) > 2 else "")] = sec

@@ -177,6 +177,8 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     printed = capsys.readouterr().out
     assert "Captured rounds against their forwards" in printed and "| fixed_k3 | 3 | 4 |" in printed
     result = json.loads(out.read_text())
+    # capture times: the whole rounds by K, SVIP's graphs by its most candidates (--svip-max 8, 12 tokens: 8)
+    assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s") for k in result["compile_seconds"])
     assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
     assert all(r["round_graph_ms"] > 0 and r["forwards_graph_ms"] > 0 for r in result["round_graphs"])
     for name in ("target_only", "fixed_k1", "fixed_k2", "fixed_k3", "svip"):  # SVIP's a candidate at a time
