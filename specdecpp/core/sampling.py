@@ -260,24 +260,21 @@ INVALID_PROBS = "sample: every row of probs must be non-negative and finite with
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None, check: bool = True,
-          one_uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+          one_uniform: bool = False, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sample`'s draw and each row's check (:func:`_rows_ok`, a bool tensor [...], not read
     here; None without ``check``: its operations are kernels on CUDA, for a check nobody reads).
-    ``one_uniform``: every row drawn with the same single uniform (:func:`draw_each`)."""
+    ``one_uniform``: every row drawn with the same single uniform (:func:`draw_each`); ``u``: the
+    float64 uniforms given (:func:`draw_with`), none drawn."""
     if probs.dim() == 0 or probs.shape[-1] == 0:
         raise ValueError(f"sample: probs must be [..., V] with V >= 1, got shape {tuple(probs.shape)}")
     cum = probs.to(torch.float64, copy=True).cumsum_(-1)  # in place: 4-10x faster than cumsum for several rows
     total = cum[..., -1:]
     ok = _rows_ok(total[..., 0], probs) if check else None
-    u = torch.rand((1,) if one_uniform else total.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    return _inverse_cdf(cum, total, u), ok
-
-
-def _inverse_cdf(cum: torch.Tensor, total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first token whose cumulative mass ``cum`` [..., V] exceeds ``u * total`` (``total`` [..., 1],
-    ``u`` float64 uniforms broadcast to it), the draw clamped below the total."""
+    if u is None:
+        u = torch.rand((1,) if one_uniform else total.shape, generator=generator, dtype=torch.float64,
+                       device=probs.device)
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cum, x, right=True).squeeze(-1)
+    return torch.searchsorted(cum, x, right=True).squeeze(-1), ok
 
 
 def draw_with(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,9 +282,8 @@ def draw_with(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch
     (broadcast to [..., 1]), and each row's check (bool [...]); nothing is read and no generator is
     touched, so a CUDA graph can hold it (a captured round draws its uniforms before the replay,
     specdecpp/decoders/captured.py). An invalid row still gives an id below V."""
-    cum = probs.to(torch.float64, copy=True).cumsum_(-1)
-    total = cum[..., -1:]
-    return _inverse_cdf(cum, total, u).clamp_max_(probs.shape[-1] - 1), _rows_ok(total[..., 0], probs)
+    token, ok = _draw(probs, None, u=u)
+    return token.clamp_max_(probs.shape[-1] - 1), ok
 
 
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

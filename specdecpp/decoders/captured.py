@@ -59,7 +59,7 @@ import torch
 from ..core.sampling import INVALID_PROBS, SamplingConfig, argmax, draw_with, rows_valid, warp
 from ..core.verify import acceptance_ratio, residual
 from ..models import static
-from ..models.static import GRAPH_BACKENDS, StaticRunner, model_steps
+from ..models.static import GRAPH_BACKENDS, StaticRunner, fit_buckets, model_steps
 from ..stopping.policies import FixedK, StopPolicy, TargetOnly
 from .rounds import CallHooks, TokenBuffer
 
@@ -109,19 +109,26 @@ class RoundParts:
         self.target_fwd = {kk: target.forward_at(w) for kk, w in widths.items()}
         self.pads = {kk: torch.arange(w, device=device).clamp_(max=kk) for kk, w in widths.items()}  # tokens[n - 1 + pad]
 
+    def draft_forward(self, i: int, previous: torch.Tensor | None):
+        """The draft's forward that scores candidate ``i``: ``tokens[n - 2 : n]`` at slots ``n - 2, n - 1``
+        (i = 0), else ``previous`` (the candidate before, [1] or 0-d) at slot ``n + i - 1``; logits [W, V]
+        and hidden [W, H], the last row the candidate's."""
+        if i == 0:
+            return self.draft_two(self.tokens.index_select(0, self.n - 2 + self.two), self.n - 2)
+        return self.draft_one(previous.reshape(1), self.n + (i - 1))
+
+    def target_forward(self, k: int) -> torch.Tensor:
+        """The target's forward over ``tokens[n - 1 : n + k]`` (padded to its bucket); logits [W, V]."""
+        return self.target_fwd[k](self.tokens.index_select(0, self.n - 1 + self.pads[k]), self.n - 1)[0]
+
     def candidate(self, i: int, previous: torch.Tensor | None):
         """Draft candidate ``i`` (0-based) after ``tokens[:n + i]``: the draft feeds ``tokens[n - 2 :
         n]`` (i = 0) or ``previous`` (the candidate before, 0-d) and draws ``y`` from its row with
         uniform ``u[i]`` (greedy: the argmax). Returns ``(y, q, row, hidden)``: the candidate (0-d),
         the row q it was drawn from (None under greedy), the draft's raw logits row [V] and its
         final hidden state [H]."""
-        n = self.n
-        if i == 0:
-            logits, hidden = self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)
-            row, hidden = logits[1, : self.vocab], hidden[1]
-        else:
-            logits, hidden = self.draft_one(previous.reshape(1), n + (i - 1))
-            row, hidden = logits[0, : self.vocab], hidden[0]
+        logits, hidden = self.draft_forward(i, previous)
+        row, hidden = logits[-1, : self.vocab], hidden[-1]
         if self.greedy:
             return argmax(row).reshape(()), None, row, hidden
         q = warp(row, self.sampling)
@@ -134,8 +141,7 @@ class RoundParts:
         y_1..y_k, token]``. ``n`` stays: the host sets it before each round (so a capture's warm-ups
         all run at one position)."""
         n, cfg = self.n, self.sampling
-        logits, _ = self.target_fwd[k](self.tokens.index_select(0, n - 1 + self.pads[k]), n - 1)
-        logits = logits[: k + 1, : self.vocab]
+        logits = self.target_forward(k)[: k + 1, : self.vocab]
         if self.greedy:
             top = argmax(logits)
             n_acc = (top[:k] == drafted).long().cumprod(0).sum() if k else torch.zeros_like(n)
@@ -208,13 +214,9 @@ class RoundGraph(RoundParts):
         token the buffer holds there, no draw, rule or write of ``n``. What a benchmark captures to
         time the round graph against (scripts/bench_fast.py ``--round-graphs``); its forwards write
         the caches above ``n`` only, which the next round writes again."""
-        n, outs = self.n, []
-        if self.k:
-            outs.append(self.draft_two(self.tokens.index_select(0, n - 2 + self.two), n - 2)[0])
-            for i in range(1, self.k):
-                outs.append(self.draft_one(self.tokens.index_select(0, (n + (i - 1)).reshape(1)), n + (i - 1))[0])
-        outs.append(self.target_fwd[self.k](self.tokens.index_select(0, n - 1 + self.pads[self.k]), n - 1)[0])
-        return tuple(outs)
+        outs = [self.draft_forward(i, self.tokens.index_select(0, (self.n + (i - 1)).reshape(1)) if i else None)[0]
+                for i in range(self.k)]
+        return (*outs, self.target_forward(self.k))
 
     def capture(self, seq: TokenBuffer, pool) -> float:
         """Capture the round at ``seq``'s ``n`` (the warm-ups run it for real: what they write above
@@ -248,7 +250,7 @@ class StepGraphs(RoundParts):
                  vocab: int, eos: set[int]) -> None:
         """``k``: the most candidates a round drafts (:func:`round_plan`); ``eos``: the tokens that
         end a block (where the policy reads values, as the uncaptured drafter)."""
-        widths = {kk: next(b for b in target.buckets if b >= kk + 1) for kk in range(1, k + 1)}
+        widths = {kk: fit_buckets(kk + 1, target.buckets)[-1] for kk in range(1, k + 1)}
         super().__init__(draft, target, k, sampling, vocab, widths)
         device = target.device
         self.policy, self.eos = policy, eos
@@ -278,9 +280,8 @@ class StepGraphs(RoundParts):
         """Every candidate's graph, then every verdict's, at ``seq``'s ``n`` (the warm-ups run them for
         real: the candidates' write the tokens the verdicts' read). Seconds it took."""
         t0 = time.perf_counter()
-        self.prompt_len.fill_(seq.prompt_len)
         with torch.no_grad():
-            self.n.fill_(seq.n)
+            self.n.fill_(seq.n)  # (bind set prompt_len)
             for i in range(self.k):
                 replay, (out,) = static.capture_graph(functools.partial(self._candidate_step, i), pool)
                 self.steps.append((replay, out))
@@ -288,7 +289,6 @@ class StepGraphs(RoundParts):
                 q = None if self.q is None else self.q[:k]
                 replay, (out,) = static.capture_graph(functools.partial(self._verdict_step, k, q), pool)
                 self.verdicts[k] = (replay, out)
-        self.n.fill_(seq.n)
         return time.perf_counter() - t0
 
     def _verdict_step(self, k: int, q: torch.Tensor | None) -> tuple[torch.Tensor]:
@@ -361,7 +361,7 @@ def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: Sam
                 seq: TokenBuffer) -> RoundGraph:
     """The round graph of these runners' buffers, K, the target's bucket for K + 1 tokens and
     ``sampling``: kept on the target's graph set, captured on its first use (on ``seq``'s state)."""
-    width = next(b for b in target.buckets if b >= k + 1)
+    width = fit_buckets(k + 1, target.buckets)[-1]
     key = (id(draft.graph_set), k, width, sampling.temperature, sampling.top_k, sampling.top_p, vocab)
     return _kept(draft, target, key, ("round", k, width, target.cache.size),
                  lambda: RoundGraph(draft, target, k, sampling, vocab, width), seq)
@@ -381,6 +381,6 @@ def step_graphs(draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k
     use (on ``seq``'s state)."""
     key = (id(draft.graph_set), "steps", id(policy), k, sampling.temperature, sampling.top_k, sampling.top_p, vocab,
            tuple(sorted(eos)))
-    width = next(b for b in target.buckets if b >= k + 1)
+    width = fit_buckets(k + 1, target.buckets)[-1]
     return _kept(draft, target, key, ("steps", k, width, target.cache.size),
                  lambda: StepGraphs(draft, target, policy, k, sampling, vocab, eos), seq)
