@@ -18,7 +18,7 @@ with ``--threads`` torch threads on a CPU:
    tensor of ``--bandwidth-mb`` MB (bytes read + written / seconds, median of ``--repeats``).
 3. Decoding: target-only, fixed K 1-3, SVIP and, with ``--head DIR``, SpecDec++ with that head,
    each eager and fast; every method and backend on a prompt before the next prompt (the order of
-   the backends alternates between prompts). Held-out prompts of the bundled test split with the
+   the backends rotates from prompt to prompt). Held-out prompts of the bundled test split with the
    pair's EOS, or random prompts of ``--prompt-len`` tokens with random weights (no EOS). Per
    method: tokens/s pooled over prompts, fast over eager and each backend over its own target-only
    with a paired 95% bootstrap interval over prompts (``infer.summary.paired_speedup_ci``:
@@ -49,6 +49,10 @@ with ``--threads`` torch threads on a CPU:
    outside the forwards splits into the device's (the round graph beyond its forwards: warps, draws,
    the rule) and the host's (the decoding round beyond its graph). ``--no-capture-rounds`` replays
    each forward but not whole rounds.
+6. ``--also-per-forward`` (graph backends): each method decodes a third time in the same
+   interleaved pass, on the same backend with rounds not captured, so captured rounds are compared
+   with per-forward graphs in one run: tokens/s, captured over per-forward with a paired 95%
+   interval, ms per round (all and after the first) and, greedy, whether the tokens are the same.
 
 Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
 forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
@@ -99,6 +103,7 @@ from specdecpp.models.static import model_steps
 
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
 WIDTHS = (1, 2, 4, 8)
+PER_FORWARD = "per-forward"  # --also-per-forward: the fast backend with rounds not captured
 # The demo target's config (SmolLM2-135M-Instruct, conf/pair/demo.yaml), for --random where the pair
 # is not materialised (a GPU machine without the GGUF); the materialised target's config.json wins.
 DEMO_TARGET_CONFIG = {
@@ -209,10 +214,12 @@ def compile_record(models: dict) -> dict:
 def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
     """Every (method, backend) on prompt j before prompt j + 1; rows per (method, backend)."""
     rows = {key: [] for key in decoders}
+    groups: dict = {}
+    for key in decoders:  # a method's backends, in turn
+        groups.setdefault(key[0], []).append(key)
     for j, prompt in enumerate(ids):
-        keys = list(decoders)
-        if j % 2:  # alternate the backends' order (eager first on even prompts)
-            keys = [k for pair in zip(keys[1::2], keys[::2], strict=True) for k in pair]
+        # rotate each method's backends from prompt to prompt (two backends: eager first on even prompts)
+        keys = [k for group in groups.values() for k in group[j % len(group):] + group[:j % len(group)]]
         for key in keys:
             out = decoders[key].generate(prompt, args.max_new_tokens, torch.Generator().manual_seed(
                 prompt_seed(args.seed, str(j))), eos_token_id=eos)
@@ -336,18 +343,26 @@ def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered:
     out, meters, metered = {}, meters or {}, metered or rows
     for name in names:
         eager, quick = rows[(name, None)], rows[(name, fast)]
+        per_forward = rows.get((name, PER_FORWARD))
         unequal = [r["prompt_id"] for r, q in zip(eager, quick, strict=True) if r["tokens"] != q["tokens"]]
+        runs = [("eager", None, eager, "eager"), ("fast", fast, quick, "fast")]
+        if per_forward is not None:  # --also-per-forward: the fast backend's forwards measured once for both
+            runs.append(("per_forward", PER_FORWARD, per_forward, "fast"))
         out[name] = {
             **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
                          / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs),
                          **({"breakdown": breakdown(meters[(name, b)], metered[(name, b)])}
                             if (name, b) in meters else {}),
-                         **({"after_first": after_first(rs, forwards[backend])} if forwards else {})}
-               for backend, b, rs in (("eager", None, eager), ("fast", fast, quick))},
+                         **({"after_first": after_first(rs, forwards[measured])} if forwards else {})}
+               for backend, b, rs, measured in runs},
             "fast_over_eager": ratio(quick, eager),
             "eager_over_target_only": ratio(eager, rows[("target_only", None)]),
             "fast_over_fast_target_only": ratio(quick, rows[("target_only", fast)]),
             "greedy_equal": not unequal, "unequal_prompts": unequal}
+        if per_forward is not None:
+            out[name]["captured_over_per_forward"] = ratio(quick, per_forward)
+            out[name]["per_forward_unequal_prompts"] = [r["prompt_id"] for r, q in zip(per_forward, quick, strict=True)
+                                                        if r["tokens"] != q["tokens"]]
     return out
 
 
@@ -478,10 +493,32 @@ def table(result: dict) -> str:
         " (" + ", ".join(f"{k}: {v:.1f} s" for k, v in comp.items()) + ")" if comp else "")]
     if any("after_first" in m["fast"] for m in result["methods"].values()):
         lines += ["", after_first_table(result)]
+    if any("per_forward" in m for m in result["methods"].values()):
+        lines += ["", per_forward_table(result)]
     if result.get("round_graphs"):
         lines += ["", round_graphs_table(result)]
     if any("breakdown" in m["fast"] for m in result["methods"].values()):
         lines += ["", breakdown_table(result)]
+    return "\n".join(lines)
+
+
+def per_forward_table(result: dict) -> str:
+    """--also-per-forward: rounds captured against the same backend replaying each forward, one
+    interleaved pass (greedy: the same tokens expected; sampled: a captured round draws its own
+    uniforms, so the samples differ while both follow the target's distribution)."""
+    greedy = result.get("sampling", "greedy") == "greedy"
+    lines = ["## Rounds captured against per-forward graphs (one interleaved pass; paired 95% CI over prompts)", "",
+             "| method | captured tok/s | per-forward tok/s | captured / per-forward [95% CI] | ms/round captured | "
+             "ms/round per-forward | ms/round after the first, captured | per-forward | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        c, p = m["fast"], m["per_forward"]
+        later = [x.get("after_first", {}).get("ms_per_round") for x in (c, p)]
+        same = ("yes" if not m["per_forward_unequal_prompts"] else
+                "NO: prompts " + ", ".join(m["per_forward_unequal_prompts"])) if greedy else "n/a (sampled)"
+        lines.append(f"| {name} | {c['tokens_per_s']:.2f} | {p['tokens_per_s']:.2f} | {_x(m['captured_over_per_forward'])} | "
+                     f"{c['ms_per_round']:.3f} | {p['ms_per_round']:.3f} | "
+                     + " | ".join("n/a" if v is None else f"{v:.3f}" for v in later) + f" | {same} |")
     return "\n".join(lines)
 
 
@@ -492,8 +529,8 @@ def after_first_table(result: dict) -> str:
              "| method | backend | ms/round | forwards alone (est.) ms | outside the forwards | rounds replayed |",
              "|---|---|---|---|---|---|"]
     for name, m in result["methods"].items():
-        for backend in ("eager", "fast"):
-            a = m[backend].get("after_first")
+        for backend in ("eager", "fast", "per_forward"):
+            a = m.get(backend, {}).get("after_first")
             if a:
                 share = a["outside_share_est"]
                 lines.append(f"| {name} | {backend} | {a['ms_per_round']:.3f} | {a['forwards_ms_per_round_est']:.3f} | "
@@ -639,6 +676,9 @@ def main(argv=None) -> int:
                     "most own time")
     ap.add_argument("--no-capture-rounds", action="store_true", help="on the graph backends, replay each forward "
                     "but not whole rounds (specdecpp/decoders/captured.py)")
+    ap.add_argument("--also-per-forward", action="store_true", help="on a graph backend, each method also decodes "
+                    "with rounds not captured (each forward replayed), in the same interleaved pass: captured over "
+                    "per-forward with a paired interval (docstring, 6.)")
     ap.add_argument("--round-graphs", action="store_true", help="after decoding on a graph backend, time each "
                     "captured round graph against a graph of its forwards alone (docstring, 5.)")
     ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
@@ -657,6 +697,9 @@ def main(argv=None) -> int:
         ap.error("--profile-outside needs --breakdown")
     if args.round_graphs and (args.no_capture_rounds or args.batch or not set(args.fast) & {"graphs", "compile-graphs"}):
         ap.error("--round-graphs needs --fast graphs or compile-graphs, rounds captured, and no --batch")
+    if args.also_per_forward and (args.no_capture_rounds or args.batch or
+                                  not set(args.fast) & {"graphs", "compile-graphs"}):
+        ap.error("--also-per-forward needs --fast graphs or compile-graphs, rounds captured, and no --batch")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
     if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
@@ -704,6 +747,11 @@ def main(argv=None) -> int:
     decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, sampling, fast=backend,
                                                     capture_rounds=not args.no_capture_rounds)
                 for name, policy in policies.items() for backend in (None, args.fast)}
+    if args.also_per_forward:  # each method's third decoder, interleaved with the other two
+        decoders = {key: decoder for name, policy in policies.items() for key, decoder in (
+            ((name, None), decoders[(name, None)]), ((name, args.fast), decoders[(name, args.fast)]),
+            ((name, PER_FORWARD), SpeculativeDecoder(draft, target, policy, sampling, fast=args.fast,
+                                                     capture_rounds=False)))}
     longest = max(p.shape[1] for p in ids)
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
         decoder.warm_up(longest, args.max_new_tokens)
@@ -739,7 +787,9 @@ def main(argv=None) -> int:
               "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
               "capture_rounds": not args.no_capture_rounds, "round_graphs": rounds,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
-    return report(result, table(result), args, all(m["greedy_equal"] for m in result["methods"].values()))
+    return report(result, table(result), args, all(  # greedy: per-forward's tokens too
+        m["greedy_equal"] and (args.sampling != "greedy" or not m.get("per_forward_unequal_prompts"))
+        for m in result["methods"].values()))
 
 
 def report(result: dict, text: str, args, equal: bool) -> int:

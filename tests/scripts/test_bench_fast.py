@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import pytest
+import torch
 
 from tests.helpers.paths import REPO
 from tests.models.test_graphs import graphs_on  # noqa: F401  (a fixture)
@@ -186,3 +188,60 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     with pytest.raises(SystemExit):
         bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--round-graphs"])
     assert "--round-graphs needs" in capsys.readouterr().err
+
+
+def test_bench_fast_compares_captured_rounds_with_per_forward_graphs_in_one_pass(tmp_path, capsys, graphs_on):  # noqa: F811
+    """--also-per-forward on the CPU's fake capture: each method decodes eager, with rounds captured and
+    with rounds not captured, in one interleaved pass; the captured decoder replays rounds and the
+    per-forward one none, greedy both give the target's tokens, and the ratio with its interval is
+    recomputed from the JSON's pooled rates."""
+    import bench_fast
+
+    graphs_on("cpu")
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "3", "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", "--also-per-forward",
+                            "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Rounds captured against per-forward graphs" in printed and "| per_forward |" in printed
+    result = json.loads(out.read_text())
+    for name, m in result["methods"].items():
+        assert m["fast"]["after_first"]["replayed_rounds"] > 0, name
+        assert m["per_forward"]["after_first"]["replayed_rounds"] == 0, name
+        assert m["per_forward"]["n_generated"] == m["fast"]["n_generated"] == 36
+        assert m["per_forward_unequal_prompts"] == [] and m["greedy_equal"], name
+        c = m["captured_over_per_forward"]
+        assert c["ratio"] == pytest.approx(m["fast"]["tokens_per_s"] / m["per_forward"]["tokens_per_s"])
+        assert c["ci95"] is not None and len(c["ci95"]) == 2
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--also-per-forward", "--no-capture-rounds"])
+    assert "--also-per-forward needs" in capsys.readouterr().err
+
+
+def test_decode_all_rotates_each_methods_backends_from_prompt_to_prompt():
+    """The order of a method's backends on prompt j is its list rotated by j (two backends: swapped on
+    odd prompts), every method before the next prompt."""
+    import bench_fast
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, key):
+            self.key = key
+
+        def generate(self, prompt, max_new_tokens, generator, eos_token_id=None):
+            calls.append((int(prompt[0, 0]), self.key))
+            stats = types.SimpleNamespace(n_generated=1, wall_time_s=1.0, accept_lengths=[0], first_round_s=0.5,
+                                          candidate_lengths=[0], n_draft_calls=0, replayed_rounds=0)
+            return types.SimpleNamespace(stats=stats, tokens=torch.cat([prompt, prompt[:, :1]], 1))
+
+    keys = [("a", None), ("a", "graphs"), ("a", "per-forward"), ("b", None), ("b", "graphs")]
+    args = type("A", (), {"max_new_tokens": 1, "seed": 0})()
+    rows = bench_fast.decode_all({k: Recorder(k) for k in keys}, [torch.tensor([[j]]) for j in range(3)], args, None)
+    assert calls == [
+        (0, ("a", None)), (0, ("a", "graphs")), (0, ("a", "per-forward")), (0, ("b", None)), (0, ("b", "graphs")),
+        (1, ("a", "graphs")), (1, ("a", "per-forward")), (1, ("a", None)), (1, ("b", "graphs")), (1, ("b", None)),
+        (2, ("a", "per-forward")), (2, ("a", None)), (2, ("a", "graphs")), (2, ("b", None)), (2, ("b", "graphs"))]
+    assert all(len(r) == 3 for r in rows.values())
