@@ -27,9 +27,10 @@
 #            --fast compile-graphs (JSON in $LOGS/bench_fast_compile_graphs_cuda.json); each at most 4 min
 #   rounds   captured rounds (a fixed-K or target-only round as one CUDA graph, specdecpp/decoders/captured.py): their
 #            CUDA tests with the host reads and the graphs twins of target-only and fixed K, then scripts/bench_fast.py
-#            --random on $ROUNDS_BACKEND (graphs) greedy and sampled ($ROUNDS_SAMPLINGS), rounds captured (with
-#            --round-graphs: each round graph against a graph of its forwards alone, the loop's share) and
-#            (--no-capture-rounds) per forward; JSON in $LOGS/bench_rounds_*_cuda.json
+#            --random on $ROUNDS_BACKEND (graphs) greedy and sampled ($ROUNDS_SAMPLINGS), $ROUNDS_PROMPTS (8) prompts,
+#            eager, rounds captured and per forward in one interleaved pass (--also-per-forward: captured over
+#            per-forward with a paired interval), then --round-graphs (each round graph against a graph of its
+#            forwards alone, the loop's share); JSON in $LOGS/bench_rounds_*_cuda.json
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
 #            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
 #            --breakdown (the loop's share of a round, from a second, metered pass); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
@@ -125,14 +126,11 @@ for stage in "$@"; do
             "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
             tests/models/test_graphs.py tests/decoders/test_exactness.py \
             -k "captured or replay or reads or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))"
-        for mode in captured per-forward; do
-            for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do
-                STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-150} run "rounds-bench-$mode-$sampling" $PY scripts/bench_fast.py \
-                    --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" --prompts "${FAST_PROMPTS:-4}" \
-                    --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" \
-                    $([ "$mode" = per-forward ] && echo --no-capture-rounds || echo --round-graphs) \
-                    --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${mode}_${sampling}_cuda.json"
-            done
+        for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do  # captured and per-forward interleaved in one pass
+            STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-200} run "rounds-bench-$sampling" $PY scripts/bench_fast.py \
+                --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" --prompts "${ROUNDS_PROMPTS:-8}" \
+                --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" --also-per-forward --round-graphs \
+                --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${sampling}_cuda.json"
         done ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
         for sampling in greedy paper; do
