@@ -75,11 +75,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
 import pstats
 import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infer.measure import step_times
@@ -96,6 +98,7 @@ from specdecpp import (
     load_head,
     load_pair,
 )
+from specdecpp.analysis.stats import bootstrap_interval, pooled_ratio
 from specdecpp.core.timing import Clock, machine_description, time_forward
 from specdecpp.data.labels import sample_responses
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
@@ -221,6 +224,9 @@ def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
         # rotate each method's backends from prompt to prompt (two backends: eager first on even prompts)
         keys = [k for group in groups.values() for k in group[j % len(group):] + group[:j % len(group)]]
         for key in keys:
+            meters = getattr(decoders[key], "runners", None)
+            meters = meters if isinstance(meters, FeedMeters) else None
+            before = dict(meters.seconds) if meters is not None else None
             out = decoders[key].generate(prompt, args.max_new_tokens, torch.Generator().manual_seed(
                 prompt_seed(args.seed, str(j))), eos_token_id=eos)
             s = out.stats
@@ -228,8 +234,22 @@ def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
                               "wall_time_s": s.wall_time_s, "rounds": len(s.accept_lengths),
                               "first_round_s": s.first_round_s, "candidate_lengths": s.candidate_lengths,
                               "draft_forwards": s.n_draft_calls, "replayed_rounds": s.replayed_rounds,
-                              "tokens": out.tokens[0, prompt.shape[1]:].tolist()})
+                              "tokens": out.tokens[0, prompt.shape[1]:].tolist(),
+                              **(metered_split(meters.seconds, before) if meters is not None else {})})
     return rows
+
+
+def metered_split(seconds: dict, before: dict) -> dict:
+    """One call's metered seconds (:class:`FeedMeters` totals after it less ``before``): its prefill
+    feeds and its rounds' forwards (a model's steps where its runner has them, else its feeds), as
+    :func:`breakdown` splits the pooled totals."""
+    delta = {k: v - before.get(k, 0.0) for k, v in seconds.items()}
+
+    def total(phase: str, part: str, role: str | None = None) -> float:
+        return sum(v for (r, p, q), v in delta.items() if p == phase and q == part and role in (None, r))
+
+    forwards = sum(total("round", "step", role) or total("round", "feed", role) for role in ("draft", "target"))
+    return {"prefill_s": total("prefill", "feed"), "round_forwards_s": forwards}
 
 
 def pooled(rows) -> float:
@@ -380,7 +400,13 @@ def breakdown(meters: FeedMeters, rows: list[dict]) -> dict:
     parts = {"draft_forward": forward["draft"], "target_forward": forward["target"],
              "in_feed": feeds - sum(forward.values()), "mask": meters.total("round", "mask"), "loop": wall - feeds}
     parts["outside"] = parts["in_feed"] + parts["loop"]
-    return {"rounds": rounds, "ms_per_round": 1e3 * wall / max(rounds, 1),
+    ci = None
+    if all("round_forwards_s" in r for r in rows):  # per call (decode_all): the share's interval over prompts
+        spans = np.array([r["wall_time_s"] - r["prefill_s"] for r in rows])
+        outside = spans - np.array([r["round_forwards_s"] for r in rows])
+        ci = bootstrap_interval(pooled_ratio, outside, spans)
+        ci = None if any(map(math.isnan, ci)) else list(ci)
+    return {"rounds": rounds, "ms_per_round": 1e3 * wall / max(rounds, 1), "outside_share_ci95": ci,
             **{f"{k}_ms_per_round": 1e3 * v / max(rounds, 1) for k, v in parts.items()},
             **{f"{k}_share": v / wall if wall > 0 else None for k, v in parts.items()}}
 
@@ -435,7 +461,7 @@ def profile_outside(decoder, prompt, args, eos, top: int) -> dict:
 def breakdown_table(result: dict) -> str:
     lines = ["## Where a round's time goes (ms per round; share of the round, prefill left out)", "",
              "| method | backend | ms/round | draft forwards | target forwards | mask + padding (in feed) | "
-             "rest of the loop | outside the forwards |", "|---|---|---|---|---|---|---|---|"]
+             "rest of the loop | outside the forwards [95% CI over prompts] |", "|---|---|---|---|---|---|---|---|"]
     for name, m in result["methods"].items():
         for backend in ("eager", "fast"):
             b = m[backend].get("breakdown")
@@ -443,6 +469,8 @@ def breakdown_table(result: dict) -> str:
                 continue
             cells = [f"{b[f'{k}_ms_per_round']:.2f} ({100 * b[f'{k}_share']:.1f}%)"
                      for k in ("draft_forward", "target_forward", "in_feed", "loop", "outside")]
+            if b.get("outside_share_ci95"):  # the share's 95% interval over prompts
+                cells[-1] += " [{:.1f}%, {:.1f}%]".format(*(100 * x for x in b["outside_share_ci95"]))
             lines.append(f"| {name} | {backend} | {b['ms_per_round']:.2f} | " + " | ".join(cells) + " |")
     for name, p in (result.get("profile_outside") or {}).items():
         lines += ["", f"cProfile, {name} fast, one call ({p['rounds']} rounds, {p['profiled_s']:.2f} s profiled; "

@@ -86,6 +86,9 @@ def test_bench_fast_breakdown_splits_each_round_and_profiles_the_loop(tmp_path, 
             assert (b["draft_forward_share"] == 0) == (name == "target_only"), (name, backend)
             assert (b["in_feed_share"] == 0) == (backend == "eager"), (name, backend)  # eager: the feed is the forward
             assert b["mask_share"] > 0 if backend == "fast" else b["mask_share"] == 0
+            low, high = b["outside_share_ci95"]  # per call, pooled over resampled prompts: around the pooled share
+            assert low <= b["outside_share"] <= high and high < 1, (name, backend)
+    assert "outside the forwards [95% CI over prompts]" in printed
     for name, p in result["profile_outside"].items():
         assert len(p["top"]) == 5 and 0 < p["steps_share"] < 1, name
         assert all("static_step" not in f["function"] for f in p["top"]), name  # the forwards are not listed
