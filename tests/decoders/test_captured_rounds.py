@@ -1,6 +1,8 @@
 """Captured rounds (specdecpp/decoders/captured.py): under fast='graphs' a fixed-K or target-only round
-is one CUDA graph. On the CPU the graph is tests/models/test_graphs.py's fake (every replay reruns the
-captured function and rewrites its outputs in place); on CUDA (``gpu``) the real capture. The rounds
+is one CUDA graph. On the CPU the graph is tests/helpers/graph_tape.py's fake, which keeps a CUDA graph's
+rules (a replay re-executes the operations recorded at capture on the same tensors, so whatever the
+Python decided at capture stays decided; host reads and random draws are refused during capture); on
+CUDA (``gpu``) the real capture. The rounds
 must be exact by the same tests as every decoder: greedy output equals the target's own, sampled
 output has the target's exact distribution (chi-square against enumeration, EOS included), the same
 seed gives the same output, and the caches after many replayed rounds equal a fresh prefill. Rounds
@@ -62,12 +64,17 @@ def test_replayed_rounds_equal_target_greedy_and_capture_once(graphs_on, device,
     graphs_on(device)
     draft, target, cpu_target = pair32(device)
     decoder = SpeculativeDecoder(draft, target, policy(), SamplingConfig(temperature=0), fast="graphs")
+    by_round = SpeculativeDecoder(draft, target, policy(), SamplingConfig(temperature=0), fast="static")
     accepted, captured = [], []
     for _ in range(2):
         for prompt, n, eos in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21), (None, 9)):
             ref = greedy_reference(cpu_target, prompt, n, eos)
             out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n, eos_token_id=eos)
             assert out.tokens[0].cpu().tolist() == ref, (prompt, n, eos)
+            # the draft's greedy candidates are the round-by-round drafter's: the same accepted counts
+            # (exactness alone would hold with any drafts)
+            host = by_round.generate(torch.tensor([prompt], device=device), max_new_tokens=n, eos_token_id=eos)
+            assert out.stats.accept_lengths == host.stats.accept_lengths, (prompt, n, eos)
             rounds = len(out.stats.accept_lengths)
             if n == 21 and eos is None:  # after the prefill's round every round fits until the last K
                 assert out.stats.replayed_rounds >= rounds - 1 - decoder.policy.max_candidates, out.stats

@@ -1,7 +1,9 @@
 """fast='graphs' (specdecpp.models.static: CUDA graphs per bucket over leased KV buffers). On CUDA
 (marked ``gpu``) the real capture; on the CPU the same bookkeeping with :func:`capture_graph`
-replaced by a fake whose replay rewrites the captured outputs in place, as a CUDA graph's does (so
-a runner that handed out uncloned outputs would fail here): the logits equal the static and
+replaced by a fake that keeps a CUDA graph's rules (tests/helpers/graph_tape.py: a replay re-executes
+the operations recorded at capture on the same tensors and rewrites the captured outputs in place,
+so a runner that handed out uncloned outputs, or code that decided on the host at capture, fails
+here; a capture refuses host reads, value-dependent shapes and random draws): the logits equal the static and
 dynamic runners' after random feeds, rollbacks and compactions (one row and batches), each bucket
 is captured once per process and never again after a warm-up, a second live runner gets buffers
 of its own, and 'graphs' is refused on a CPU with the device named."""
@@ -23,6 +25,7 @@ from specdecpp.models.static import (
     model_steps,
     stage_inputs,
 )
+from tests.helpers import graph_tape
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
 from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
@@ -30,27 +33,12 @@ from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
 DEVICES = [pytest.param("cpu", id="cpu-fake"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-def fake_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
-    """A CPU stand-in for a CUDA graph: the outputs are fixed tensors that every replay rewrites."""
-    for _ in range(warmup):
-        run()
-    outputs = run()
-
-    def replay():
-        with torch.no_grad():
-            for out, new in zip(outputs, run(), strict=True):
-                out.copy_(new)
-
-    return replay, outputs
-
-
 @pytest.fixture
 def graphs_on(monkeypatch):
     """``graphs_on(device)``: the device's model setup for fast='graphs' (the fake on a CPU)."""
     def setup(device: str) -> None:
         if device == "cpu":
-            monkeypatch.setattr(static, "GRAPHS_DEVICE_TYPES", ("cuda", "cpu"))
-            monkeypatch.setattr(static, "capture_graph", fake_capture)
+            graph_tape.install(monkeypatch)
     return setup
 
 
@@ -66,6 +54,35 @@ def test_graphs_refused_on_cpu():
         with pytest.raises(ValueError, match="fast='graphs' needs CUDA; the models are on cpu"):
             build()
     assert static.check_fast("infer", "graphs") == "graphs"  # the device not known yet: checked when models load
+
+
+def test_the_cpu_fake_keeps_a_cuda_graphs_rules():
+    """tests/helpers/graph_tape.py: a replay re-executes the recorded operations on the same tensors
+    (new input values are seen; Python that ran at capture is not rerun, so a host-side decision stays
+    as captured); the outputs hold garbage until the first replay; a capture refuses a host read, a
+    value-dependent shape and a random draw, and takes attention without dropout."""
+    x, scale, calls = torch.ones(4), [2.0], []
+
+    def run():
+        calls.append(1)
+        return ((x * scale[0]).cumsum(0), x[1:].clone())
+
+    replay, (out, tail) = graph_tape.fake_capture(run, None, warmup=1)
+    assert len(calls) == 2 and torch.isnan(out).all()  # a warm-up and the capture; nothing written yet
+    x.copy_(torch.arange(4.0))
+    scale[0] = 10.0  # a host value read at capture: a replay keeps 2.0
+    replay()
+    assert out.tolist() == [0.0, 2.0, 6.0, 12.0] and tail.tolist() == [1.0, 2.0, 3.0] and len(calls) == 2
+    refused = {"on the host": lambda: (x * int(x.sum()),), "shape depends on values": lambda: (x.nonzero(),),
+               "draws random numbers": lambda: (torch.rand(3),)}
+    for what, fn in refused.items():
+        with pytest.raises(graph_tape.CaptureRefused, match=what):
+            graph_tape.fake_capture(fn, None, warmup=1)
+    q = torch.randn(1, 2, 3, 4)
+    replay, (att,) = graph_tape.fake_capture(lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q),),
+                                             None)
+    replay()
+    assert torch.equal(att, torch.nn.functional.scaled_dot_product_attention(q, q, q))
 
 
 def test_stage_inputs_checks_shape_and_dtype():
