@@ -772,14 +772,14 @@ def main(argv=None) -> int:
 
     policies = methods(args, draft)
     sampling = SAMPLINGS[args.sampling]
-    decoders = {(name, backend): SpeculativeDecoder(draft, target, policy, sampling, fast=backend,
-                                                    capture_rounds=not args.no_capture_rounds)
-                for name, policy in policies.items() for backend in (None, args.fast)}
+    backends = {None: (None, True), args.fast: (args.fast, not args.no_capture_rounds)}
     if args.also_per_forward:  # each method's third decoder, interleaved with the other two
-        decoders = {key: decoder for name, policy in policies.items() for key, decoder in (
-            ((name, None), decoders[(name, None)]), ((name, args.fast), decoders[(name, args.fast)]),
-            ((name, PER_FORWARD), SpeculativeDecoder(draft, target, policy, sampling, fast=args.fast,
-                                                     capture_rounds=False)))}
+        backends[PER_FORWARD] = (args.fast, False)
+    # each decoder a policy object of its own: captured step graphs keep a policy's round state (captured.py)
+    own = {key: methods(args, draft) for key in backends}
+    decoders = {(name, key): SpeculativeDecoder(draft, target, own[key][name], sampling, fast=fast,
+                                                capture_rounds=capture)
+                for name in policies for key, (fast, capture) in backends.items()}
     longest = max(p.shape[1] for p in ids)
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
         decoder.warm_up(longest, args.max_new_tokens)
