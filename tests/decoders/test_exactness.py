@@ -31,6 +31,7 @@ from specdecpp import (
 )
 from specdecpp.core.compat import cache_kwargs
 from specdecpp.core.hooks import new_cache
+from tests.helpers import graph_tape
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 from tests.helpers.tiny import noisy_copy, tiny_lm
 
@@ -86,9 +87,11 @@ DECODERS = {
 # The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
 # and, slow (each width compiles once per process, seconds each), with its forwards compiled
 # (``-fast_compile``; PEARL refuses it). Batches run on the static batch runner (static cache of
-# per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) and
-# ``-fast_compile-graphs`` (compiled, then captured; slow too) run on CUDA only: marked ``gpu``, their
-# CPU cases skipped (``on``).
+# per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) runs on
+# CUDA under ``gpu`` and on the CPU over the fake capture that keeps a CUDA graph's rules
+# (tests/helpers/graph_tape.py, installed by ``fake_graphs_on_cpu``; its chi-square cases slow there);
+# ``-fast_compile-graphs``
+# (compiled, then captured; slow too) on CUDA only: marked ``gpu``, its CPU cases left out (``on``).
 FAST_SLOW = {"static": False, "compile": True}
 GRAPHS = ("graphs", "compile-graphs")
 for _name in list(DECODERS):
@@ -98,18 +101,40 @@ for _name in list(DECODERS):
 
 
 def on_cuda_only(name: str) -> bool:
-    return name.endswith(tuple(f"-fast_{g}" for g in GRAPHS))
+    return name.endswith("-fast_compile-graphs")
+
+
+def faked_on_cpu(name: str) -> bool:
+    """A graphs variant, which on the CPU runs over the fake capture."""
+    return name.endswith("-fast_graphs")
 
 
 def marks(name: str, slow: bool = False) -> list:
-    """``gpu`` for a graphs variant, ``slow`` where ``slow`` or compiled."""
+    """``gpu`` for a compile-graphs variant, ``slow`` where ``slow`` or compiled."""
     compiled = name.endswith(("-fast_compile", "-fast_compile-graphs"))
     return [pytest.mark.gpu] * on_cuda_only(name) + [pytest.mark.slow] * (slow or compiled)
 
 
 def registry(slow=lambda name: False) -> list:
-    """The registry's names as parameters, marked ``slow`` where ``slow(name)`` or compiled, ``gpu`` on graphs."""
-    return [pytest.param(n, marks=marks(n, slow(n))) for n in DECODERS]
+    """The registry's (name, device) parameters: CUDA cases marked ``gpu``, ``slow`` where ``slow(name)``
+    or compiled; no CPU case of a compile-graphs variant (a graphs variant's runs over the fake capture)."""
+    out = []
+    for n in DECODERS:
+        for device in ("cpu", "cuda"):
+            if device == "cpu" and on_cuda_only(n):
+                continue
+            out.append(pytest.param(n, device, id=f"{n}-{device}", marks=[pytest.mark.gpu] * (device == "cuda") + [
+                pytest.mark.slow] * bool(slow(n) or n.endswith(("-fast_compile", "-fast_compile-graphs")))))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fake_graphs_on_cpu(request, monkeypatch):
+    """A graphs variant's CPU case runs over the fake capture (tests/helpers/graph_tape.py)."""
+    spec = getattr(request.node, "callspec", None)
+    if spec is not None and spec.params.get("device") == "cpu" and faked_on_cpu(str(spec.params.get("name", ""))):
+        graph_tape.install(monkeypatch)
+
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies here
 
@@ -160,7 +185,7 @@ def on(device: str, pair, name: str = ""):
     """The pair and heads on ``device`` (copies; the CPU originals stay for the references); a
     graphs decoder ``name`` runs on CUDA only (its CPU refusal: test_fast_decoders.py)."""
     if device == "cpu" and on_cuda_only(name):
-        pytest.skip(f"fast={name.split('-fast_')[1]!r} needs CUDA")
+        pytest.skip(f"fast={name.split('-fast_')[1]!r} needs CUDA")  # (graphs: the fake capture, fake_graphs_on_cpu)
     if device == "cpu":
         return pair
     draft, target, heads = pair
@@ -182,8 +207,7 @@ def assert_cache_is_fresh_prefill(model, cache, tokens: torch.Tensor, length: in
         torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", registry())
+@pytest.mark.parametrize("name,device", registry())
 def test_greedy_equals_target_greedy(cpu_pair32, name, device):
     draft, target, heads = on(device, cpu_pair32, name)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
@@ -205,7 +229,7 @@ SAMPLINGS = [
 # compiled variants; on the CPU, make test samples the paper head and one decoder of each other kind
 # (one on the fast path), make test-full all of them
 @pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
-    [pytest.param(n, id=n, marks=marks(n, n.startswith("batch") and not on_cuda_only(n))) for n in DECODERS],
+    [pytest.param(n, id=n, marks=marks(n, n.startswith("batch") and not (on_cuda_only(n) or faked_on_cpu(n)))) for n in DECODERS],
     SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
                               "sequoia-two_level-T0.8-top3-eos2", "chain-svip-fast_static-T1"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
@@ -234,8 +258,7 @@ def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, 
         assert len(first_k) >= 2, first_k  # the adaptive stop really varies
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", registry())
+@pytest.mark.parametrize("name,device", registry())
 def test_same_seed_same_output(cpu_pair32, name, device):
     draft, target, heads = on(device, cpu_pair32, name)
     decoder = DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
