@@ -165,6 +165,19 @@ def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards(
     assert bench_fast.after_first([{**rows[1], "candidate_lengths": [0]}], times) == {}
 
 
+def graphs_bench(tmp_path, capsys, prompts: int, *flags: str) -> tuple[str, dict]:
+    """bench_fast --fast graphs on tiny random models (the fake capture installed by the caller), 12
+    new tokens, greedy tokens required equal: what it printed and its JSON."""
+    import bench_fast
+
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", str(prompts), "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
+                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", *flags, "--out", str(out)]) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
 def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, graphs_on):  # noqa: F811
     """--fast graphs on the CPU's fake capture (tests/models/test_graphs.py): the rounds of every method
     are captured (replayed in decoding; SVIP's a candidate at a time), and --round-graphs times each
@@ -173,15 +186,8 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     import bench_fast
 
     graphs_on("cpu")
-    write_configs(tmp_path)
-    out = tmp_path / "bench.json"
-    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
-                            "--prompts", "2", "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
-                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", "--round-graphs",
-                            "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed, result = graphs_bench(tmp_path, capsys, 2, "--round-graphs")
     assert "Captured rounds against their forwards" in printed and "| fixed_k3 | 3 | 4 |" in printed
-    result = json.loads(out.read_text())
     # capture times: the whole rounds by K, SVIP's graphs by its most candidates (--svip-max 8, 12 tokens: 8)
     assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s") for k in result["compile_seconds"])
     assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
@@ -201,15 +207,8 @@ def test_bench_fast_compares_captured_rounds_with_per_forward_graphs_in_one_pass
     import bench_fast
 
     graphs_on("cpu")
-    write_configs(tmp_path)
-    out = tmp_path / "bench.json"
-    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
-                            "--prompts", "3", "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
-                            "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", "--also-per-forward",
-                            "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed, result = graphs_bench(tmp_path, capsys, 3, "--also-per-forward")
     assert "Rounds captured against per-forward graphs" in printed and "| per_forward |" in printed
-    result = json.loads(out.read_text())
     for name, m in result["methods"].items():
         assert m["fast"]["after_first"]["replayed_rounds"] > 0, name
         assert m["per_forward"]["after_first"]["replayed_rounds"] == 0, name
