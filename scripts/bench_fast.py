@@ -339,8 +339,9 @@ def time_round_graphs(target, device: torch.device, repeats: int) -> list[dict]:
 
 def round_graphs_table(result: dict) -> str:
     """The round graphs against their forwards, beside each captured method's ms per decoding round."""
-    by_k = {m["fast"]["after_first"]["k"]: (name, m) for name, m in result["methods"].items()
-            if m["fast"].get("after_first", {}).get("replayed_rounds")}  # the methods whose rounds were captured
+    by_k = {m["fast"]["after_first"]["k"]: (name, m) for name, m in result["methods"].items()  # whole-round graphs:
+            if (name == "target_only" or name.startswith("fixed_k"))  # fixed K and target-only (SVIP's are steps)
+            and m["fast"].get("after_first", {}).get("replayed_rounds")}
     lines = ["## Captured rounds against their forwards (device time per replay; rounds after each call's first)", "",
              "| method | K | target width | round graph ms | its forwards alone ms | decoding ms/round | "
              "outside the forwards | of it on the device | of it on the host |", "|---|---|---|---|---|---|---|---|---|"]

@@ -188,6 +188,7 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     graphs_on("cpu")
     printed, result = graphs_bench(tmp_path, capsys, 2, "--round-graphs")
     assert "Captured rounds against their forwards" in printed and "| fixed_k3 | 3 | 4 |" in printed
+    assert "| fixed_k1 | 1 | 2 |" in printed  # not SVIP, whose rounds mostly draft 1 too (its graphs are steps)
     # capture times: the whole rounds by K, SVIP's graphs by its most candidates (--svip-max 8, 12 tokens: 8)
     assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s") for k in result["compile_seconds"])
     assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
