@@ -90,8 +90,8 @@ DECODERS = {
 # per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) runs on
 # CUDA under ``gpu`` and on the CPU over the fake capture that keeps a CUDA graph's rules
 # (tests/helpers/graph_tape.py, installed by ``fake_graphs_on_cpu``; its chi-square cases slow there);
-# ``-fast_compile-graphs``
-# (compiled, then captured; slow too) on CUDA only: marked ``gpu``, its CPU cases left out (``on``).
+# ``-fast_compile-graphs`` (compiled, then captured; slow too) on CUDA only: marked ``gpu``, its CPU
+# cases left out of ``registry`` and skipped in the chi-square grid (``on``).
 FAST_SLOW = {"static": False, "compile": True}
 GRAPHS = ("graphs", "compile-graphs")
 for _name in list(DECODERS):
@@ -183,9 +183,10 @@ def cpu_pair32():
 
 def on(device: str, pair, name: str = ""):
     """The pair and heads on ``device`` (copies; the CPU originals stay for the references); a
-    graphs decoder ``name`` runs on CUDA only (its CPU refusal: test_fast_decoders.py)."""
+    compile-graphs decoder ``name`` runs on CUDA only (a graphs one on the CPU over the fake capture,
+    ``fake_graphs_on_cpu``; the CPU's refusal of real graphs: test_fast_decoders.py)."""
     if device == "cpu" and on_cuda_only(name):
-        pytest.skip(f"fast={name.split('-fast_')[1]!r} needs CUDA")  # (graphs: the fake capture, fake_graphs_on_cpu)
+        pytest.skip(f"fast={name.split('-fast_')[1]!r} needs CUDA")
     if device == "cpu":
         return pair
     draft, target, heads = pair
