@@ -76,9 +76,16 @@ class FeedMeters:
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         self.calls[key] = self.calls.get(key, 0) + 1
 
-    def total(self, phase: str | None = None, part: str = "feed", role: str | None = None) -> float:
-        return sum(s for (r, p, q), s in self.seconds.items()
+    def total(self, phase: str | None = None, part: str = "feed", role: str | None = None,
+              seconds: dict | None = None) -> float:
+        """Seconds of ``part`` summed over the matching keys of ``seconds`` (default: all so far)."""
+        seconds = self.seconds if seconds is None else seconds
+        return sum(s for (r, p, q), s in seconds.items()
                    if q == part and (phase is None or p == phase) and (role is None or r == role))
+
+    def forwards(self, role: str, phase: str = "round", seconds: dict | None = None) -> float:
+        """A model's forward seconds: its steps where its runner has them (fast), else its whole feeds (eager)."""
+        return self.total(phase, "step", role, seconds) or self.total(phase, "feed", role, seconds)
 
     def reset(self) -> None:
         self.seconds.clear()

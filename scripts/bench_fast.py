@@ -235,21 +235,16 @@ def decode_all(decoders: dict, ids: list[torch.Tensor], args, eos) -> dict:
                               "first_round_s": s.first_round_s, "candidate_lengths": s.candidate_lengths,
                               "draft_forwards": s.n_draft_calls, "replayed_rounds": s.replayed_rounds,
                               "tokens": out.tokens[0, prompt.shape[1]:].tolist(),
-                              **(metered_split(meters.seconds, before) if meters is not None else {})})
+                              **(metered_split(meters, before) if meters is not None else {})})
     return rows
 
 
-def metered_split(seconds: dict, before: dict) -> dict:
-    """One call's metered seconds (:class:`FeedMeters` totals after it less ``before``): its prefill
-    feeds and its rounds' forwards (a model's steps where its runner has them, else its feeds), as
-    :func:`breakdown` splits the pooled totals."""
-    delta = {k: v - before.get(k, 0.0) for k, v in seconds.items()}
-
-    def total(phase: str, part: str, role: str | None = None) -> float:
-        return sum(v for (r, p, q), v in delta.items() if p == phase and q == part and role in (None, r))
-
-    forwards = sum(total("round", "step", role) or total("round", "feed", role) for role in ("draft", "target"))
-    return {"prefill_s": total("prefill", "feed"), "round_forwards_s": forwards}
+def metered_split(meters: FeedMeters, before: dict) -> dict:
+    """One call's metered seconds (``meters``' totals now less ``before``): its prefill feeds and its
+    rounds' forwards, as :func:`breakdown` splits the pooled totals."""
+    delta = {k: v - before.get(k, 0.0) for k, v in meters.seconds.items()}
+    return {"prefill_s": meters.total("prefill", seconds=delta),
+            "round_forwards_s": sum(meters.forwards(role, seconds=delta) for role in ("draft", "target"))}
 
 
 def pooled(rows) -> float:
@@ -395,8 +390,7 @@ def breakdown(meters: FeedMeters, rows: list[dict]) -> dict:
     the feeds; ``outside`` the two together."""
     rounds = sum(r["rounds"] for r in rows)
     wall = sum(r["wall_time_s"] for r in rows) - meters.total("prefill")
-    forward = {role: meters.total("round", "step", role) or meters.total("round", "feed", role)
-               for role in ("draft", "target")}
+    forward = {role: meters.forwards(role) for role in ("draft", "target")}
     feeds = meters.total("round")
     parts = {"draft_forward": forward["draft"], "target_forward": forward["target"],
              "in_feed": feeds - sum(forward.values()), "mask": meters.total("round", "mask"), "loop": wall - feeds}
