@@ -41,13 +41,14 @@ class ForwardMeter:
 
 
 PHASES = ("prefill", "round")  # a runner's first feed of a call (the prompt) and every later one
-PARTS = ("feed", "step", "mask")  # a whole feed; inside it the model's forward step and (static) its mask
+PARTS = ("feed", "step", "mask")  # a whole feed; inside it the model's forward step and (static) its mask (a chain: its stored inputs)
 
 
 class FeedMeters:
     """A decoder's runner factory (its ``runners``: ``specdecpp.models.static.CallRunners``) whose
     runners time their work from outside, on ``clock``: every ``feed``, and inside a static
-    runner's feed its forward step (compiled or eager) and its mask building. A runner's first feed
+    runner's feed its forward step (compiled or eager) and its mask (built, or a chain's taken from the
+    store of :meth:`~specdecpp.models.static.StaticRunner.chain_inputs`). A runner's first feed
     of a call is the ``prefill`` (the prompt, and for the target the first round's verification
     with it), every later one a ``round`` feed. ``seconds[(role, phase, part)]`` sums them over
     calls; ``role`` is ``roles[id(model)]`` ("draft", "target"). Everything else is passed through,
@@ -111,6 +112,8 @@ class TimedRunner:
 
             runner._step = timed_step
             runner._mask = self._timed(runner._mask, "mask")
+            if hasattr(runner, "chain_inputs"):  # a chain's feed takes its mask (and slots, positions) from there
+                runner.chain_inputs = self._timed(runner.chain_inputs, "mask")
 
     def _timed(self, fn, part: str, forward_step: bool = False):
         """``fn`` timed into ``part``; a forward step is called through :func:`run_forward_step`, so

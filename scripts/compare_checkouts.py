@@ -4,7 +4,8 @@ Each checkout runs in its own worker process (imported from that checkout's dire
 public API only: load_pair, SpeculativeDecoder, FixedK, SVIP, SpecDecPP, load_head), both load the
 same pair, and the prompts alternate between them (old-new, new-old, ...) so that machine load hits
 both alike. Greedy decoding by default; ``--sampling paper`` samples (temperature 1, top-k 50) with
-one seeded generator per prompt, the same in both checkouts. Either way the tokens must be
+one seeded generator per prompt, the same in both checkouts; ``--fast`` decodes on that fast path in
+both (each worker compiles first). Either way the tokens must be
 identical (an engine change that keeps the output for the same generator state keeps the sampled
 tokens too); tokens/s is compared as the pooled ratio new/old with a paired bootstrap interval over
 prompts (specdecpp.analysis.stats).
@@ -42,14 +43,19 @@ try:  # the layout since issue 32; before it, specdecpp.prompts
 except ImportError:
     from specdecpp.prompts import encode_prompt, load_prompts
 
-draft_dir, target_dir, head_dir, dtype, n_prompts, tokens, sampling = sys.argv[1:8]
+draft_dir, target_dir, head_dir, dtype, n_prompts, tokens, sampling, fast = sys.argv[1:9]
+fast = None if fast == "none" else fast
 torch.set_num_threads(1)
 draft, target, tok = load_pair(draft=draft_dir, target=target_dir, dtype=dtype)
 prompts = load_prompts("bundled", split="test", limit=int(n_prompts))
 cfg = SamplingConfig(temperature=0) if sampling == "greedy" else SamplingConfig(temperature=1.0, top_k=50)
-decoders = {"fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg),
-            "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg),
-            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg)}
+decoders = {"fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg, fast=fast),
+            "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg, fast=fast),
+            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg, fast=fast)}
+if fast is not None:  # compile (or capture) every bucket before the first timed call
+    longest = max(len(encode_prompt(tok, p.prompt)) for p in prompts)
+    for d in decoders.values():
+        d.warm_up(longest, int(tokens))
 print(json.dumps({"ready": True, "methods": list(decoders)}), flush=True)
 for line in sys.stdin:
     method, i = line.split()
@@ -65,7 +71,8 @@ class Worker:
     def __init__(self, checkout: Path, args) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(Path(args.draft).resolve()), str(Path(args.target).resolve()),
-             str(Path(args.head).resolve()), args.dtype, str(args.prompts), str(args.max_new_tokens), args.sampling],
+             str(Path(args.head).resolve()), args.dtype, str(args.prompts), str(args.max_new_tokens), args.sampling,
+             args.fast or "none"],
             cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         first = self.proc.stdout.readline()
         if not first:
@@ -90,6 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sampling", choices=("greedy", "paper"), default="greedy",
                         help="paper: temperature 1, top-k 50, a seeded generator per prompt")
+    parser.add_argument("--fast", choices=("static", "compile", "graphs", "compile-graphs"),
+                        help="decode on this fast path in both checkouts (default eager); each worker compiles its "
+                        "buckets before the first timed call")
     args = parser.parse_args(argv)
     for name in ("old", "new"):
         if not (getattr(args, name) / "specdecpp" / "__init__.py").is_file():

@@ -16,11 +16,14 @@ Two replays per call:
 - **warm**: nothing between the steps; the loop's code and data stay in the CPU's caches.
 - **cold**: before handing back each step's outputs, ``--flush-mb`` MB are read (a numpy sum, no
   torch op), as a forward streams its weights through the caches, then the outputs themselves are
-  read back (a forward leaves its logits in cache). The flush's own time is left out.
+  read back (a forward leaves its logits in cache). The flush's own time is left out. With about
+  the target's weight bytes (the default 256 MB for the demo target's 269 MB), the cold loop is
+  what ``scripts/bench_fast.py --breakdown`` measures outside the forwards of a compiled decode
+  (research/loop_cache/README.md).
 
 Per method: the loop's ms per round warm and cold (medians over repeats, pooled over prompts), and
-cold over warm. The cold figure is what ``scripts/bench_fast.py --breakdown`` sees as "outside the
-forwards" on a CPU; the gap between the two is cache refill, not the loop's instructions. With
+cold over warm; the gap between the two is cache refill, not the loop's instructions. ``--metered``
+replays with bench_fast's breakdown meters installed (what its timers add). With
 ``--cold-ops``, also the cost of single small torch and numpy operations warm and right after a
 flush. One thread (``--threads``); CPU only.
 """
@@ -41,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fast import SAMPLINGS, load, methods, prompts  # noqa: E402
 
-from specdecpp.core.timing import machine_description  # noqa: E402
+from infer.meters import FeedMeters  # noqa: E402
+from specdecpp.core.timing import Clock, machine_description  # noqa: E402
 from specdecpp.decoders.chain import SpeculativeDecoder  # noqa: E402
 from specdecpp.models import static  # noqa: E402
 from specdecpp.models.loading import dtype_name, eos_token_ids  # noqa: E402
@@ -128,7 +132,8 @@ def cold_ops(flush_mb: int, repeats: int = 30) -> list[dict]:
 
 def table(result: dict) -> str:
     lines = [f"## The loop alone ({result['machine']}; {result['dtype']}; {result['sampling']}; {result['prompts']} "
-             f"prompts x {result['max_new_tokens']} tokens; flush {result['flush_mb']} MB)", "",
+             f"prompts x {result['max_new_tokens']} tokens; flush {result['flush_mb']} MB"
+             f"{'; metered' if result['metered'] else ''})", "",
              "| method | rounds | warm ms/round | cold ms/round | cold / warm |", "|---|---|---|---|---|"]
     for name, r in result["methods"].items():
         lines.append(f"| {name} | {r['rounds']} | {r['warm_ms_per_round']:.3f} | {r['cold_ms_per_round']:.3f} | "
@@ -159,8 +164,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sampling", choices=sorted(SAMPLINGS), default="paper", help="paper (default: temperature 1, "
                     "top-k 50) or greedy")
     ap.add_argument("--repeats", type=int, default=5, help="warm and cold replays per call (medians)")
-    ap.add_argument("--flush-mb", type=int, default=64, help="MB read before each replayed step's outputs (a "
-                    "forward streams its weights: the demo target reads 269 MB in bf16)")
+    ap.add_argument("--flush-mb", type=int, default=256, help="MB read before each replayed step's outputs (a "
+                    "forward streams its weights: the demo target reads 269 MB in bf16; default 256)")
+    ap.add_argument("--metered", action="store_true", help="replay with bench_fast's breakdown meters installed "
+                    "(infer.meters.FeedMeters): what its timers cost the loop")
     ap.add_argument("--cold-ops", action="store_true", help="also time single small operations warm and cold")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -184,10 +191,12 @@ def main(argv=None) -> int:
     try:
         result = {"machine": machine_description(device), "pair": pair, "dtype": dtype_name(target.dtype),
                   "sampling": args.sampling, "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
-                  "flush_mb": args.flush_mb, "repeats": args.repeats, "methods": {}}
+                  "flush_mb": args.flush_mb, "repeats": args.repeats, "metered": args.metered, "methods": {}}
         for name in names:
             decoder = SpeculativeDecoder(draft, target, methods(args, draft)[name], SAMPLINGS[args.sampling],
                                          fast="static")
+            if args.metered:
+                decoder.runners = FeedMeters(decoder.runners, {id(draft): "draft", id(target): "target"}, Clock(device))
             calls = [replay_call(decoder, tape, p, args, eos, args.seed + i) for i, p in enumerate(ids)]
             rounds = sum(c["rounds"] for c in calls)
             warm, cold = (1e3 * sum(c[k] for c in calls) / rounds for k in ("warm", "cold"))

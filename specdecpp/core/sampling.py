@@ -136,7 +136,7 @@ def _top_k_kept(x: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     keeps: its ``k`` largest and every tie at the k-th."""
     # in numpy: the same selections as torch's ops, at a fraction of their dispatch cost (a dozen
     # small ops a row, 4-5 rows a sampled round)
-    by_chunk = x.detach().view(-1, TOP_K_CHUNK)
+    by_chunk = (x.detach() if x.requires_grad else x).view(-1, TOP_K_CHUNK)
     heads = by_chunk.amax(-1).numpy()  # torch's reduction over rows of 64 is 3x numpy's
     bound = np.partition(heads, heads.size - k)[heads.size - k]  # the k-th largest chunk maximum
     chunks = np.flatnonzero(heads >= bound)
@@ -208,7 +208,7 @@ def warp_kept(logits: torch.Tensor, cfg: SamplingConfig) -> KeptProbs | None:
     vocab = logits.shape[-1]
     if logits.dim() != 1 or not kept_rows(vocab, cfg, logits.device):
         return None
-    z = logits.float()
+    z = logits if logits.dtype == torch.float32 else logits.float()
     z = z if cfg.temperature == 1.0 else z / cfg.temperature
     if pad := -vocab % TOP_K_CHUNK:  # a last, partial chunk filled with -inf
         z = torch.cat([z, z.new_full((pad,), float("-inf"))])

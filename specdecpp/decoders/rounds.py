@@ -166,7 +166,8 @@ class Drafter:
         policy.begin_round(generated)
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])
-            scores = logits[-1] if process is None else processed(process, 0, seq, [start + k], logits[-1:])[0]
+            last = logits[-1]  # one view for the draw, the policy and a lossy rule (each op counts on a CPU)
+            scores = last if process is None else processed(process, 0, seq, [start + k], logits[-1:])[0]
             if cfg.greedy:  # the argmax (the first of ties); no q needed
                 y = argmax(scores)
             else:  # sample(warp(scores)); on a CPU under top-k the row is kept sparse
@@ -179,9 +180,9 @@ class Drafter:
                 q_rows.append(q_k)
             seq[start + k] = y
             if self.keep_logits:
-                kept_logits.append(logits[-1])
+                kept_logits.append(last)
             k += 1
-            if policy.should_stop(k, logits[-1], hidden[-1] if self.needs_hidden else None, y) or \
+            if policy.should_stop(k, last, hidden[-1] if self.needs_hidden else None, y) or \
                     (self.stop_at_eos and int(y) in self.eos):
                 break
         return Block(k, q_rows, t0, self.clock.now(), kept_logits)

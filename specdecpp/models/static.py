@@ -383,6 +383,7 @@ class _ModelSteps:
     warned_wide: bool = False
     warned_rows: bool = False
     causal: dict = field(default_factory=dict)  # (size, dtype, device) -> additive causal mask [size, size] (StaticRunner)
+    chain_inputs: dict = field(default_factory=dict)  # (size, dtype, device, start, width) -> (slots, positions, mask)
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
     capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds, less a compile
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
@@ -701,21 +702,47 @@ class StaticRunner(StaticModel):
                              "fit; build the runner with a larger max_len")
         width = self._bucket(n, self.buckets, "tokens")
         pad = width - n
-        slots = torch.arange(start, start + width, device=ids.device)
-        if position_ids is None:  # a tensor of its own: an alias of slots would be another graph (a recompile)
-            position_ids = torch.arange(start, start + width, device=ids.device)
-        elif pad:
-            position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
+        if position_ids is None and attention_mask is None:  # a chain's forward: inputs kept for the process
+            slots, position_ids, mask = self.chain_inputs(start, width)
+        else:
+            slots = torch.arange(start, start + width, device=ids.device)
+            if position_ids is None:  # a tensor of its own: an alias of slots would be another graph (a recompile)
+                position_ids = torch.arange(start, start + width, device=ids.device)
+            elif pad:
+                position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
+            mask = self._mask(n, width, attention_mask)
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
-        mask = self._mask(n, width, attention_mask)
-        with torch.no_grad():  # inference only: one graph whatever the caller's grad mode, and freezing needs it
-            logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
-                                               slots, mask)
+        step = self._step(width)
+        if torch.is_grad_enabled():  # inference only: one graph whatever the caller's grad mode, and freezing needs it
+            with torch.no_grad():
+                logits, hidden = step(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids, slots, mask)
+        else:  # a decoder's generate runs without autograd already (a context's enter and exit saved)
+            logits, hidden = step(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids, slots, mask)
         self.cache.length = start + n
-        rows = slice(n - n_logits, n)
-        return graph_outputs(self.fast in GRAPH_BACKENDS and width in self.buckets, logits[rows, : self.vocab],
-                             hidden[rows] if self.want_hidden else None)
+        if n_logits < width:  # the padding rows, and rows not asked for, dropped
+            rows = slice(n - n_logits, n)
+            logits, hidden = logits[rows], hidden[rows] if self.want_hidden else None
+        elif not self.want_hidden:
+            hidden = None
+        if logits.shape[-1] != self.vocab:
+            logits = logits[:, : self.vocab]
+        return graph_outputs(self.fast in GRAPH_BACKENDS and width in self.buckets, logits, hidden)
+
+    def chain_inputs(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chain's forward of ``width`` tokens at ``start``: its cache slots, its positions (the
+        same values, a tensor of its own) and its mask (:meth:`_mask`), made once per (cache size,
+        start, width) for the process and kept on the model (:func:`model_steps`). On a CPU every
+        small tensor operation between two forwards costs 20-30 us more than warm, since each forward
+        flushes the caches (docs/engine.md, "The loop on a CPU: cold caches"); a feed makes five
+        fewer. The steps only read them (a graph backend copies them into its own inputs)."""
+        key = (self.cache.size, self.dtype, self.device, start, width)
+        made = self.steps.chain_inputs.get(key)
+        if made is None:
+            made = self.steps.chain_inputs[key] = (torch.arange(start, start + width, device=self.device),
+                                                   torch.arange(start, start + width, device=self.device),
+                                                   self.causal_mask()[start : start + width][None, None])
+        return made
 
     def _mask(self, n: int, width: int, allowed: torch.Tensor | None) -> torch.Tensor:
         """The additive mask [1, 1, width, size]. A chain's forward (``allowed`` None): rows

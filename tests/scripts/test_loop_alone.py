@@ -24,12 +24,12 @@ def test_loop_alone_on_tiny_random_models(tmp_path, capsys):
     real = static.static_step
     assert loop_alone.main(["--configs", str(tmp_path), "--dtype", "float32", "--methods", "fixed_k2", "svip",
                             "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--repeats", "1",
-                            "--flush-mb", "1", "--out", str(out)]) == 0
+                            "--flush-mb", "1", "--metered", "--out", str(out)]) == 0
     assert static.static_step is real  # the runner's step is given back
     printed = capsys.readouterr().out
     assert "| fixed_k2 |" in printed and "| svip |" in printed
     result = json.loads(out.read_text())
-    assert result["dtype"] == "float32" and result["prompts"] == 2 and result["flush_mb"] == 1
+    assert result["dtype"] == "float32" and result["prompts"] == 2 and result["flush_mb"] == 1 and result["metered"]
     assert set(result["methods"]) == {"fixed_k2", "svip"}
     for m in result["methods"].values():
         assert m["rounds"] == sum(c["rounds"] for c in m["calls"]) > 0
