@@ -732,10 +732,11 @@ class StaticRunner(StaticModel):
     def chain_inputs(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chain's forward of ``width`` tokens at ``start``: its cache slots, its positions (the
         same values, a tensor of its own) and its mask (:meth:`_mask`), made once per (cache size,
-        start, width) for the process and kept on the model (:func:`model_steps`). On a CPU every
-        small tensor operation between two forwards costs 20-30 us more than warm, since each forward
-        flushes the caches (docs/engine.md, "The loop on a CPU: cold caches"); a feed makes five
-        fewer. The steps only read them (a graph backend copies them into its own inputs)."""
+        start, width) for the process and kept on the model (:func:`model_steps`: three small tensors
+        per key a call has used, up to max_len x the buckets). On a CPU every small tensor operation
+        between two forwards costs tens of microseconds more than warm, since each forward flushes
+        the caches (docs/engine.md, "The loop on a CPU: cold caches"); a feed makes five fewer. The
+        steps only read them (a graph backend copies them into its own inputs)."""
         key = (self.cache.size, self.dtype, self.device, start, width)
         made = self.steps.chain_inputs.get(key)
         if made is None:
