@@ -165,13 +165,14 @@ def test_slots_above_the_length_change_nothing(cpu_model, device, dtype):
             buf[:, :, dirty.length :] = -1e4
 
 
-def test_a_chains_inputs_are_made_once_per_model_and_give_the_same_logits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chains_inputs_are_made_once_per_model_and_give_the_same_logits(device):
     """StaticRunner.chain_inputs: a chain feed's slots, positions and mask come from a store kept on
     the model, made at a (cache size, start, width) once; they hold what the feed would build (two
     tensors, not aliases, and the causal mask's rows), and a runner that reuses them computes what one
     that made them did, under autograd or not."""
-    model = tiny_lm(VOCAB, 32, 2, seed=11, scale=0.6)  # a fresh model: an empty store
-    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(6))
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=11, scale=0.6))  # a fresh model: an empty store
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(6)).to(device)
     store = model_steps(model).chain_inputs
     first, second = (StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN) for _ in range(2))
     outs = []
@@ -183,12 +184,12 @@ def test_a_chains_inputs_are_made_once_per_model_and_give_the_same_logits():
         torch.testing.assert_close(b, a, atol=0, rtol=0)
         torch.testing.assert_close(hb, ha, atol=0, rtol=0)
         assert not a.requires_grad and not b.requires_grad
-    size = first.cache.size
-    assert set(store) == {(size, torch.float32, torch.device("cpu"), start, width)
+    size, where = first.cache.size, first.device
+    assert set(store) == {(size, torch.float32, where, start, width)
                           for start, width in ((0, 16), (9, 1), (10, 4))}  # widths are buckets: 9 -> 16, 3 -> 4
-    made = store[(size, torch.float32, torch.device("cpu"), 10, 4)]
+    made = store[(size, torch.float32, where, 10, 4)]
     slots, positions, mask = made
-    assert torch.equal(slots, torch.arange(10, 14)) and torch.equal(positions, slots)
+    assert torch.equal(slots.cpu(), torch.arange(10, 14)) and torch.equal(positions, slots)
     assert slots.data_ptr() != positions.data_ptr()  # an alias would be another compiled graph
     second.rollback(10)
     torch.testing.assert_close(mask, second._mask(4, 4, None), atol=0, rtol=0)
