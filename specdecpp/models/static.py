@@ -713,12 +713,11 @@ class StaticRunner(StaticModel):
             mask = self._mask(n, width, attention_mask)
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
-        step = self._step(width)
-        if torch.is_grad_enabled():  # inference only: one graph whatever the caller's grad mode, and freezing needs it
-            with torch.no_grad():
-                logits, hidden = step(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids, slots, mask)
-        else:  # a decoder's generate runs without autograd already (a context's enter and exit saved)
-            logits, hidden = step(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids, slots, mask)
+        # inference only: one graph whatever the caller's grad mode, and freezing needs it; a decoder's generate
+        # runs without autograd already, and then no torch context is entered (one operation fewer a feed)
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
+                                               slots, mask)
         self.cache.length = start + n
         if n_logits < width:  # the padding rows, and rows not asked for, dropped
             rows = slice(n - n_logits, n)
@@ -754,7 +753,7 @@ class StaticRunner(StaticModel):
         padding rows only themselves, nobody a slot at or above length + n otherwise."""
         start, device = self.length, self.cache.keys[0].device
         if allowed is None:
-            return self.causal_mask()[start : start + width][None, None]
+            return self.chain_inputs(start, width)[2]
         grid = torch.zeros(width, self.cache.size, dtype=torch.bool, device=device)
         if allowed.shape != (n, start + n):
             raise ValueError(f"attention_mask must be [n, cached + n] = [{n}, {start + n}], got {tuple(allowed.shape)}")
