@@ -45,7 +45,8 @@ with ``--threads`` torch threads on a CPU:
    since a timed forward pays its own launch and synchronisation and the forwards inside a captured
    round do not (docs/results/gpu.md). ``--round-graphs`` (graph backends) measures it instead: each
    captured round graph (specdecpp/decoders/captured.py) replayed back to back against a graph of
-   its forwards alone, device time by CUDA events, beside the decoding ms per round; the share
+   its forwards alone, in 8 blocks of alternating order (the device part with a 95% interval over
+   the blocks), device time by CUDA events, beside the decoding ms per round; the share
    outside the forwards splits into the device's (the round graph beyond its forwards: warps, draws,
    the rule) and the host's (the decoding round beyond its graph). ``--no-capture-rounds`` replays
    each forward but not whole rounds.
@@ -291,15 +292,37 @@ def after_first(rows: list[dict], times: dict) -> dict:
             "replayed_rounds": sum(r["replayed_rounds"] for r in rows)}
 
 
-def time_round_graphs(target, device: torch.device, repeats: int) -> list[dict]:
-    """Each round graph captured over ``target`` (``specdecpp.decoders.captured``) replayed ``repeats``
-    times back to back, against a graph of its forwards alone (``RoundGraph.forwards``, captured
-    here) replayed as often: device time per replay (CUDA events; on a CPU the wall time), ``n``
-    put back before each replay. What lies between the two is the round's work on the device
-    outside the forwards (the warps, draws and the rule); a decoding round's time beyond the round
-    graph's is the host's."""
+ROUND_GRAPH_BLOCKS = 8  # --round-graphs: alternating blocks of replays per round graph and its forwards' graph
+
+
+def time_round_graphs(target, device: torch.device, repeats: int, blocks: int = ROUND_GRAPH_BLOCKS) -> list[dict]:
+    """Each round graph captured over ``target`` (``specdecpp.decoders.captured``) against a graph of
+    its forwards alone (``RoundGraph.forwards``, captured here): ``blocks`` blocks of ``repeats``
+    back-to-back replays of each, in alternating order (round first in even blocks, forwards first in
+    odd ones, so that a clock or cache state that drifts across the run falls on both alike), device
+    time per replay of each block (CUDA events; on a CPU the wall time), ``n`` put back before each
+    replay. What lies between the two is the round's work on the device outside the forwards (the
+    warps, draws and the rule), given with a 95% interval over the blocks (paired bootstrap of the
+    mean difference); a decoding round's time beyond the round graph's is the host's."""
     from specdecpp.decoders.captured import round_graphs
     from specdecpp.models import static
+
+    def block(graph, replay, start: int) -> float:
+        """ms per replay of ``repeats`` replays of ``replay`` back to back."""
+        begin = end = None
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            begin.record()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            graph.n.fill_(start)
+            replay()
+        if device.type == "cuda":
+            end.record()
+            torch.cuda.synchronize(device)
+            return begin.elapsed_time(end) / repeats
+        return 1e3 * (time.perf_counter() - t0) / repeats
 
     out = []
     for graph in round_graphs(target):
@@ -307,28 +330,21 @@ def time_round_graphs(target, device: torch.device, repeats: int) -> list[dict]:
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         with torch.no_grad():
             forwards_replay, _ = static.capture_graph(graph.forwards, pool)
-        timed = {}
-        for name, replay in (("round", graph.replay), ("forwards", forwards_replay)):
+        replays = {"round": graph.replay, "forwards": forwards_replay}
+        timed = {"round": [], "forwards": []}
+        for name, replay in replays.items():  # once each, untimed
             graph.n.fill_(start)
-            replay()  # once untimed
-            begin = end = None
-            if device.type == "cuda":
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(device)
-                begin.record()
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                graph.n.fill_(start)
-                replay()
-            if device.type == "cuda":
-                end.record()
-                torch.cuda.synchronize(device)
-                timed[name] = begin.elapsed_time(end) / repeats
-            else:
-                timed[name] = 1e3 * (time.perf_counter() - t0) / repeats
+            replay()
+        for b in range(blocks):
+            for name in ("round", "forwards") if b % 2 == 0 else ("forwards", "round"):
+                timed[name].append(block(graph, replays[name], start))
         graph.n.fill_(start)
-        out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "round_graph_ms": timed["round"],
-                    "forwards_graph_ms": timed["forwards"]})
+        rounds, forwards = np.array(timed["round"]), np.array(timed["forwards"])
+        low, high = bootstrap_interval(lambda r, f, axis=-1: np.mean(r, axis) - np.mean(f, axis), rounds, forwards)
+        out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "blocks": blocks, "repeats": repeats,
+                    "round_graph_ms": float(np.median(rounds)), "forwards_graph_ms": float(np.median(forwards)),
+                    "outside_ms": float(np.mean(rounds - forwards)), "outside_ms_ci": [low, high],
+                    "round_graph_ms_blocks": timed["round"], "forwards_graph_ms_blocks": timed["forwards"]})
     return out
 
 
@@ -337,15 +353,21 @@ def round_graphs_table(result: dict) -> str:
     by_k = {m["fast"]["after_first"]["k"]: (name, m) for name, m in result["methods"].items()  # whole-round graphs:
             if (name == "target_only" or name.startswith("fixed_k"))  # fixed K and target-only (SVIP's are steps)
             and m["fast"].get("after_first", {}).get("replayed_rounds")}
-    lines = ["## Captured rounds against their forwards (device time per replay; rounds after each call's first)", "",
+    blocks = result["round_graphs"][0].get("blocks", 1) if result["round_graphs"] else 0
+    lines = ["## Captured rounds against their forwards (device time per replay, median of "
+             f"{blocks} alternating blocks; decoding: rounds after each call's first)", "",
              "| method | K | target width | round graph ms | its forwards alone ms | decoding ms/round | "
-             "outside the forwards | of it on the device | of it on the host |", "|---|---|---|---|---|---|---|---|---|"]
+             "outside the forwards | of it on the device [95% CI] | of it on the host |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["round_graphs"]:
         name, m = by_k.get(r["k"], (f"K={r['k']}", None))
         wall = m["fast"]["after_first"]["ms_per_round"] if m else float("nan")
         fwd, graph = r["forwards_graph_ms"], r["round_graph_ms"]
+        outside = r.get("outside_ms", graph - fwd)
+        low, high = r.get("outside_ms_ci", (float("nan"), float("nan")))
         lines.append(f"| {name} | {r['k']} | {r['width']} | {graph:.3f} | {fwd:.3f} | {wall:.3f} | "
-                     f"{100 * (1 - fwd / wall):.1f}% | {100 * (graph - fwd) / wall:.1f}% | {100 * (wall - graph) / wall:.1f}% |")
+                     f"{100 * (1 - fwd / wall):.1f}% | {100 * outside / wall:.1f}% [{100 * low / wall:.1f}, "
+                     f"{100 * high / wall:.1f}] | {100 * (wall - graph) / wall:.1f}% |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,7 +193,14 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     # capture times: the whole rounds by K, SVIP's graphs by its most candidates (--svip-max 8, 12 tokens: 8)
     assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s") for k in result["compile_seconds"])
     assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
-    assert all(r["round_graph_ms"] > 0 and r["forwards_graph_ms"] > 0 for r in result["round_graphs"])
+    for r in result["round_graphs"]:  # alternating blocks, the medians and the mean difference from them
+        assert r["round_graph_ms"] > 0 and r["forwards_graph_ms"] > 0 and r["blocks"] == bench_fast.ROUND_GRAPH_BLOCKS
+        rounds, forwards = r["round_graph_ms_blocks"], r["forwards_graph_ms_blocks"]
+        assert len(rounds) == len(forwards) == r["blocks"]
+        assert r["round_graph_ms"] == pytest.approx(float(np.median(rounds)))
+        assert r["outside_ms"] == pytest.approx(float(np.mean(np.subtract(rounds, forwards))))
+        assert r["outside_ms_ci"][0] <= r["outside_ms"] <= r["outside_ms_ci"][1]
+    assert "of it on the device [95% CI]" in printed
     for name in ("target_only", "fixed_k1", "fixed_k2", "fixed_k3", "svip"):  # SVIP's a candidate at a time
         assert result["methods"][name]["fast"]["after_first"]["replayed_rounds"] > 0, name
     with pytest.raises(SystemExit):
