@@ -332,7 +332,7 @@ def time_round_graphs(target, device: torch.device, repeats: int, blocks: int = 
             forwards_replay, _ = static.capture_graph(graph.forwards, pool)
         replays = {"round": graph.replay, "forwards": forwards_replay}
         timed = {"round": [], "forwards": []}
-        for name, replay in replays.items():  # once each, untimed
+        for replay in replays.values():  # once each, untimed
             graph.n.fill_(start)
             replay()
         for b in range(blocks):

@@ -27,6 +27,12 @@ the drafts), and the commit
 (:meth:`~specdecpp.decoders.rounds.TokenBuffer.commit`, given the drafts read). On a CPU the engine
 takes other ways for the same verdicts (rows kept sparse, one row at a time), so these calls are
 made here as the CUDA branch makes them (``specdecpp.decoders.rounds.ExactRule``, ``Drafter.block``).
+
+``--captured`` counts what a captured round graph (specdecpp/decoders/captured.py) holds outside its
+forwards: fixed K's whole round (K = 0, 1, 3) and SVIP's candidate graphs with its verdict graph (K =
+1, 3), greedy and sampled, run eagerly over two small random bf16 Llamas of 4,096 tokens with the
+forwards' own operations (their staging included) left out. On CUDA these are the kernels a replay
+runs beyond its forwards, which ``scripts/bench_fast.py --round-graphs`` times.
 """
 
 from __future__ import annotations
@@ -44,19 +50,33 @@ from specdecpp.models.static import StaticRunner
 # operations that return a view or alias of their input: no kernel is launched
 VIEWS = frozenset({"view", "t", "_unsafe_view", "slice", "transpose", "unsqueeze", "squeeze", "expand", "select",
                    "as_strided", "reshape", "_reshape_alias", "permute", "alias", "detach", "unbind", "split",
-                   "split_with_sizes", "chunk", "narrow", "view_as_real", "view_as_complex"})
+                   "split_with_sizes", "chunk", "narrow", "view_as_real", "view_as_complex",
+                   "lift_fresh"})  # lift_fresh: a constant tensor marked as an input, returned as it is
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every ATen operation dispatched inside it, by name (overload packet)."""
+    """Counts every ATen operation dispatched inside it, by name (overload packet), except while
+    ``paused`` (:meth:`uncounted`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        if not self.paused:
+            self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+    def uncounted(self, fn):
+        """``fn`` with the count paused while it runs."""
+        def run(*args, **kwargs):
+            self.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused = False
+        return run
 
 
 def count_feed(model, width: int, context: int = 16) -> collections.Counter:
@@ -104,6 +124,56 @@ def count_round_loop(k: int, sampling: str, vocab: int, seed: int = 0) -> collec
     return counter.counts
 
 
+CAPTURED_POLICIES = ("fixed", "svip")
+
+
+def count_captured_round(k: int, sampling: str, vocab: int, policy: str = "fixed", seed: int = 0) -> collections.Counter:
+    """The operations a captured round holds outside its forwards (module docstring, ``--captured``):
+    ``policy="fixed"``: :class:`~specdecpp.decoders.captured.RoundGraph`'s whole round of K candidates
+    (K = 0: target-only); ``"svip"``: :class:`~specdecpp.decoders.captured.StepGraphs`' K candidate
+    graphs of SVIP and its verdict graph for K. Run eagerly (what a capture records) over two small
+    random bf16 Llamas with ``vocab`` tokens (bf16 logits take torch's argmax on a CPU too, as on
+    CUDA; float32 ones would take numpy's), the forwards' own operations (their staging included)
+    not counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdecpp.core.sampling import SamplingConfig
+    from specdecpp.decoders.captured import RoundGraph, StepGraphs
+    from specdecpp.stopping.policies import SVIP
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    draft, target = (LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False) for _ in range(2))
+    buckets = (1, 2, 4)
+    runners = [StaticRunner(m, vocab, want_hidden=True, fast="static", max_len=64, buckets=buckets)
+               for m in (draft, target)]
+    sampling_cfg = SamplingConfig(**LOOP_SAMPLINGS[sampling])
+    if policy == "fixed":
+        graph = RoundGraph(*runners, k, sampling_cfg, vocab, fit_width(k + 1, buckets))
+    else:
+        graph = StepGraphs(*runners, SVIP(0.3, max_candidates=k), k, sampling_cfg, vocab, set())
+    graph.n.fill_(8)
+    graph.u.uniform_(generator=torch.Generator().manual_seed(seed))
+    counter = OpCounter()
+    graph.draft_forward = counter.uncounted(graph.draft_forward)
+    graph.target_forward = counter.uncounted(graph.target_forward)
+    with torch.no_grad(), counter:
+        if policy == "fixed":
+            graph._round()
+        else:
+            for i in range(k):
+                graph._candidate_step(i)
+            graph._verdict_step(k, None if graph.q is None else graph.q[:k])
+    return counter.counts
+
+
+def fit_width(tokens: int, buckets: tuple[int, ...]) -> int:
+    """The narrowest bucket that holds ``tokens``."""
+    return min(b for b in buckets if b >= tokens)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
@@ -114,10 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--loop", action="store_true", help="count a chain round's loop outside the forwards on the "
                     "CUDA path instead (module docstring)")
+    ap.add_argument("--captured", action="store_true", help="count what a captured round graph holds outside its "
+                    "forwards instead: fixed K (K = 0, 1, 3) and SVIP's step graphs (K = 1, 3) (module docstring)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.loop:
         return loop_table(args)
+    if args.captured:
+        return captured_table(args)
     from bench_fast import load  # scripts/ is on a script's path
 
     draft, target, _, pair = load(args, torch.device("cpu"))
@@ -157,6 +231,28 @@ def loop_table(args) -> int:
             top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
             print(f"| {sampling} | {k} | {n_all} | {n_all - n_work} | {n_work} | {top} |")
             result[f"{sampling}_k{k}"] = {"operations": n_all, "launching": n_work, "by_name": dict(counts)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def captured_table(args) -> int:
+    vocab = 4096
+    print(f"a captured round outside its forwards (specdecpp/decoders/captured.py), random bf16 Llamas over {vocab} tokens")
+    print("| round | sampling | K | operations | views (no kernel) | launching work | most frequent |")
+    print("|---|---|---|---|---|---|---|")
+    result = {}
+    for policy in CAPTURED_POLICIES:
+        for sampling in LOOP_SAMPLINGS:
+            for k in (0, 1, 3) if policy == "fixed" else (1, 3):
+                counts = count_captured_round(k, sampling, vocab, policy)
+                work = {name: n for name, n in counts.items() if name not in VIEWS}
+                n_work, n_all = sum(work.values()), sum(counts.values())
+                top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
+                label = "target-only" if policy == "fixed" and k == 0 else policy
+                print(f"| {label} | {sampling} | {k} | {n_all} | {n_all - n_work} | {n_work} | {top} |")
+                result[f"{policy}_{sampling}_k{k}"] = {"operations": n_all, "launching": n_work, "by_name": dict(counts)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

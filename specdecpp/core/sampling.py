@@ -277,12 +277,14 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None, check: bool = 
     return torch.searchsorted(cum, x, right=True).squeeze(-1), ok
 
 
-def draw_with(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_with(probs: torch.Tensor, u: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sample`'s draw of each row of ``probs`` [..., V] with given float64 uniforms ``u``
-    (broadcast to [..., 1]), and each row's check (bool [...]); nothing is read and no generator is
-    touched, so a CUDA graph can hold it (a captured round draws its uniforms before the replay,
+    (broadcast to [..., 1]), and each row's check (bool [...]; None with ``check=False``, which
+    computes none: a caller that checks the rows later, as a captured round's verdict checks the
+    draft's rows, saves its kernels); nothing is read and no generator is touched, so a CUDA graph
+    can hold it (a captured round draws its uniforms before the replay,
     specdecpp/decoders/captured.py). An invalid row still gives an id below V."""
-    token, ok = _draw(probs, None, u=u)
+    token, ok = _draw(probs, None, check, u=u)
     return token.clamp_max_(probs.shape[-1] - 1), ok
 
 

@@ -131,8 +131,8 @@ class RoundParts:
         row, hidden = logits[-1, : self.vocab], hidden[-1]
         if self.greedy:
             return argmax(row).reshape(()), None, row, hidden
-        q = warp(row, self.sampling)
-        return draw_with(q, self.u[i : i + 1])[0].reshape(()), q, row, hidden
+        q = warp(row, self.sampling)  # unchecked: the verdict checks the rows q (rows_valid)
+        return draw_with(q, self.u[i : i + 1], check=False)[0].reshape(()), q, row, hidden
 
     def verdict(self, k: int, drafted: torch.Tensor, q_rows: torch.Tensor | None) -> torch.Tensor:
         """The target's verification of ``drafted`` [k] (already in ``tokens[n : n + k]``), drawn from

@@ -257,6 +257,26 @@ def test_unchecked_draws_and_draw_token_equal_sample():
         assert torch.equal(states[0].get_state(), states[1].get_state())
 
 
+def test_draw_with_given_uniforms_draws_what_sample_draws_checked_or_not():
+    """draw_with(probs, u) with the uniform sample would take from a generator gives sample's token,
+    with check=False too, which hands back no check; an invalid row is flagged only when checked, and
+    its token stays below V either way (a captured candidate's draw: its rows are checked later)."""
+    from specdecpp.core.sampling import draw_with
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        probs = torch.rand(2, 41, generator=gen) ** 3
+        probs[:, torch.randint(0, 41, (6,), generator=gen)] = 0.0
+        u = torch.rand(2, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        ref = sample(probs, torch.Generator().manual_seed(9))
+        (checked, ok), (unchecked, none) = draw_with(probs, u), draw_with(probs, u, check=False)
+        assert torch.equal(checked, ref) and torch.equal(unchecked, ref) and bool(ok.all()) and none is None
+    bad = torch.full((1, 41), float("nan"))
+    token, ok = draw_with(bad, torch.full((1, 1), 0.5, dtype=torch.float64))
+    assert not bool(ok.any()) and 0 <= int(token[0]) < 41
+    assert 0 <= int(draw_with(bad, torch.full((1, 1), 0.5, dtype=torch.float64), check=False)[0][0]) < 41
+
+
 def test_an_unchecked_draw_computes_no_check():
     """sample(check=False) dispatches none of the check's operations (on CUDA each is a kernel launched
     for a value nobody reads): its operations are sample's less exactly those of rows' validity."""

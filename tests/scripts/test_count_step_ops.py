@@ -56,3 +56,29 @@ def test_a_round_loop_counts_the_cuda_way_and_reads_no_scalar(tmp_path, capsys):
     assert count_step_ops.main(["--loop", "--out", str(out)]) == 0
     assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith(("| greedy", "| sampled"))]) == 6
     assert set(json.loads(out.read_text())) == {f"{s}_k{k}" for s in ("greedy", "sampled") for k in (0, 1, 3)}
+
+
+def test_a_captured_round_counts_its_glue_only_and_checks_the_draft_rows_once(tmp_path, capsys):
+    """--captured: what a captured round holds outside its forwards. The forwards (and their staging)
+    are not counted: a greedy target-only round is its argmax, the verdict's bookkeeping and the token's
+    write, with no matrix product; each drafted candidate adds the same operations; nothing is drawn
+    (the uniforms come in from outside) and nothing is read on the host. Sampled, the draft's rows are
+    checked once, in the verdict: a candidate's draw computes no check of its own, so a candidate adds
+    one ``amin`` (its warp's k-th largest logit) and no more whatever K."""
+    import count_step_ops
+    from count_step_ops import VIEWS, count_captured_round
+
+    counts = {(s, k): count_captured_round(k, s, 512) for s in ("greedy", "sampled") for k in (0, 1, 2, 3)}
+    work = {key: sum(v for name, v in c.items() if name not in VIEWS) for key, c in counts.items()}
+    assert all(c["mm"] == 0 and c["rand"] == 0 and c["_local_scalar_dense"] == 0 for c in counts.values())
+    assert counts[("greedy", 0)]["max"] == 1 and work[("greedy", 0)] < 10
+    assert work[("sampled", 3)] - work[("sampled", 2)] == work[("sampled", 2)] - work[("sampled", 1)] > 0
+    # a candidate's warp takes one amin, the target's warp one, the verdict's checks of its draw and of q one each
+    assert [counts[("sampled", k)]["amin"] for k in (1, 2, 3)] == [4, 5, 6]
+    svip = count_captured_round(3, "sampled", 512, "svip")
+    assert svip["rand"] == 0 and svip["_local_scalar_dense"] == 0 and svip["amin"] == 6
+    out = tmp_path / "captured.json"
+    assert count_step_ops.main(["--captured", "--out", str(out)]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines()
+                if line.startswith(("| target-only", "| fixed", "| svip"))]) == 10
+    assert len(json.loads(out.read_text())) == 10
