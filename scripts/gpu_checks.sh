@@ -31,6 +31,8 @@
 #            eager, rounds captured and per forward in one interleaved pass (--also-per-forward: captured over
 #            per-forward with a paired interval), then --round-graphs (each round graph against a graph of its
 #            forwards alone, the loop's share); JSON in $LOGS/bench_rounds_*_cuda.json
+#   lease    setup, core (CORE_TIMEOUT, 280 s) and rounds sampled (6 prompts; tests 120 s, benchmark 150 s): about 9.5
+#            minutes, one call of a 15-minute lease (docs/gpu.md, "What the next lent GPU should run")
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
 #            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
 #            --breakdown (the loop's share of a round, from a second, metered pass); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
@@ -92,6 +94,12 @@ for stage in "$@"; do
     batch)
         run batch $PY scripts/bench_batch.py --prompts "${BATCH_PROMPTS:-16}" --max-new-tokens 48 --batch-sizes 1 4 16 \
             --fixed-k 1 2 --fill --repeats 1 --timing-steps 10 --out reports/batch/bench_cuda.json ;;
+    lease)  # one 10-minute call of a 15-minute lease: what docs/gpu.md's list puts first
+        bash "$0" setup || exit 1
+        STAGE_TIMEOUT=${CORE_TIMEOUT:-280} bash "$0" core
+        ROUNDS_SAMPLINGS=${ROUNDS_SAMPLINGS:-paper} ROUNDS_PROMPTS=${ROUNDS_PROMPTS:-6} \
+            ROUNDS_TESTS_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-120} ROUNDS_BENCH_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-150} \
+            bash "$0" rounds ;;
     fast)  # the three parts below, in this order
         bash "$0" fast-graphs fast-units fast-compile ;;
     fast-graphs)
