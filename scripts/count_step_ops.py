@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdecpp.models.static import StaticRunner
+from specdecpp.models.static import StaticRunner, fit_buckets
 
 # operations that return a view or alias of their input: no kernel is launched
 VIEWS = frozenset({"view", "t", "_unsafe_view", "slice", "transpose", "unsqueeze", "squeeze", "expand", "select",
@@ -151,7 +151,7 @@ def count_captured_round(k: int, sampling: str, vocab: int, policy: str = "fixed
                for m in (draft, target)]
     sampling_cfg = SamplingConfig(**LOOP_SAMPLINGS[sampling])
     if policy == "fixed":
-        graph = RoundGraph(*runners, k, sampling_cfg, vocab, fit_width(k + 1, buckets))
+        graph = RoundGraph(*runners, k, sampling_cfg, vocab, fit_buckets(k + 1, buckets)[-1])
     else:
         graph = StepGraphs(*runners, SVIP(0.3, max_candidates=k), k, sampling_cfg, vocab, set())
     graph.n.fill_(8)
@@ -167,11 +167,6 @@ def count_captured_round(k: int, sampling: str, vocab: int, policy: str = "fixed
                 graph._candidate_step(i)
             graph._verdict_step(k, None if graph.q is None else graph.q[:k])
     return counter.counts
-
-
-def fit_width(tokens: int, buckets: tuple[int, ...]) -> int:
-    """The narrowest bucket that holds ``tokens``."""
-    return min(b for b in buckets if b >= tokens)
 
 
 def main(argv=None) -> int:
@@ -211,10 +206,24 @@ def main(argv=None) -> int:
                   f"{top} |")
             result[f"{role}_w{width}"] = {"layers": layers, "operations": n_all, "launching": n_work,
                                           "by_name": dict(counts)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     return 0
+
+
+def summary(counts: collections.Counter) -> tuple[dict, str]:
+    """``counts`` as a JSON record (all operations, those launching work, by name) and the table's
+    cells: operations, views, launching work, the six most frequent that launch work."""
+    work = {name: n for name, n in counts.items() if name not in VIEWS}
+    n_work, n_all = sum(work.values()), sum(counts.values())
+    top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
+    return ({"operations": n_all, "launching": n_work, "by_name": dict(counts)},
+            f"{n_all} | {n_all - n_work} | {n_work} | {top} |")
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def loop_table(args) -> int:
@@ -225,15 +234,9 @@ def loop_table(args) -> int:
     result = {}
     for sampling in LOOP_SAMPLINGS:
         for k in (0, 1, 3):
-            counts = count_round_loop(k, sampling, vocab)
-            work = {name: n for name, n in counts.items() if name not in VIEWS}
-            n_work, n_all = sum(work.values()), sum(counts.values())
-            top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
-            print(f"| {sampling} | {k} | {n_all} | {n_all - n_work} | {n_work} | {top} |")
-            result[f"{sampling}_k{k}"] = {"operations": n_all, "launching": n_work, "by_name": dict(counts)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+            result[f"{sampling}_k{k}"], cells = summary(count_round_loop(k, sampling, vocab))
+            print(f"| {sampling} | {k} | {cells}")
+    write_json(args.out, result)
     return 0
 
 
@@ -246,16 +249,10 @@ def captured_table(args) -> int:
     for policy in CAPTURED_POLICIES:
         for sampling in LOOP_SAMPLINGS:
             for k in (0, 1, 3) if policy == "fixed" else (1, 3):
-                counts = count_captured_round(k, sampling, vocab, policy)
-                work = {name: n for name, n in counts.items() if name not in VIEWS}
-                n_work, n_all = sum(work.values()), sum(counts.values())
-                top = ", ".join(f"{name} {n}" for name, n in sorted(work.items(), key=lambda kv: -kv[1])[:6])
+                result[f"{policy}_{sampling}_k{k}"], cells = summary(count_captured_round(k, sampling, vocab, policy))
                 label = "target-only" if policy == "fixed" and k == 0 else policy
-                print(f"| {label} | {sampling} | {k} | {n_all} | {n_all - n_work} | {n_work} | {top} |")
-                result[f"{policy}_{sampling}_k{k}"] = {"operations": n_all, "launching": n_work, "by_name": dict(counts)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+                print(f"| {label} | {sampling} | {k} | {cells}")
+    write_json(args.out, result)
     return 0
 
 
