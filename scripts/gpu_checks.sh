@@ -56,6 +56,15 @@ run() {  # run NAME CMD...: log to $LOGS/NAME.log, report the exit status
     return "$rc"
 }
 
+xdist_args() {  # workers=(...): pytest-xdist's where installed, stealing work (xdist >= 3.2) so a slow test's tail is shared
+    workers=()
+    $PY -c "import xdist" 2>/dev/null || return 0
+    workers=(-n "${TEST_WORKERS:-16}")
+    if $PY -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null; then
+        workers+=(--dist worksteal)
+    fi
+}
+
 for stage in "$@"; do
     case $stage in
     setup)
@@ -69,12 +78,10 @@ for stage in "$@"; do
         $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
         ;;
     tests)
-        workers=()  # pytest-xdist where installed: the twins took over 12 minutes on an H100 with 16 workers
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        xdist_args  # the twins took over 12 minutes on an H100 with 16 workers
         run tests $PY -m pytest -m gpu -q -p no:cacheprovider "${workers[@]}" --durations=10 tests ;;
     core)
-        workers=()
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        xdist_args
         run core $PY -m pytest -m "gpu and not slow" -k "(greedy or same_seed or T1 or attention) and not fast_static" -q \
             -p no:cacheprovider "${workers[@]}" --durations=10 tests/decoders/test_exactness.py tests/core/test_attention.py \
             tests/decoders/test_host_reads.py ;;
@@ -107,8 +114,7 @@ for stage in "$@"; do
             --fast graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_graphs_cuda.json" ;;
     fast-units)  # the runners' CUDA twins; the fast decoders' greedy/same-seed/T1 twins are in `core`
-        workers=()
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        xdist_args
         STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-180} run fast-tests $PY -m pytest -m gpu \
             -k "(fast or static_runner or static_batch or graphs) and not compile-graphs and not compile_graphs" -q \
             -p no:cacheprovider "${workers[@]}" --durations=10 \
@@ -119,8 +125,7 @@ for stage in "$@"; do
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \
             --out "$LOGS/bench_fast_cuda.json" ;;
     fast-compile-graphs)
-        workers=()
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        xdist_args
         STAGE_TIMEOUT=${FAST_CG_TESTS_TIMEOUT:-240} run fast-compile-graphs-tests $PY -m pytest -m gpu -q \
             -k "compile_graphs or (compile-graphs and (greedy or same_seed))" -p no:cacheprovider "${workers[@]}" \
             --durations=10 tests/models/test_graphs.py tests/decoders/test_exactness.py
@@ -128,8 +133,7 @@ for stage in "$@"; do
             --device cuda --fast compile-graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 \
             --repeats 20 --out "$LOGS/bench_fast_compile_graphs_cuda.json" ;;
     rounds)  # captured rounds (specdecpp/decoders/captured.py): their CUDA tests, then each round as one graph against per forward
-        workers=()
-        $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+        xdist_args
         STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -p no:cacheprovider \
             "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
             tests/models/test_graphs.py tests/decoders/test_exactness.py \
