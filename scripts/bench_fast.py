@@ -724,6 +724,8 @@ def main(argv=None) -> int:
     ap.add_argument("--also-per-forward", action="store_true", help="on a graph backend, each method also decodes "
                     "with rounds not captured (each forward replayed), in the same interleaved pass: captured over "
                     "per-forward with a paired interval (docstring, 6.)")
+    ap.add_argument("--fused-rounds", action="store_true", help="with --fast compile-graphs: captured rounds with "
+                    "their work between forwards compiled too (capture_rounds='fused', specdecpp/decoders/captured.py)")
     ap.add_argument("--round-graphs", action="store_true", help="after decoding on a graph backend, time each "
                     "captured round graph against a graph of its forwards alone (docstring, 5.)")
     ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
@@ -745,6 +747,8 @@ def main(argv=None) -> int:
     if args.also_per_forward and (args.no_capture_rounds or args.batch or
                                   not set(args.fast) & {"graphs", "compile-graphs"}):
         ap.error("--also-per-forward needs --fast graphs or compile-graphs, rounds captured, and no --batch")
+    if args.fused_rounds and (args.fast != ["compile-graphs"] or args.no_capture_rounds or args.batch):
+        ap.error("--fused-rounds needs --fast compile-graphs, rounds captured, and no --batch")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
     if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
@@ -789,7 +793,8 @@ def main(argv=None) -> int:
 
     policies = methods(args, draft)
     sampling = SAMPLINGS[args.sampling]
-    backends = {None: (None, True), args.fast: (args.fast, not args.no_capture_rounds)}
+    captured = "fused" if args.fused_rounds else not args.no_capture_rounds
+    backends = {None: (None, True), args.fast: (args.fast, captured)}
     if args.also_per_forward:  # each method's third decoder, interleaved with the other two
         backends[PER_FORWARD] = (args.fast, False)
     # each decoder a policy object of its own: captured step graphs keep a policy's round state (captured.py)
@@ -830,7 +835,7 @@ def main(argv=None) -> int:
               "bandwidth_mb": mb, "forwards": forwards, "floor": floor,
               "methods": summary, "profile_outside": profiled,
               "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
-              "capture_rounds": not args.no_capture_rounds, "round_graphs": rounds,
+              "capture_rounds": captured, "round_graphs": rounds,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
     return report(result, table(result), args, all(  # greedy: per-forward's tokens too
         m["greedy_equal"] and (args.sampling != "greedy" or not m.get("per_forward_unequal_prompts"))

@@ -30,7 +30,8 @@
 #            --random on $ROUNDS_BACKEND (graphs) greedy and sampled ($ROUNDS_SAMPLINGS), $ROUNDS_PROMPTS (8) prompts,
 #            eager, rounds captured and per forward in one interleaved pass (--also-per-forward: captured over
 #            per-forward with a paired interval), then --round-graphs (each round graph against a graph of its
-#            forwards alone, the loop's share); JSON in $LOGS/bench_rounds_*_cuda.json
+#            forwards alone, the loop's share); JSON in $LOGS/bench_rounds_*_cuda.json. ROUNDS_FUSED=1 (with
+#            ROUNDS_BACKEND=compile-graphs): the rounds' work between forwards compiled too (--fused-rounds)
 #   lease    setup, core (CORE_TIMEOUT, 280 s) and rounds sampled (6 prompts; tests 120 s, benchmark 150 s): about 9.5
 #            minutes, one call of a 15-minute lease (docs/gpu.md, "What the next lent GPU should run")
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
@@ -106,7 +107,7 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${CORE_TIMEOUT:-280} bash "$0" core
         ROUNDS_SAMPLINGS=${ROUNDS_SAMPLINGS:-paper} ROUNDS_PROMPTS=${ROUNDS_PROMPTS:-6} \
             ROUNDS_TESTS_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-120} ROUNDS_BENCH_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-150} \
-            bash "$0" rounds ;;
+            ROUNDS_TESTS_AND=${ROUNDS_TESTS_AND:-"and not fused"} bash "$0" rounds ;;  # fused rounds compile: step 3
     fast)  # the three parts below, in this order
         bash "$0" fast-graphs fast-units fast-compile ;;
     fast-graphs)
@@ -137,12 +138,13 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -p no:cacheprovider \
             "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
             tests/models/test_graphs.py tests/decoders/test_exactness.py \
-            -k "captured or replay or reads or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))"
+            -k "(captured or replay or reads or fused or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))) ${ROUNDS_TESTS_AND:-}"
         for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do  # captured and per-forward interleaved in one pass
-            STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-200} run "rounds-bench-$sampling" $PY scripts/bench_fast.py \
-                --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" --prompts "${ROUNDS_PROMPTS:-8}" \
-                --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" --also-per-forward --round-graphs \
-                --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${sampling}_cuda.json"
+            STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-200} run "rounds-bench-$sampling${ROUNDS_FUSED:+-fused}" $PY \
+                scripts/bench_fast.py --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" \
+                --prompts "${ROUNDS_PROMPTS:-8}" --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" \
+                --also-per-forward --round-graphs ${ROUNDS_FUSED:+--fused-rounds} \
+                --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${sampling}${ROUNDS_FUSED:+_fused}_cuda.json"
         done ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
         for sampling in greedy paper; do

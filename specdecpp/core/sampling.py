@@ -57,7 +57,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     for bf16 on a CPU 4x faster than ``argmax``). A float32 or float64 tensor on a CPU goes through
     numpy's vectorised argmax: 8 us against torch's 100-120 us over a 49k vocabulary on one thread
     (torch's index-tracking reductions are not vectorised there; docs/results/fast.md)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad
+            and not torch.compiler.is_compiling()):  # inside a compiled region (a fused round): torch's
         return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
     return logits.max(-1).indices
 
@@ -101,8 +102,9 @@ TOP_K_MIN_VOCAB = 16384  # below this the dense way is as fast (its fixed cost i
 def _sparse_top_k(logits: torch.Tensor, cfg: SamplingConfig) -> bool:
     """Whether :func:`warp`'s top-k goes through :func:`_top_k_softmax`: where :func:`kept_rows`
     says so, for a few rows."""
-    vocab = logits.shape[-1]
-    return kept_rows(vocab, cfg, logits.device) and logits.numel() // vocab <= TOP_K_MAX_ROWS
+    vocab = logits.shape[-1]  # not inside a compiled region (a fused round): the kept set's size is a host read
+    return (kept_rows(vocab, cfg, logits.device) and logits.numel() // vocab <= TOP_K_MAX_ROWS
+            and not torch.compiler.is_compiling())
 
 
 def _top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:

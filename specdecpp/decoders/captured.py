@@ -42,6 +42,16 @@ fewer than K candidates (the end of a call; an adaptive round: for none), a call
 inside one graph), cascades, and a policy without ``stop_rows`` or with more candidates than the
 widest bucket holds.
 
+Fused rounds (``SpeculativeDecoder(..., fast="compile-graphs", capture_rounds="fused")``): the work
+between a round's forwards, a candidate's draw (:func:`draw_row`) and the verdict's rule
+(:func:`verdict_rule`, one function per K), is compiled by inductor (fullgraph, fixed shapes) before
+the capture, so the graph replays a few fused kernels where the plain round replays some hundred
+small ones (``scripts/count_step_ops.py --captured``: 101 operations beyond the forwards in a sampled
+K = 3 round). Inside a compiled region the warp takes the dense top-k and the argmax torch's own (the
+CPU's sparse rows and numpy argmax read the host). Compiling happens in the capture's warm-ups and
+counts in its ``capture_seconds``. Not measured on a GPU yet, hence not the default
+(docs/gpu.md, "What the next lent GPU should run").
+
 A round graph is captured once per process for a (draft buffers, target buffers, K, width,
 sampling) and kept on the target's :class:`~specdecpp.models.static.GraphSet` with a token buffer and
 the uniforms of its own (a call's :class:`~specdecpp.decoders.rounds.TokenBuffer` is bound to that
@@ -94,11 +104,15 @@ class RoundParts:
     policy's candidates one graph each and its verdicts one graph per K."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
-                 widths: dict[int, int]) -> None:
-        """``k``: the most candidates a round drafts; ``widths``: the target's bucket for each K."""
+                 widths: dict[int, int], fused: bool = False) -> None:
+        """``k``: the most candidates a round drafts; ``widths``: the target's bucket for each K;
+        ``fused``: the work between the forwards (a candidate's draw, the verdict's rule) compiled
+        by inductor, one function per K (module docstring, "Fused rounds")."""
         device = target.device
         self.k, self.sampling, self.vocab, self.widths = k, sampling, vocab, widths
-        self.greedy = sampling.greedy
+        self.greedy, self.fused = sampling.greedy, fused
+        self._draw = self._compiled(draw_row(sampling), "round_draw") if fused else draw_row(sampling)
+        self._rules: dict = {}
         self.tokens = torch.zeros(target.cache.size + 1, dtype=torch.long, device=device)
         self.n = torch.ones((), dtype=torch.long, device=device)  # set by the host before each round
         self.u = torch.zeros(2 * k + 1, dtype=torch.float64, device=device)
@@ -129,10 +143,21 @@ class RoundParts:
         final hidden state [H]."""
         logits, hidden = self.draft_forward(i, previous)
         row, hidden = logits[-1, : self.vocab], hidden[-1]
-        if self.greedy:
-            return argmax(row).reshape(()), None, row, hidden
-        q = warp(row, self.sampling)  # unchecked: the verdict checks the rows q (rows_valid)
-        return draw_with(q, self.u[i : i + 1], check=False)[0].reshape(()), q, row, hidden
+        y, q = self._draw(row, self.u[i : i + 1])
+        return y, q, row, hidden
+
+    def _compiled(self, fn, name: str):
+        """``fn`` compiled by inductor (fullgraph, fixed shapes) under a code object of its own (dynamo
+        counts its variants per code object: static._own_code)."""
+        return torch.compile(static._own_code(fn, name), fullgraph=True, dynamic=False)
+
+    def _rule(self, k: int):
+        """The verdict's rule for ``k`` candidates (:func:`verdict_rule`), compiled where ``fused``."""
+        rule = self._rules.get(k)
+        if rule is None:
+            rule = verdict_rule(self.sampling, self.k, k)
+            rule = self._rules[k] = self._compiled(rule, f"round_rule_k{k}") if self.fused else rule
+        return rule
 
     def verdict(self, k: int, drafted: torch.Tensor, q_rows: torch.Tensor | None) -> torch.Tensor:
         """The target's verification of ``drafted`` [k] (already in ``tokens[n : n + k]``), drawn from
@@ -140,28 +165,9 @@ class RoundParts:
         candidates), the next token written after the accepted ones. Returns ``[n_accepted, valid,
         y_1..y_k, token]``. ``n`` stays: the host sets it before each round (so a capture's warm-ups
         all run at one position)."""
-        n, cfg = self.n, self.sampling
         logits = self.target_forward(k)[: k + 1, : self.vocab]
-        if self.greedy:
-            top = argmax(logits)
-            n_acc = (top[:k] == drafted).long().cumprod(0).sum() if k else torch.zeros_like(n)
-            token = top.gather(0, n_acc.reshape(1))
-            valid = torch.ones_like(n)
-        else:
-            p = warp(logits, cfg)
-            rows, q_ok = p, None
-            if k:
-                ratio = acceptance_ratio(p[:k], q_rows, drafted)
-                n_acc = (self.u[self.k : self.k + k] < ratio).long().cumprod(0).sum()
-                rows = torch.cat([residual(p[:k], q_rows), p[k:]])  # row i < k: a rejection at i's residual; row k: p_{k+1}
-                q_ok = rows_valid(q_rows)  # the check the draft's draws left out
-            else:
-                n_acc = torch.zeros_like(n)
-            each, ok = draw_with(rows, self.u[2 * self.k :])  # one uniform: the chosen row's draw
-            token = each.gather(0, n_acc.reshape(1))
-            valid = ok.gather(0, n_acc.reshape(1))[0]
-            valid = (valid if q_ok is None else valid & q_ok).long()
-        self.tokens.index_copy_(0, (n + n_acc).reshape(1), token)
+        n_acc, valid, token = self._rule(k)(logits, drafted, q_rows, self.u)
+        self.tokens.index_copy_(0, (self.n + n_acc).reshape(1), token)
         return torch.cat([n_acc.reshape(1), valid.reshape(1), drafted, token])
 
     def bind(self, seq: TokenBuffer) -> None:
@@ -186,14 +192,50 @@ class RoundParts:
         return n_acc, token, drafts
 
 
+def draw_row(sampling: SamplingConfig):
+    """A candidate's draw from the draft's raw logits row [V] with its uniform ``u`` [1]: ``(y, q)``,
+    the candidate (0-d) and the row q it was drawn from (None under greedy: the argmax). Unchecked:
+    the verdict checks the rows q (:func:`verdict_rule`)."""
+    def draw(row: torch.Tensor, u: torch.Tensor):
+        if sampling.greedy:
+            return argmax(row).reshape(()), None
+        q = warp(row, sampling)
+        return draw_with(q, u, check=False)[0].reshape(()), q
+    return draw
+
+
+def verdict_rule(sampling: SamplingConfig, k_max: int, k: int):
+    """The exact rule over the target's logits [k + 1, V] for ``drafted`` [k] drawn from ``q_rows``
+    [k, V], with the round's uniforms ``u`` [2 k_max + 1] (tests ``u[k_max : k_max + k]``, the next
+    token's draw ``u[2 k_max]``): ``(n_accepted, valid, token)``, 0-d, 0-d and [1] long tensors."""
+    def rule(logits: torch.Tensor, drafted: torch.Tensor, q_rows: torch.Tensor | None, u: torch.Tensor):
+        if sampling.greedy:
+            top = argmax(logits)
+            n_acc = (top[:k] == drafted).long().cumprod(0).sum() if k else top.new_zeros(())
+            return n_acc, torch.ones_like(n_acc), top.gather(0, n_acc.reshape(1))
+        p = warp(logits, sampling)
+        rows, q_ok = p, None
+        if not k:
+            n_acc = logits.new_zeros((), dtype=torch.long)
+        else:
+            ratio = acceptance_ratio(p[:k], q_rows, drafted)
+            n_acc = (u[k_max : k_max + k] < ratio).long().cumprod(0).sum()
+            rows = torch.cat([residual(p[:k], q_rows), p[k:]])  # row i < k: a rejection at i's residual; row k: p_{k+1}
+            q_ok = rows_valid(q_rows)  # the check the draft's draws left out
+        each, ok = draw_with(rows, u[2 * k_max :])  # one uniform: the chosen row's draw
+        valid = ok.gather(0, n_acc.reshape(1))[0]
+        return n_acc, (valid if q_ok is None else valid & q_ok).long(), each.gather(0, n_acc.reshape(1))
+    return rule
+
+
 class RoundGraph(RoundParts):
     """A whole fixed-K (or target-only) round as one graph (module docstring); built by
     :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq, count,
     generator)`` replays it and returns ``(K, n_accepted, token, drafts)`` after one host read."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
-                 width: int) -> None:
-        super().__init__(draft, target, k, sampling, vocab, {k: width})
+                 width: int, fused: bool = False) -> None:
+        super().__init__(draft, target, k, sampling, vocab, {k: width}, fused)
         self.width = width
         self.replay = self.out = None
 
@@ -247,11 +289,11 @@ class StepGraphs(RoundParts):
     candidate's graph sets (a head's position feature reads it)."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
-                 vocab: int, eos: set[int]) -> None:
+                 vocab: int, eos: set[int], fused: bool = False) -> None:
         """``k``: the most candidates a round drafts (:func:`round_plan`); ``eos``: the tokens that
         end a block (where the policy reads values, as the uncaptured drafter)."""
         widths = {kk: fit_buckets(kk + 1, target.buckets)[-1] for kk in range(1, k + 1)}
-        super().__init__(draft, target, k, sampling, vocab, widths)
+        super().__init__(draft, target, k, sampling, vocab, widths, fused)
         device = target.device
         self.policy, self.eos = policy, eos
         self.needs_hidden = policy.needs_hidden
@@ -358,13 +400,14 @@ def _kept(draft: StaticRunner, target: StaticRunner, key: tuple, label: tuple, b
 
 
 def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
-                seq: TokenBuffer) -> RoundGraph:
+                seq: TokenBuffer, fused: bool = False) -> RoundGraph:
     """The round graph of these runners' buffers, K, the target's bucket for K + 1 tokens and
-    ``sampling``: kept on the target's graph set, captured on its first use (on ``seq``'s state)."""
+    ``sampling`` (``fused``: its work between forwards compiled): kept on the target's graph set,
+    captured on its first use (on ``seq``'s state)."""
     width = fit_buckets(k + 1, target.buckets)[-1]
-    key = (id(draft.graph_set), k, width, sampling.temperature, sampling.top_k, sampling.top_p, vocab)
+    key = (id(draft.graph_set), k, width, sampling.temperature, sampling.top_k, sampling.top_p, vocab, fused)
     return _kept(draft, target, key, ("round", k, width, target.cache.size),
-                 lambda: RoundGraph(draft, target, k, sampling, vocab, width), seq)
+                 lambda: RoundGraph(draft, target, k, sampling, vocab, width, fused), seq)
 
 
 def round_graphs(target) -> list[RoundGraph]:
@@ -375,12 +418,12 @@ def round_graphs(target) -> list[RoundGraph]:
 
 
 def step_graphs(draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
-                vocab: int, eos: set[int], seq: TokenBuffer) -> StepGraphs:
+                vocab: int, eos: set[int], seq: TokenBuffer, fused: bool = False) -> StepGraphs:
     """The step graphs of these runners' buffers, ``policy`` (this object: its round state lives in
     them), at most ``k`` candidates and ``sampling``: kept on the target's graph set, captured on first
     use (on ``seq``'s state)."""
     key = (id(draft.graph_set), "steps", id(policy), k, sampling.temperature, sampling.top_k, sampling.top_p, vocab,
-           tuple(sorted(eos)))
+           tuple(sorted(eos)), fused)
     width = fit_buckets(k + 1, target.buckets)[-1]
     return _kept(draft, target, key, ("steps", k, width, target.cache.size),
-                 lambda: StepGraphs(draft, target, policy, k, sampling, vocab, eos), seq)
+                 lambda: StepGraphs(draft, target, policy, k, sampling, vocab, eos, fused), seq)

@@ -42,7 +42,7 @@ class SpeculativeDecoder(FastPlanned):
 
     def __init__(self, draft, target, policy: StopPolicy, sampling: SamplingConfig | None = None,
                  profile: bool = False, cascade: Cascade | None = None, fast: str | None = None,
-                 capture_rounds: bool = True) -> None:
+                 capture_rounds: bool | str = True) -> None:
         """``profile=True`` synchronises CUDA around every round's draft and target phases so that
         ``draft_time_s``/``target_time_s`` are measured; without it a CUDA run synchronises only for
         the wall time and reports those two as NaN (on CPU they are measured either way).
@@ -58,7 +58,9 @@ class SpeculativeDecoder(FastPlanned):
         the same; in ``generate_batch`` too (a static cache of per-row lengths, forwards padded to
         (batch, width) buckets). ``"graphs"`` / ``"compile-graphs"`` (CUDA): each bucket's forward a
         CUDA graph, and under fixed K or target-only each whole round one graph
-        (``capture_rounds``; specdecpp/decoders/captured.py)."""
+        (``capture_rounds``; specdecpp/decoders/captured.py). ``capture_rounds="fused"`` (with
+        ``fast="compile-graphs"``) also compiles a captured round's work between its forwards (the
+        draws and the rule) with inductor: fewer kernels per round, not yet measured on a GPU."""
         if not isinstance(policy, StopPolicy):
             raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
@@ -68,7 +70,10 @@ class SpeculativeDecoder(FastPlanned):
         self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
         self.runners = CallRunners(self.fast, (draft, target))
         self.cascade = cascade
-        self.capture_rounds = bool(capture_rounds)
+        if capture_rounds == "fused" and self.fast != "compile-graphs":
+            raise ValueError(f"capture_rounds='fused' compiles a captured round's work between its forwards and "
+                             f"needs fast='compile-graphs', got fast={self.fast!r}")
+        self.capture_rounds = capture_rounds if capture_rounds == "fused" else bool(capture_rounds)
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
@@ -143,10 +148,11 @@ class SpeculativeDecoder(FastPlanned):
         then decodes round by round (``capture_rounds`` False)."""
         how, k = captured
         try:
+            fused = self.capture_rounds == "fused"
             if how == "round":
-                return round_graph(drafter.runner, target, k, self.sampling, self.vocab, seq)
+                return round_graph(drafter.runner, target, k, self.sampling, self.vocab, seq, fused)
             return step_graphs(drafter.runner, target, self.policy, k, self.sampling, self.vocab,
-                               drafter.eos if drafter.stop_at_eos else set(), seq)
+                               drafter.eos if drafter.stop_at_eos else set(), seq, fused)
         except CaptureFailed as exc:
             log.warning("%s; decoding round by round (capture_rounds=False)", exc)
             self.capture_rounds = False

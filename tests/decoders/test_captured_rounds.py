@@ -326,3 +326,69 @@ def test_a_failed_round_capture_falls_back_to_rounds_one_by_one(graphs_on, monke
         assert out.stats.replayed_rounds == 0
     assert decoder.capture_rounds is False
     assert sum("decoding round by round" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_fused_rounds_need_compile_graphs():
+    draft, target, _ = pair32("cpu")
+    for fast in (None, "static", "compile"):
+        with pytest.raises(ValueError, match="capture_rounds='fused' .* needs fast='compile-graphs'"):
+            SpeculativeDecoder(draft, target, FixedK(3), fast=fast, capture_rounds="fused")
+
+
+def fused_rounds(target) -> list:
+    """The captured rounds (whole or in steps) over ``target``'s buffers whose glue is compiled."""
+    sets = model_steps(target).graph_sets.values()
+    return [g for group in sets for graph_set in group for g in graph_set.rounds.values() if g.fused]
+
+
+FUSED = [pytest.param(lambda heads: FixedK(3), id="k3"), pytest.param(lambda heads: TargetOnly(), id="target_only"),
+         pytest.param(lambda heads: SVIP(0.6, max_candidates=3), id="svip")]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", FUSED)
+def test_fused_rounds_compile_their_glue_and_equal_target_greedy(graphs_on, device, policy):  # noqa: F811
+    """capture_rounds='fused' (fast='compile-graphs'; the fake capture on a CPU): a captured round's draws
+    and rule run as inductor-compiled functions (each a compiled callable, one per K for the rule), the
+    rounds are replayed, and greedy output is the target's own; a second prompt compiles nothing again."""
+    import torch._dynamo
+    graphs_on(device)
+    draft, target, cpu_target = pair32(device)
+    decoder = SpeculativeDecoder(draft, target, policy(None), SamplingConfig(temperature=0), fast="compile-graphs",
+                                 capture_rounds="fused")
+    for i, (prompt, n) in enumerate((([1, 2, 3], 21), ([4, 4, 9, 10, 11, 3, 5], 16))):
+        ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        with torch._dynamo.config.patch(error_on_recompile=bool(i)):
+            out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n)
+        assert out.tokens.tolist() == ref.tolist() and out.stats.replayed_rounds > 2
+    (graph,) = fused_rounds(target)
+    assert hasattr(graph._draw, "_torchdynamo_orig_callable") and graph._rules
+    assert all(hasattr(rule, "_torchdynamo_orig_callable") for rule in graph._rules.values())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", [FUSED[0], FUSED[2]])
+def test_fused_rounds_have_the_target_distribution_and_same_seed_same_output(graphs_on, device, policy):  # noqa: F811
+    """Sampled (T=1), fused: the first 3 of 6 tokens follow the target's exact distribution (chi-square
+    against enumeration; the dense top-k and draw a compiled region takes on a CPU too), and a seed
+    gives the same output again."""
+    graphs_on(device)
+    draft, target = _pair6()
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(target, PROMPT, 3, sampling, None)
+    decoder = SpeculativeDecoder(copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device), policy(None),
+                                 sampling, fast="compile-graphs", capture_rounds="fused")
+
+    def run(g):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, max_new_tokens=6)
+        return tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()), out.stats.replayed_rounds
+
+    g = torch.Generator().manual_seed(1234)
+    runs = [run(g) for _ in range(1200)]
+    assert chi_square_pvalue([seq for seq, _ in runs], expected) > 1e-4
+    assert sum(r for _, r in runs) > 600
+    assert run(torch.Generator().manual_seed(7)) == run(torch.Generator().manual_seed(7))

@@ -166,14 +166,14 @@ def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards(
     assert bench_fast.after_first([{**rows[1], "candidate_lengths": [0]}], times) == {}
 
 
-def graphs_bench(tmp_path, capsys, prompts: int, *flags: str) -> tuple[str, dict]:
-    """bench_fast --fast graphs on tiny random models (the fake capture installed by the caller), 12
-    new tokens, greedy tokens required equal: what it printed and its JSON."""
+def graphs_bench(tmp_path, capsys, prompts: int, *flags: str, fast: str = "graphs") -> tuple[str, dict]:
+    """bench_fast --fast graphs (or ``fast``) on tiny random models (the fake capture installed by the
+    caller), 12 new tokens, greedy tokens required equal: what it printed and its JSON."""
     import bench_fast
 
     write_configs(tmp_path)
     out = tmp_path / "bench.json"
-    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--device", "cpu", "--dtype", "float32",
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", fast, "--device", "cpu", "--dtype", "float32",
                             "--prompts", str(prompts), "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
                             "--repeats", "2", "--bandwidth-mb", "4", "--require-equal", *flags, "--out", str(out)]) == 0
     return capsys.readouterr().out, json.loads(out.read_text())
@@ -256,3 +256,23 @@ def test_decode_all_rotates_each_methods_backends_from_prompt_to_prompt():
         (1, ("a", "graphs")), (1, ("a", "per-forward")), (1, ("a", None)), (1, ("b", "graphs")), (1, ("b", None)),
         (2, ("a", "per-forward")), (2, ("a", None)), (2, ("a", "graphs")), (2, ("b", None)), (2, ("b", "graphs"))]
     assert all(len(r) == 3 for r in rows.values())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+def test_bench_fast_fused_rounds_on_compile_graphs(tmp_path, capsys, graphs_on):  # noqa: F811
+    """--fused-rounds (compile-graphs, the CPU's fake capture): every method's fast decoder replays rounds
+    whose glue is compiled, greedy tokens equal eager's (--require-equal), the JSON says so, and
+    --round-graphs times the fused round graphs; without compile-graphs the flag is refused."""
+    import bench_fast
+
+    graphs_on("cpu")
+    printed, result = graphs_bench(tmp_path, capsys, 2, "--fused-rounds", "--round-graphs", "--also-per-forward",
+                                   fast="compile-graphs")
+    assert result["capture_rounds"] == "fused" and "capture_rounds=fused" in printed
+    for name, m in result["methods"].items():
+        assert m["fast"]["after_first"]["replayed_rounds"] > 0, name
+    assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--fused-rounds"])
+    assert "--fused-rounds needs" in capsys.readouterr().err
