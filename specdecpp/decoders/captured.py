@@ -111,7 +111,7 @@ class RoundParts:
         device = target.device
         self.k, self.sampling, self.vocab, self.widths = k, sampling, vocab, widths
         self.greedy, self.fused = sampling.greedy, fused
-        self._draw = self._compiled(draw_row(sampling), "round_draw") if fused else draw_row(sampling)
+        self._draw = compile_glue(draw_row(sampling), "round_draw") if fused else draw_row(sampling)
         self._rules: dict = {}
         self.tokens = torch.zeros(target.cache.size + 1, dtype=torch.long, device=device)
         self.n = torch.ones((), dtype=torch.long, device=device)  # set by the host before each round
@@ -146,17 +146,12 @@ class RoundParts:
         y, q = self._draw(row, self.u[i : i + 1])
         return y, q, row, hidden
 
-    def _compiled(self, fn, name: str):
-        """``fn`` compiled by inductor (fullgraph, fixed shapes) under a code object of its own (dynamo
-        counts its variants per code object: static._own_code)."""
-        return torch.compile(static._own_code(fn, name), fullgraph=True, dynamic=False)
-
     def _rule(self, k: int):
         """The verdict's rule for ``k`` candidates (:func:`verdict_rule`), compiled where ``fused``."""
         rule = self._rules.get(k)
         if rule is None:
             rule = verdict_rule(self.sampling, self.k, k)
-            rule = self._rules[k] = self._compiled(rule, f"round_rule_k{k}") if self.fused else rule
+            rule = self._rules[k] = compile_glue(rule, f"round_rule_k{k}") if self.fused else rule
         return rule
 
     def verdict(self, k: int, drafted: torch.Tensor, q_rows: torch.Tensor | None) -> torch.Tensor:
@@ -190,6 +185,12 @@ class RoundParts:
         if not valid:
             raise ValueError(INVALID_PROBS)
         return n_acc, token, drafts
+
+
+def compile_glue(fn, name: str):
+    """``fn`` compiled by inductor (fullgraph, fixed shapes) under a code object of its own (dynamo
+    counts its variants per code object: static._own_code)."""
+    return torch.compile(static._own_code(fn, name), fullgraph=True, dynamic=False)
 
 
 def draw_row(sampling: SamplingConfig):
