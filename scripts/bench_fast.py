@@ -54,6 +54,10 @@ with ``--threads`` torch threads on a CPU:
    interleaved pass, on the same backend with rounds not captured, so captured rounds are compared
    with per-forward graphs in one run: tokens/s, captured over per-forward with a paired 95%
    interval, ms per round (all and after the first) and, greedy, whether the tokens are the same.
+   ``--also-unfused`` (with ``--fused-rounds``): a fourth decoder per method, rounds captured with
+   their work between forwards left as it is, so fused and plain captured rounds share one
+   interleaved pass: fused over unfused with a paired interval; ``--round-graphs`` then times both
+   kinds of round graph.
 
 Compiling (``--fast compile``) happens before anything is timed (the decoders' ``warm_up`` and the
 forward loop's warm-up) and is printed separately, per model, width and cache size. Writes a JSON
@@ -108,6 +112,7 @@ from specdecpp.models.static import model_steps
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
 WIDTHS = (1, 2, 4, 8)
 PER_FORWARD = "per-forward"  # --also-per-forward: the fast backend with rounds not captured
+UNFUSED = "unfused"  # --also-unfused (with --fused-rounds): rounds captured without their glue compiled
 # The demo target's config (SmolLM2-135M-Instruct, conf/pair/demo.yaml), for --random where the pair
 # is not materialised (a GPU machine without the GGUF); the materialised target's config.json wins.
 DEMO_TARGET_CONFIG = {
@@ -341,7 +346,8 @@ def time_round_graphs(target, device: torch.device, repeats: int, blocks: int = 
         graph.n.fill_(start)
         rounds, forwards = np.array(timed["round"]), np.array(timed["forwards"])
         low, high = bootstrap_interval(lambda r, f, axis=-1: np.mean(r, axis) - np.mean(f, axis), rounds, forwards)
-        out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "blocks": blocks, "repeats": repeats,
+        out.append({"k": graph.k, "width": graph.width, "greedy": graph.greedy, "fused": graph.fused,
+                    "blocks": blocks, "repeats": repeats,
                     "round_graph_ms": float(np.median(rounds)), "forwards_graph_ms": float(np.median(forwards)),
                     "outside_ms": float(np.mean(rounds - forwards)), "outside_ms_ci": [low, high],
                     "round_graph_ms_blocks": timed["round"], "forwards_graph_ms_blocks": timed["forwards"]})
@@ -361,7 +367,12 @@ def round_graphs_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["round_graphs"]:
         name, m = by_k.get(r["k"], (f"K={r['k']}", None))
-        wall = m["fast"]["after_first"]["ms_per_round"] if m else float("nan")
+        backend = "unfused" if m and r.get("fused") is False and "unfused" in m else "fast"
+        wall = m[backend]["after_first"]["ms_per_round"] if m else float("nan")
+        if r.get("fused"):
+            name += " (fused)"
+        elif m and "unfused" in m:
+            name += " (unfused)"
         fwd, graph = r["forwards_graph_ms"], r["round_graph_ms"]
         outside = r.get("outside_ms", graph - fwd)
         low, high = r.get("outside_ms_ci", (float("nan"), float("nan")))
@@ -384,8 +395,11 @@ def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered:
         per_forward = rows.get((name, PER_FORWARD))
         unequal = [r["prompt_id"] for r, q in zip(eager, quick, strict=True) if r["tokens"] != q["tokens"]]
         runs = [("eager", None, eager, "eager"), ("fast", fast, quick, "fast")]
+        unfused = rows.get((name, UNFUSED))
         if per_forward is not None:  # --also-per-forward: the fast backend's forwards measured once for both
             runs.append(("per_forward", PER_FORWARD, per_forward, "fast"))
+        if unfused is not None:  # --also-unfused: rounds captured, their glue not compiled
+            runs.append(("unfused", UNFUSED, unfused, "fast"))
         out[name] = {
             **{backend: {"tokens_per_s": pooled(rs), "ms_per_round": 1e3 * sum(r["wall_time_s"] for r in rs)
                          / max(1, sum(r["rounds"] for r in rs)), "n_generated": sum(r["n_generated"] for r in rs),
@@ -401,6 +415,10 @@ def summarize(rows: dict, names, fast: str, meters: dict | None = None, metered:
             out[name]["captured_over_per_forward"] = ratio(quick, per_forward)
             out[name]["per_forward_unequal_prompts"] = [r["prompt_id"] for r, q in zip(per_forward, quick, strict=True)
                                                         if r["tokens"] != q["tokens"]]
+        if unfused is not None:
+            out[name]["fused_over_unfused"] = ratio(quick, unfused)
+            out[name]["unfused_unequal_prompts"] = [r["prompt_id"] for r, q in zip(unfused, quick, strict=True)
+                                                    if r["tokens"] != q["tokens"]]
     return out
 
 
@@ -540,6 +558,8 @@ def table(result: dict) -> str:
         lines += ["", after_first_table(result)]
     if any("per_forward" in m for m in result["methods"].values()):
         lines += ["", per_forward_table(result)]
+    if any("unfused" in m for m in result["methods"].values()):
+        lines += ["", unfused_table(result)]
     if result.get("round_graphs"):
         lines += ["", round_graphs_table(result)]
     if any("breakdown" in m["fast"] for m in result["methods"].values()):
@@ -567,6 +587,25 @@ def per_forward_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def unfused_table(result: dict) -> str:
+    """--also-unfused: fused rounds (their glue compiled) against plain captured rounds, one interleaved
+    pass (greedy: the same tokens expected; sampled: how many prompts' samples differ, which both
+    rounds' exactness tests allow)."""
+    greedy = result.get("sampling", "greedy") == "greedy"
+    lines = ["## Fused rounds against plain captured rounds (one interleaved pass; paired 95% CI over prompts)", "",
+             "| method | fused tok/s | unfused tok/s | fused / unfused [95% CI] | ms/round after the first, fused | "
+             "unfused | same tokens |", "|---|---|---|---|---|---|---|"]
+    for name, m in result["methods"].items():
+        f, u = m["fast"], m["unfused"]
+        later = [x.get("after_first", {}).get("ms_per_round") for x in (f, u)]
+        same = ("yes" if not m["unfused_unequal_prompts"] else
+                "NO: prompts " + ", ".join(m["unfused_unequal_prompts"])) if greedy else (
+                f"{len(m['unfused_unequal_prompts'])} of {result['prompts']} differ (sampled)")
+        lines.append(f"| {name} | {f['tokens_per_s']:.2f} | {u['tokens_per_s']:.2f} | {_x(m['fused_over_unfused'])} | "
+                     + " | ".join("n/a" if v is None else f"{v:.3f}" for v in later) + f" | {same} |")
+    return "\n".join(lines)
+
+
 def after_first_table(result: dict) -> str:
     """The rounds after each call's first, unmetered, against the forwards alone (:func:`after_first`)."""
     lines = [f"## Outside the forwards (timed pass; rounds after each call's first; capture_rounds="
@@ -574,7 +613,7 @@ def after_first_table(result: dict) -> str:
              "| method | backend | ms/round | forwards alone (est.) ms | outside the forwards | rounds replayed |",
              "|---|---|---|---|---|---|"]
     for name, m in result["methods"].items():
-        for backend in ("eager", "fast", "per_forward"):
+        for backend in ("eager", "fast", "per_forward", "unfused"):
             a = m.get(backend, {}).get("after_first")
             if a:
                 share = a["outside_share_est"]
@@ -726,6 +765,8 @@ def main(argv=None) -> int:
                     "per-forward with a paired interval (docstring, 6.)")
     ap.add_argument("--fused-rounds", action="store_true", help="with --fast compile-graphs: captured rounds with "
                     "their work between forwards compiled too (capture_rounds='fused', specdecpp/decoders/captured.py)")
+    ap.add_argument("--also-unfused", action="store_true", help="with --fused-rounds: each method also decodes with "
+                    "rounds captured but their glue not compiled, in the same interleaved pass (docstring, 6.)")
     ap.add_argument("--round-graphs", action="store_true", help="after decoding on a graph backend, time each "
                     "captured round graph against a graph of its forwards alone (docstring, 5.)")
     ap.add_argument("--require-equal", action="store_true", help="exit 1 if eager and fast tokens differ")
@@ -749,6 +790,8 @@ def main(argv=None) -> int:
         ap.error("--also-per-forward needs --fast graphs or compile-graphs, rounds captured, and no --batch")
     if args.fused_rounds and (args.fast != ["compile-graphs"] or args.no_capture_rounds or args.batch):
         ap.error("--fused-rounds needs --fast compile-graphs, rounds captured, and no --batch")
+    if args.also_unfused and not args.fused_rounds:
+        ap.error("--also-unfused needs --fused-rounds")
     if args.context <= max(WIDTHS) + 1:
         ap.error(f"--context must be > {max(WIDTHS) + 1}, got {args.context}")
     if len(set(args.fast)) != len(args.fast) or (len(args.fast) > 1 and not args.batch):
@@ -797,6 +840,8 @@ def main(argv=None) -> int:
     backends = {None: (None, True), args.fast: (args.fast, captured)}
     if args.also_per_forward:  # each method's third decoder, interleaved with the other two
         backends[PER_FORWARD] = (args.fast, False)
+    if args.also_unfused:  # and a fourth: rounds captured, their glue not compiled
+        backends[UNFUSED] = (args.fast, True)
     # each decoder a policy object of its own: captured step graphs keep a policy's round state (captured.py)
     own = {key: methods(args, draft) for key in backends}
     decoders = {(name, key): SpeculativeDecoder(draft, target, own[key][name], sampling, fast=fast,

@@ -143,7 +143,7 @@ for stage in "$@"; do
             STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-200} run "rounds-bench-$sampling${ROUNDS_FUSED:+-fused}" $PY \
                 scripts/bench_fast.py --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" \
                 --prompts "${ROUNDS_PROMPTS:-8}" --max-new-tokens 64 --svip-max 3 --repeats 20 --sampling "$sampling" \
-                --also-per-forward --round-graphs ${ROUNDS_FUSED:+--fused-rounds} \
+                --also-per-forward --round-graphs ${ROUNDS_FUSED:+--fused-rounds --also-unfused} \
                 --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${sampling}${ROUNDS_FUSED:+_fused}_cuda.json"
         done ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share

@@ -268,11 +268,20 @@ def test_bench_fast_fused_rounds_on_compile_graphs(tmp_path, capsys, graphs_on):
 
     graphs_on("cpu")
     printed, result = graphs_bench(tmp_path, capsys, 2, "--fused-rounds", "--round-graphs", "--also-per-forward",
-                                   fast="compile-graphs")
+                                   "--also-unfused", fast="compile-graphs")
     assert result["capture_rounds"] == "fused" and "capture_rounds=fused" in printed
+    assert "Fused rounds against plain captured rounds" in printed
     for name, m in result["methods"].items():
         assert m["fast"]["after_first"]["replayed_rounds"] > 0, name
-    assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
+        assert m["unfused"]["after_first"]["replayed_rounds"] > 0, name
+        assert m["unfused_unequal_prompts"] == [], name  # greedy: fused and plain captured rounds agree
+        assert m["fused_over_unfused"]["ratio"] > 0, name
+    graphs = sorted((r["k"], r["fused"]) for r in result["round_graphs"])  # both kinds of round graph, timed
+    assert graphs == [(k, fused) for k in (0, 1, 2, 3) for fused in (False, True)]
+    assert "fixed_k1 (fused)" in printed and "fixed_k1 (unfused)" in printed
     with pytest.raises(SystemExit):
         bench_fast.main(["--configs", str(tmp_path), "--fast", "graphs", "--fused-rounds"])
     assert "--fused-rounds needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_fast.main(["--configs", str(tmp_path), "--fast", "compile-graphs", "--also-unfused"])
+    assert "--also-unfused needs --fused-rounds" in capsys.readouterr().err
