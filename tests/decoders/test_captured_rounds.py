@@ -342,7 +342,8 @@ def fused_rounds(target) -> list:
 
 
 FUSED = [pytest.param(lambda heads: FixedK(3), id="k3"), pytest.param(lambda heads: TargetOnly(), id="target_only"),
-         pytest.param(lambda heads: SVIP(0.6, max_candidates=3), id="svip")]
+         pytest.param(lambda heads: SVIP(0.6, max_candidates=3), id="svip"),
+         pytest.param(lambda heads: SpecDecPP(heads["next"], 0.5, max_candidates=4), id="lag_free_head")]
 
 
 @pytest.mark.slow
@@ -356,8 +357,8 @@ def test_fused_rounds_compile_their_glue_and_equal_target_greedy(graphs_on, devi
     import torch._dynamo
     graphs_on(device)
     draft, target, cpu_target = pair32(device)
-    decoder = SpeculativeDecoder(draft, target, policy(None), SamplingConfig(temperature=0), fast="compile-graphs",
-                                 capture_rounds="fused")
+    decoder = SpeculativeDecoder(draft, target, policy(heads32(draft)), SamplingConfig(temperature=0),
+                                 fast="compile-graphs", capture_rounds="fused")
     for i, (prompt, n) in enumerate((([1, 2, 3], 21), ([4, 4, 9, 10, 11, 3, 5], 16))):
         ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
         with torch._dynamo.config.patch(error_on_recompile=bool(i)):
@@ -371,16 +372,19 @@ def test_fused_rounds_compile_their_glue_and_equal_target_greedy(graphs_on, devi
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("policy", [FUSED[0], FUSED[2]])
+@pytest.mark.parametrize("policy", [FUSED[0], FUSED[2], FUSED[3]])
 def test_fused_rounds_have_the_target_distribution_and_same_seed_same_output(graphs_on, device, policy):  # noqa: F811
     """Sampled (T=1), fused: the first 3 of 6 tokens follow the target's exact distribution (chi-square
     against enumeration; the dense top-k and draw a compiled region takes on a CPU too), and a seed
     gives the same output again."""
+    from tests.decoders.test_exactness import _heads
+
     graphs_on(device)
     draft, target = _pair6()
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(target, PROMPT, 3, sampling, None)
-    decoder = SpeculativeDecoder(copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device), policy(None),
+    heads = {k: h.to(device) for k, h in _heads(draft).items()}
+    decoder = SpeculativeDecoder(copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device), policy(heads),
                                  sampling, fast="compile-graphs", capture_rounds="fused")
 
     def run(g):
