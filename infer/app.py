@@ -51,6 +51,7 @@ class Job:
     batch_fill: bool = False
     allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
     fast: str | None = None  # the fast path's backend (None: eager; docs/engine.md "The fast path")
+    capture_rounds: bool | str = True  # graph backends, chain methods: whole rounds captured (True), not (False), or fused
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -100,6 +101,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
     if not isinstance(batch_fill, bool):
         raise ValueError(f"batch_fill must be true or false, got {batch_fill!r}")
     fast = job_fast(cfg, spec)
+    capture_rounds = job_capture_rounds(cfg, spec, fast, batch_size)
     allow_code_execution = cfg.get("allow_code_execution", False)
     code_execution_allowed(allow_code_execution)  # a bad value or a bad SPECDECPP_ALLOW_CODE_EXECUTION fails here
     p = cfg.prompts
@@ -111,8 +113,9 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         "sampling": sampling.to_dict(), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         "fast": fast,
         **({"batch_fill": True} if batch_fill else {}),  # absent when false: older result files resume
+        **({"capture_rounds": capture_rounds} if capture_rounds is not True else {}),  # likewise
     }
-    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill, fast)
+    path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill, fast, capture_rounds)
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
     done = {row["prompt_id"] for row in rows}
@@ -121,7 +124,8 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                pair={k: cfg.pair.get(k, "auto") for k in ("draft", "target", "device", "dtype")},
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
-               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution, fast=fast)
+               batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution, fast=fast,
+               capture_rounds=capture_rounds)
 
 
 def job_fast(cfg, spec: MethodSpec) -> str | None:
@@ -140,6 +144,26 @@ def job_fast(cfg, spec: MethodSpec) -> str | None:
     if fast is not None and hasattr(spec.method, "check_fast"):
         spec.method.check_fast(fast)
     return fast
+
+
+def job_capture_rounds(cfg, spec: MethodSpec, fast: str | None, batch_size: int) -> bool | str:
+    """``capture_rounds`` for this run: true (default), false or ``fused`` (a bad value is refused,
+    naming it). It acts where a chain method (a stop policy, one prompt at a time) decodes on a graph
+    backend (``fused``: ``compile-graphs`` only); elsewhere it is said once and ignored, so that a
+    sweep over several paths may set it, and those rows record nothing of it."""
+    value = cfg.get("capture_rounds", True)
+    if not (value is True or value is False or value == "fused"):
+        raise ValueError(f"capture_rounds must be true, false or fused, got {value!r}")
+    if value is True:
+        return True
+    applies = (isinstance(spec.method, StopPolicy) and batch_size == 1
+               and fast in (("compile-graphs",) if value == "fused" else GRAPH_BACKENDS))
+    if not applies:
+        log.info("capture_rounds=%s acts on a stop policy's rounds, one prompt at a time, on fast=%s; "
+                 "method=%s with fast=%s and batch_size=%d decodes as without it", value,
+                 "compile-graphs" if value == "fused" else "graphs or compile-graphs", spec.name, fast, batch_size)
+        return True
+    return value
 
 
 _LOADED: dict[tuple, tuple] = {}
@@ -200,7 +224,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
     comparison is then paired in time as well as in prompts; one job is simply its prompts in
     order). Rows are appended to each job's own file as they finish (resumable)."""
     draft, target, tokenizer = models
-    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile, fast=job.fast) for job in jobs]
+    runners = [build_runner(job.spec, draft, target, job.sampling, profile=job.profile, fast=job.fast,
+                            capture_rounds=job.capture_rounds) for job in jobs]
     writers = [ResultWriter(job.path) for job in jobs]
     eos = sorted(eos_token_ids(tokenizer, target))
     order: dict[str, Prompt] = {}

@@ -374,14 +374,15 @@ class PEARLRunner:
 
 
 def build_runner(spec: MethodSpec, draft, target, sampling: SamplingConfig, profile: bool = False,
-                 fast: str | None = None):
+                 fast: str | None = None, capture_rounds: bool | str = True):
     """A stop policy runs in our engine; any other method makes its own runner. ``profile``:
     synchronise CUDA around every forward pass / round to split the time between the models
     (slower: not for the timed comparison); no effect on CPU, where times are exact anyway.
-    ``fast``: the fast path's backend, for a method that :func:`takes_fast` (None otherwise)."""
+    ``fast``: the fast path's backend, for a method that :func:`takes_fast` (None otherwise);
+    ``capture_rounds``: a stop policy's (:class:`~specdecpp.decoders.chain.SpeculativeDecoder`)."""
     if isinstance(spec.method, StopPolicy):
-        return EngineRunner(SpeculativeDecoder(draft, target, spec.method, sampling, profile=profile, fast=fast),
-                            profile)
+        return EngineRunner(SpeculativeDecoder(draft, target, spec.method, sampling, profile=profile, fast=fast,
+                                               capture_rounds=capture_rounds), profile)
     return spec.method.runner(draft, target, sampling, profile=profile, **({"fast": fast} if fast else {}))
 
 

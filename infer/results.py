@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 # Keys that must agree between a run and the rows already in its result file.
-RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size", "fast")
-RUN_DEFAULTS = {"batch_size": 1, "fast": None}  # what a row written before the key existed means
+RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size", "fast",
+            "capture_rounds")
+RUN_DEFAULTS = {"batch_size": 1, "fast": None, "capture_rounds": True}  # what a row written before the key existed means
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:

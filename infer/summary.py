@@ -22,6 +22,7 @@ from specdecpp.analysis.stats import bootstrap_interval, paired_ratio_interval
 
 from .methods import METHODS
 from .results import pooled_wall
+from .tags import rounds_suffix
 
 # Methods our engine runs: their rows feed the Eq. 2.1 regression (HF and the oracle do not).
 ENGINE_METHODS = ("target_only", "fixed_k", "svip", "specdecpp")
@@ -82,7 +83,7 @@ def _entry(rows: list[dict], fit: CostFit | None) -> dict:
     forward = [r.get("forward_time_s") for r in rows]
     outside = 1.0 - sum(forward) / wall if wall and None not in forward else None
     return {
-        "method": first["method"], "tag": first["tag"] + ("+fill" if first.get("batch_fill") else ""),
+        "method": first["method"], "tag": run_tag(first),
         "settings": first["settings"],
         "n_prompts": len(rows), "n_generated": n, "timed": timed,
         "tokens_per_s": measured, "predicted_tokens_per_s": pred,
@@ -285,13 +286,26 @@ def add_door_ratios(entries: list[dict], by_run: dict) -> None:
                           "n_compared": len(both)}
 
 
+def run_tag(row: dict) -> str:
+    """A row's method tag in the report: ``+fill`` for filled batches, ``+fused`` / ``+per-forward``
+    for rounds decoded other than captured plain (infer's ``capture_rounds``)."""
+    return (row["tag"] + ("+fill" if row.get("batch_fill") else "")
+            + rounds_suffix(row.get("capture_rounds", True), "+"))
+
+
+def target_only_entry(entries: list[dict]) -> dict | None:
+    """The group's target-only entry, the baseline: rounds captured as by default where there are
+    several (a ``capture_rounds`` variant beside it)."""
+    bases = [e for e in entries if e["method"] == "target_only"]
+    return next((e for e in bases if not e["tag"].endswith(("+fused", "+per-forward"))), bases[0] if bases else None)
+
+
 def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Rows by run (:func:`_run_key` of their entry): method, settings, and (batches) whether rows
     filled the round."""
     by_run = defaultdict(list)
     for row in rows:
-        by_run[(row["method"], row["tag"] + ("+fill" if row.get("batch_fill") else ""),
-                repr(sorted(row["settings"].items())))].append(row)
+        by_run[(row["method"], run_tag(row), repr(sorted(row["settings"].items())))].append(row)
     return by_run
 
 
@@ -350,7 +364,7 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
     by_run = runs(rows)
     entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
-    base = next((e for e in entries if e["method"] == "target_only"), None)
+    base = target_only_entry(entries)
     base_rows = by_run.get(_run_key(base)) if base else None
     batched = rows[0].get("batch_size", 1) > 1
     # Eq. 2.3 with the measured width (batch 1: t_target(n); batches: t_draft(B), t_target(B, n))

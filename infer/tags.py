@@ -62,10 +62,17 @@ def sampling_tag(s: SamplingConfig) -> str:
     return "greedy" if s.greedy else f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}"
 
 
+def rounds_suffix(capture_rounds: bool | str, sep: str) -> str:
+    """What a run's file tag (``sep`` "_") or report tag ("+") adds for ``capture_rounds``: nothing
+    for the default (rounds captured where they can be), ``fused`` or ``per-forward``."""
+    return "" if capture_rounds is True else sep + ("fused" if capture_rounds == "fused" else "per-forward")
+
+
 def result_path(out_dir, tag: str, sampling: SamplingConfig, seed: int, batch_size: int = 1,
-                batch_fill: bool = False, fast: str | None = None) -> Path:
+                batch_fill: bool = False, fast: str | None = None, capture_rounds: bool | str = True) -> Path:
     """Where a run's rows go: ``tag`` is the method's (:func:`method_tag`); ``fast`` (the fast
-    path's backend) names the file only when set, so eager runs keep their paths."""
+    path's backend) names the file only when set, so eager runs keep their paths; so does
+    ``capture_rounds`` when not the default (``_fused``, ``_per-forward``)."""
     tag = (tag + (f"_b{batch_size}" if batch_size > 1 else "") + ("_fill" if batch_fill else "")
-           + (f"_fast-{fast}" if fast else ""))
+           + (f"_fast-{fast}" if fast else "") + rounds_suffix(capture_rounds, "_"))
     return Path(str(out_dir)) / f"{tag}__{sampling_tag(sampling)}__s{seed}.jsonl"

@@ -32,11 +32,15 @@
 #            per-forward with a paired interval), then --round-graphs (each round graph against a graph of its
 #            forwards alone, the loop's share); JSON in $LOGS/bench_rounds_*_cuda.json. ROUNDS_FUSED=1 (with
 #            ROUNDS_BACKEND=compile-graphs): the rounds' work between forwards compiled too (--fused-rounds)
-#   lease    setup, core (CORE_TIMEOUT, 280 s) and rounds sampled (6 prompts; tests 120 s, benchmark 150 s): about 9.5
-#            minutes, one call of a 15-minute lease (docs/gpu.md, "What the next lent GPU should run")
+#   lease    setup, then core (12 workers, CORE_TIMEOUT 290 s) and rounds-tests (4 workers, 240 s) side by side, every
+#            test's result named in $LOGS/core.log and rounds-tests.log: about 5 minutes, the first call of a 15-minute
+#            lease (docs/gpu.md, "What the next lent GPU should run")
+#   rounds-tests  the `rounds` stage's tests alone
 #   fast-pair  after `pair`: scripts/bench_fast.py on the demo pair with the shipped head (demo/heads/next_wrej1_d1),
 #            eager against fast=graphs (FAST_PAIR_BACKEND), greedy then sampled (temperature 1, top-k 50), with
-#            --breakdown (the loop's share of a round, from a second, metered pass); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json
+#            --breakdown (the loop's share of a round, from a second, metered pass); JSON in $LOGS/bench_fast_pair_{greedy,paper}_cuda.json.
+#            FAST_PAIR_SAMPLINGS narrows the samplings; FAST_PAIR_FUSED=1 (with FAST_PAIR_BACKEND=compile-graphs): fused
+#            rounds against plain captured ones in the same pass (--fused-rounds --also-unfused)
 # Every stage writes its log to $LOGS (default reports/gpu) and resumes where an earlier call stopped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,12 +106,14 @@ for stage in "$@"; do
     batch)
         run batch $PY scripts/bench_batch.py --prompts "${BATCH_PROMPTS:-16}" --max-new-tokens 48 --batch-sizes 1 4 16 \
             --fixed-k 1 2 --fill --repeats 1 --timing-steps 10 --out reports/batch/bench_cuda.json ;;
-    lease)  # one 10-minute call of a 15-minute lease: what docs/gpu.md's list puts first
+    lease)  # the first call of a lease (docs/gpu.md's list): setup, then core and rounds-tests side by side (~5 min)
         bash "$0" setup || exit 1
-        STAGE_TIMEOUT=${CORE_TIMEOUT:-280} bash "$0" core
-        ROUNDS_SAMPLINGS=${ROUNDS_SAMPLINGS:-paper} ROUNDS_PROMPTS=${ROUNDS_PROMPTS:-6} \
-            ROUNDS_TESTS_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-120} ROUNDS_BENCH_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-150} \
-            ROUNDS_TESTS_AND=${ROUNDS_TESTS_AND:-"and not fused"} bash "$0" rounds ;;  # fused rounds compile: step 3
+        export PYTEST_ADDOPTS=${PYTEST_ADDOPTS:-"-vv -rf"}  # each test's result in the log, even if a timeout cuts it
+        TEST_WORKERS=${ROUNDS_TEST_WORKERS:-4} STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-240} bash "$0" rounds-tests \
+            > "$LOGS/rounds-tests.out" 2>&1 &
+        TEST_WORKERS=${CORE_TEST_WORKERS:-12} STAGE_TIMEOUT=${CORE_TIMEOUT:-290} bash "$0" core
+        wait
+        tail -n 25 "$LOGS/rounds-tests.out" ;;
     fast)  # the three parts below, in this order
         bash "$0" fast-graphs fast-units fast-compile ;;
     fast-graphs)
@@ -133,12 +139,14 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${FAST_CG_BENCH_TIMEOUT:-240} run fast-bench-compile-graphs $PY scripts/bench_fast.py --random \
             --device cuda --fast compile-graphs --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 \
             --repeats 20 --out "$LOGS/bench_fast_compile_graphs_cuda.json" ;;
-    rounds)  # captured rounds (specdecpp/decoders/captured.py): their CUDA tests, then each round as one graph against per forward
+    rounds-tests)  # captured rounds' CUDA tests (fused ones too), the host reads, the graphs twins of target-only and fixed K
         xdist_args
-        STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -p no:cacheprovider \
+        STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -rf -p no:cacheprovider \
             "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
             tests/models/test_graphs.py tests/decoders/test_exactness.py \
-            -k "(captured or replay or reads or fused or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))) ${ROUNDS_TESTS_AND:-}"
+            -k "(captured or replay or reads or fused or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))) ${ROUNDS_TESTS_AND:-}" ;;
+    rounds)  # captured rounds (specdecpp/decoders/captured.py): their CUDA tests, then each round as one graph against per forward
+        bash "$0" rounds-tests
         for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do  # captured and per-forward interleaved in one pass
             STAGE_TIMEOUT=${ROUNDS_BENCH_TIMEOUT:-200} run "rounds-bench-$sampling${ROUNDS_FUSED:+-fused}" $PY \
                 scripts/bench_fast.py --random --device cuda --fast "${ROUNDS_BACKEND:-graphs}" \
@@ -147,11 +155,13 @@ for stage in "$@"; do
                 --out "$LOGS/bench_rounds_${ROUNDS_BACKEND:-graphs}_${sampling}${ROUNDS_FUSED:+_fused}_cuda.json"
         done ;;
     fast-pair)  # after `pair`: the fast path on the demo pair with its head, greedy then sampled, with the loop's share
-        for sampling in greedy paper; do
-            STAGE_TIMEOUT=${FAST_PAIR_TIMEOUT:-280} run "fast-pair-$sampling" $PY scripts/bench_fast.py --device cuda \
-                --fast "${FAST_PAIR_BACKEND:-graphs}" --head demo/heads/next_wrej1_d1 --prompts "${FAST_PROMPTS:-4}" \
+        for sampling in ${FAST_PAIR_SAMPLINGS:-greedy paper}; do
+            STAGE_TIMEOUT=${FAST_PAIR_TIMEOUT:-280} run "fast-pair-$sampling${FAST_PAIR_FUSED:+-fused}" $PY \
+                scripts/bench_fast.py --device cuda --fast "${FAST_PAIR_BACKEND:-graphs}" \
+                --head demo/heads/next_wrej1_d1 --prompts "${FAST_PROMPTS:-4}" \
                 --max-new-tokens 64 --repeats 20 --sampling "$sampling" --breakdown \
-                --out "$LOGS/bench_fast_pair_${sampling}_cuda.json"
+                ${FAST_PAIR_FUSED:+--fused-rounds --also-unfused} \
+                --out "$LOGS/bench_fast_pair_${sampling}${FAST_PAIR_FUSED:+_fused}_cuda.json"
         done ;;
     *)
         echo "unknown stage $stage" >&2; exit 2 ;;

@@ -70,7 +70,7 @@ WARPERS = {"TemperatureLogitsWarper": "temperature", "TopKLogitsWarper": "top_k"
 NEUTRAL = ("LogitNormalization",)  # log-softmax: no distribution changes where it may stand (the end)
 # The keywords of the two entries beyond generate's own (hub_generate binds them in the callable).
 EXTRA_KEYWORDS = ("draft_model", "head", "threshold", "stop_policy", "cascade", "allow_draft_mismatch",
-                  "allow_sampling_mismatch", "allow_label_mismatch", "fast")
+                  "allow_sampling_mismatch", "allow_label_mismatch", "fast", "capture_rounds")
 # The model keywords generate hands a decoding method that the decoders make themselves.
 MODEL_KWARGS = ("attention_mask", "position_ids", "cache_position", "use_cache", "logits_to_keep",
                 "past_key_values", "cache", "output_attentions", "output_hidden_states")
@@ -382,7 +382,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
              generation_config=None, synced_gpus: bool = False, streamer=None, draft_model=None, head=None,
              threshold: float | None = None, stop_policy: StopPolicy | None = None, cascade: Cascade | None = None,
              tokenizer=None, allow_draft_mismatch: bool = False, allow_sampling_mismatch: bool = False,
-             allow_label_mismatch: bool = False, fast: str | None = None, **model_kwargs):
+             allow_label_mismatch: bool = False, fast: str | None = None, capture_rounds: bool | str = True,
+             **model_kwargs):
     """Speculative decoding under a learned (or any) stop policy as transformers' ``custom_generate``
     callable: ``target.generate(..., custom_generate=specdecpp.hf.generate, draft_model=draft,
     head="dir-or-hub-id", threshold=0.5)`` (or ``stop_policy=SVIP(...)`` / ``FixedK(...)`` /
@@ -392,8 +393,9 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     vocabulary); ``head`` a SpecDec++ head directory, hub id or loaded head, checked against the
     draft, the sampling and the rule (``allow_*_mismatch=True`` accepts a mismatch, as infer's
     ``method.allow_*_mismatch``); ``cascade`` a :class:`~specdecpp.decoders.cascade.Cascade` makes
-    decoding lossy (opt-in; refused with processors other than the sampling settings); ``fast``
-    as :class:`~specdecpp.decoders.chain.SpeculativeDecoder`'s (one row only); ``tokenizer``: checked
+    decoding lossy (opt-in; refused with processors other than the sampling settings); ``fast`` and
+    ``capture_rounds`` (``"fused"``: with ``fast="compile-graphs"``, a captured round's draws and rule
+    compiled too) as :class:`~specdecpp.decoders.chain.SpeculativeDecoder`'s; ``tokenizer``: checked
     to fit both models. Sampling uses torch's global RNG (seed with ``torch.manual_seed``).
 
     Returns ``sequences`` [B, L + longest] (rows padded with ``pad_token_id`` after their end), or with
@@ -404,14 +406,15 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         return _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                          streamer, draft_model, head, threshold, stop_policy, cascade, tokenizer,
                          {"draft": allow_draft_mismatch, "sampling": allow_sampling_mismatch,
-                          "label": allow_label_mismatch}, fast, model_kwargs)
+                          "label": allow_label_mismatch}, fast, capture_rounds, model_kwargs)
     finally:
         if streamer is not None:
             streamer.end()  # also after an error: a TextIteratorStreamer's reader must not wait forever
 
 
 def _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-              draft_model, head, threshold, stop_policy, cascade, tokenizer, allowed, fast, model_kwargs):
+              draft_model, head, threshold, stop_policy, cascade, tokenizer, allowed, fast, capture_rounds,
+              model_kwargs):
     generation_config = generation_config if generation_config is not None else model.generation_config
     _check_call(generation_config, synced_gpus, model_kwargs)
     processors, sampling, warpers = split_processors(logits_processor, bool(generation_config.do_sample))
@@ -451,7 +454,8 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, generation_
     if max_new < 1:
         outputs = []
     else:
-        decoder = SpeculativeDecoder(draft, model, policy, sampling, cascade=cascade, fast=fast)
+        decoder = SpeculativeDecoder(draft, model, policy, sampling, cascade=cascade, fast=fast,
+                                     capture_rounds=capture_rounds)
         prompts = [input_ids[i, width - n :] for i, n in enumerate(lengths)]
         if batch == 1:
             outputs = [decoder.generate(prompts[0].unsqueeze(0), max_new, eos_token_id=eos, hooks=hooks)]

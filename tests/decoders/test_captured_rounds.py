@@ -333,6 +333,8 @@ def test_fused_rounds_need_compile_graphs():
     for fast in (None, "static", "compile"):
         with pytest.raises(ValueError, match="capture_rounds='fused' .* needs fast='compile-graphs'"):
             SpeculativeDecoder(draft, target, FixedK(3), fast=fast, capture_rounds="fused")
+    with pytest.raises(ValueError, match="capture_rounds must be True, False or 'fused', got 'yes'"):
+        SpeculativeDecoder(draft, target, FixedK(3), capture_rounds="yes")
 
 
 def fused_rounds(target) -> list:

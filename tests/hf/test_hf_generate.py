@@ -120,17 +120,20 @@ def test_greedy_equals_plain_generate_for_every_policy(pair, name):
 def test_generate_replays_captured_rounds_on_the_graph_backend(pair, name, graphs_on):  # noqa: F811
     """fast='graphs' through generate (the fake capture on a CPU, tests/models/test_graphs.py): with no
     logits processor beyond the sampling settings, the rounds are captured (specdecpp/decoders/captured.py)
-    and the greedy output is still plain generate's."""
+    and the greedy output is still plain generate's; ``capture_rounds=False`` replays each forward alone,
+    with the same output."""
     graphs_on("cpu")
-    replayed = 0
+    replayed = {True: 0, False: 0}
     for text in PROMPTS:
         ids = encode(pair.tok, text)
         ref = pair.target.generate(ids, max_new_tokens=24, do_sample=False)
-        out = pair.target.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
-                                   custom_generate=door(pair, fast="graphs", **policy(pair, name)))
-        assert out.sequences.tolist() == ref.tolist(), text
-        replayed += sum(s.replayed_rounds for s in out.run_stats)
-    assert replayed > 0
+        for capture in (True, False):
+            out = pair.target.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
+                                       custom_generate=door(pair, fast="graphs", capture_rounds=capture,
+                                                            **policy(pair, name)))
+            assert out.sequences.tolist() == ref.tolist(), (text, capture)
+            replayed[capture] += sum(s.replayed_rounds for s in out.run_stats)
+    assert replayed[True] > 0 and replayed[False] == 0
 
 
 @KWARGS_ROUTE

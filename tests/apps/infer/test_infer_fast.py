@@ -178,3 +178,59 @@ def test_compile_options_from_the_config(value, want):
             app.set_process_options(make_cfg("compile_options=fastest"))
     finally:
         COMPILE_OPTIONS["cpu"] = before
+
+
+def test_capture_rounds_is_checked_named_in_the_tag_and_ignored_where_no_round_is_captured(base, tmp_path,
+                                                                                            monkeypatch):
+    """``capture_rounds``: true (the default: nothing recorded, the file tag as before), false and fused
+    where a stop policy decodes on a graph backend (recorded in the rows' keys, ``_per-forward`` /
+    ``_fused`` in the file tag); a bad value refused, naming it; elsewhere said and ignored."""
+    from tests.helpers import graph_tape
+
+    graph_tape.install(monkeypatch)  # graphs on a CPU (the fake capture)
+    monkeypatch.setattr(app, "load_pair", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    cfg = [*base, f"out={tmp_path}", "pair.device=cpu", "method=fixed_k", "method.k=2"]
+    plain, per_forward, fused = (app.prepare(make_cfg(*cfg, *extra)) for extra in (
+        ["fast=graphs"], ["fast=graphs", "capture_rounds=false"], ["fast=compile-graphs", "capture_rounds=fused"]))
+    assert plain.path.name == "k2_fast-graphs__greedy__s0.jsonl" and "capture_rounds" not in plain.run_keys
+    assert plain.capture_rounds is True
+    assert per_forward.path.name == "k2_fast-graphs_per-forward__greedy__s0.jsonl"
+    assert per_forward.capture_rounds is False and per_forward.run_keys["capture_rounds"] is False
+    assert fused.path.name == "k2_fast-compile-graphs_fused__greedy__s0.jsonl"
+    assert fused.capture_rounds == "fused" and fused.run_keys["capture_rounds"] == "fused"
+    for bad in ("yes", "1", "0.5"):
+        with pytest.raises(ValueError, match=r"capture_rounds must be true, false or fused, got"):
+            app.prepare(make_cfg(*cfg, "fast=graphs", f"capture_rounds={bad}"))
+    for extra in (["fast=static", "capture_rounds=false"], ["fast=graphs", "capture_rounds=fused"],  # fused: compile-graphs
+                  ["fast=graphs", "capture_rounds=false", "batch_size=2"], ["capture_rounds=fused"]):
+        job = app.prepare(make_cfg(*cfg, *extra))
+        assert job.capture_rounds is True and "capture_rounds" not in job.run_keys, extra
+        assert "_fused" not in job.path.name and "_per-forward" not in job.path.name, extra
+    seq = app.prepare(make_cfg(*base, f"out={tmp_path}", "pair.device=cpu", "method=sequoia", "method.tree=[-1,-1,0]",
+                               "fast=graphs", "capture_rounds=false"))
+    assert seq.capture_rounds is True  # a tree's rounds are not captured whole
+
+
+def test_rounds_per_forward_rows_equal_captured_ones_and_get_their_own_tag(base, tmp_path, monkeypatch):
+    """fast=graphs (the CPU's fake capture): fixed K with rounds captured and with each forward
+    replayed (capture_rounds=false) give the same greedy outputs; the captured run replays rounds and
+    the other none; the report shows both in the graphs table, the second as ``k3+per-forward``, with
+    plain target-only as the baseline of both."""
+    from tests.helpers import graph_tape
+
+    graph_tape.install(monkeypatch)
+    out = tmp_path / "results"
+    rows = {}
+    for name, extra in (("target_only", ["method=target_only"]), ("fixed_k", ["method=fixed_k", "method.k=3"]),
+                        ("fixed_k_pf", ["method=fixed_k", "method.k=3", "capture_rounds=false"])):
+        summary = app.run(make_cfg(*base, "pair.device=cpu", "fast=graphs", *extra, f"out={out}/{name}"))
+        rows[name] = read_rows(Path(summary["path"]))
+    assert [r["output_ids"] for r in rows["fixed_k"]] == [r["output_ids"] for r in rows["fixed_k_pf"]]
+    assert all(r["replayed_rounds"] > 0 for r in rows["fixed_k"]), [r.get("replayed_rounds") for r in rows["fixed_k"]]
+    assert all(r["replayed_rounds"] == 0 for r in rows["fixed_k_pf"])
+    assert {r.get("capture_rounds", True) for r in rows["fixed_k_pf"]} == {False}
+    report = build_report(out, tmp_path / "report")
+    (group,) = report["groups"]
+    assert sorted(e["tag"] for e in group["entries"]) == ["base", "k3", "k3+per-forward"]
+    assert group["baseline"]["tag"] == "base" and all(e["speedup"] is not None for e in group["entries"])
+    assert "k3+per-forward" in report["text"]
