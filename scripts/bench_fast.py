@@ -882,8 +882,9 @@ def main(argv=None) -> int:
               "breakdown_pass": ("separate" if apart else "same") if args.breakdown else None,
               "capture_rounds": captured, "round_graphs": rounds,
               "compile_seconds": compile_record({"target": target, "draft": draft})}
-    return report(result, table(result), args, all(  # greedy: per-forward's tokens too
-        m["greedy_equal"] and (args.sampling != "greedy" or not m.get("per_forward_unequal_prompts"))
+    return report(result, table(result), args, all(  # greedy: per-forward's and unfused's tokens too
+        m["greedy_equal"] and (args.sampling != "greedy" or not (m.get("per_forward_unequal_prompts")
+                                                                 or m.get("unfused_unequal_prompts")))
         for m in result["methods"].values()))
 
 
