@@ -46,3 +46,64 @@ def decoding(method):
             return method(self, *args, **kwargs)
 
     return run
+
+
+# The static runners' attention on a CPU (specdecpp.models.static): registered with transformers'
+# AttentionInterface under this name, and put in place of "sdpa" only around their forwards.
+CPU_ATTENTION = "specdecpp_cpu"
+_UNSUPPORTED = ("softcap", "s_aux", "sinks")  # attention features this function leaves to sdpa
+
+
+def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling=None,
+                  dropout: float = 0.0, **kwargs):
+    """Attention of a few query tokens over a static cache on a CPU, as transformers' attention
+    interface calls it (``query`` [B, H, q, D], ``key``/``value`` [B, H_kv, L, D], an additive 4-D
+    ``attention_mask``): two matrix products and a softmax in float32, grouped-query heads sharing
+    their key-value head without copying it. PyTorch's fused CPU kernel takes 4-5x as long for one
+    query token over a few hundred cached positions (docs/results/fast.md), which is every decoding
+    forward; the arithmetic is the same attention, in float32 throughout (the kernel's scores are no
+    more precise). Returns ``(output [B, q, H, D], None)``; anything else (dropout, soft-capping,
+    sinks) goes to transformers' sdpa."""
+    if dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+    batch, heads, q, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scale = dim ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.reshape(batch, kv_heads, group * q, dim).float(), key.float().transpose(-1, -2))
+    scores = scores.mul_(scale).view(batch, kv_heads, group, q, -1)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, None, :, : scores.shape[-1]].float()
+    probs = scores.softmax(-1).view(batch, kv_heads, group * q, -1)
+    out = torch.matmul(probs, value.float()).view(batch, heads, q, dim).to(query.dtype)
+    return out.transpose(1, 2), None
+
+
+@functools.cache
+def _cpu_attention_registered() -> bool:
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # a transformers without the attention interface: sdpa stays
+        return False
+    AttentionInterface.register(CPU_ATTENTION, cpu_attention)
+    return True
+
+
+@contextlib.contextmanager
+def static_attention(config, device):
+    """Around a static runner's forward (specdecpp.models.static): on a CPU, a model on transformers'
+    sdpa attention runs :func:`cpu_attention` instead, and gets sdpa back after (the eager runner,
+    and anything else holding the model, never sees the change). A compiled step traced inside it
+    keeps the choice (dynamo guards on it, and every call is inside it again). Elsewhere a no-op."""
+    if torch.device(device).type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa" \
+            or not _cpu_attention_registered():
+        yield
+        return
+    config._attn_implementation = CPU_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

@@ -139,7 +139,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.attention import decode_attention
+from ..core.attention import CPU_ATTENTION, decode_attention, static_attention
 from ..core.compat import cache_kwargs
 from ..core.hooks import new_cache
 from .runner import HiddenHook, ModelRunner
@@ -610,7 +610,7 @@ def check_static_model(model) -> None:
                          f"{getattr(config, 'sliding_window', None)}; the static cache holds full-attention layers only; "
                          "use fast=None")
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in (None, "eager", "sdpa"):
+    if impl not in (None, "eager", "sdpa", CPU_ATTENTION):  # CPU_ATTENTION: inside another runner's forward
         raise ValueError(f"{type(model).__name__} uses attention {impl!r}, which does not take the static cache's 4-D "
                          "mask; load it with attn_implementation='sdpa' or 'eager', or use fast=None")
     if getattr(config, "final_logit_softcapping", None):
@@ -715,7 +715,8 @@ class StaticRunner(StaticModel):
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         # inference only: one graph whatever the caller's grad mode, and freezing needs it; a decoder's generate
         # runs without autograd already, and then no torch context is entered (one operation fewer a feed)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), \
+                static_attention(self.model.config, self.device):
             logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
                                                slots, mask)
         self.cache.length = start + n
@@ -807,10 +808,13 @@ class StaticRunner(StaticModel):
         cache = StaticKV(self.model.config, self.cache.size, self.dtype, self.device, (self.cache.keys, self.cache.values))
         fixed, step, causal = (self.decoder, self.head, self.cache_arg, cache), self.plain_step(width), self.causal_mask()
 
+        config, device = self.model.config, self.device
+
         def forward(ids: torch.Tensor, start: torch.Tensor):
             offsets = torch.arange(width, device=ids.device)
             slots, positions = start + offsets, start + offsets  # two tensors (an alias would be another graph)
-            return step(*fixed, ids, positions, slots, causal.index_select(0, slots)[None, None])
+            with static_attention(config, device):
+                return step(*fixed, ids, positions, slots, causal.index_select(0, slots)[None, None])
 
         return forward
 
@@ -967,11 +971,12 @@ class StaticBatchRunner(StaticModel):
         step, key, name = batch_step, (width, self.size, batch), f"batch_step_b{batch}_w{width}_s{self.size}"
         if compiled and self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
             step = compiled_step(self.model, batch_step, key, name, self.steps, self.compile_options)
-        if compiled and self.fast in GRAPH_BACKENDS:
-            return self.graph_set.run(self.steps, (self.fast, *key), name, step, self.decoder, self.head,
-                                      self.cache_arg, window, ids, positions, slots, mask)
-        with torch.no_grad():  # inference only; grad mode is part of a compiled step's guards
-            return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
+        with static_attention(self.model.config, self.device):
+            if compiled and self.fast in GRAPH_BACKENDS:
+                return self.graph_set.run(self.steps, (self.fast, *key), name, step, self.decoder, self.head,
+                                          self.cache_arg, window, ids, positions, slots, mask)
+            with torch.no_grad():  # inference only; grad mode is part of a compiled step's guards
+                return step(self.decoder, self.head, self.cache_arg, window, ids, positions, slots, mask)
 
     def rollback(self, lengths: list[int]) -> None:
         """Keep the first ``lengths[b]`` tokens of row b (no-op for rows with fewer cached): the

@@ -156,3 +156,57 @@ def test_profile_rounds_compares_methods_that_do_the_same_work(tmp_path):
         same = [(rows[m]["rounds"], rows[m]["drafted"]) for m in (f"fixed_k{k}", f"fixed_k{k}_values", f"svip_k{k}")]
         assert same[0] == same[1] == same[2], same
     assert "host ms per round inside each call" in out and "target_feed" in out
+
+
+@pytest.mark.parametrize("batch,q,length", [(1, 1, 37), (2, 3, 64), (1, 8, 9)])
+def test_the_cpu_attention_equals_sdpa(batch, q, length):
+    """``cpu_attention`` (the static runners' attention on a CPU): grouped-query heads over an
+    additive 4-D mask give sdpa's output (float32, to rounding), and in bf16 sdpa's to bf16's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    g = torch.Generator().manual_seed(batch * 100 + q)
+    heads, kv_heads, dim = 6, 2, 16
+    query = torch.randn(batch, heads, q, dim, generator=g)
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
+    seen = torch.rand(batch, 1, q, length, generator=g) < 0.7
+    seen[..., 0] = True  # every query sees something
+    mask = torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = heads // kv_heads, False, False
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ref, _ = sdpa(module, query, key, value, mask, scaling=0.3)
+    out, weights = attention.cpu_attention(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and out.shape == ref.shape == (batch, q, heads, dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    half = [t.bfloat16() for t in (query, key, value)]
+    out16, _ = attention.cpu_attention(module, *half, mask.bfloat16(), scaling=0.3)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.float(), ref, rtol=0.02, atol=0.02)
+
+
+def test_static_runners_use_the_cpu_attention_only_inside_their_forwards():
+    """A static runner's forward on a CPU runs ``cpu_attention`` in place of sdpa, and the model is on
+    sdpa again after it: the eager runner of the same model never runs it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from specdecpp.models.runner import ModelRunner
+    from specdecpp.models.static import StaticRunner
+
+    model = tiny_lm(64, 32, 2, seed=3, scale=0.5)
+    assert model.config._attn_implementation == "sdpa"
+    assert attention._cpu_attention_registered()
+    calls = []
+    real = ALL_ATTENTION_FUNCTIONS[attention.CPU_ATTENTION]
+    ALL_ATTENTION_FUNCTIONS[attention.CPU_ATTENTION] = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        ids = torch.tensor([1, 5, 9, 2])
+        static = StaticRunner(model, 64, False, fast="static", max_len=32)
+        static_logits, _ = static.feed(ids, n_logits=4)
+        assert len(calls) == 2 and model.config._attn_implementation == "sdpa"  # one call per layer
+        eager_logits, _ = ModelRunner(model, 64, False).feed(ids, n_logits=4)
+        assert len(calls) == 2
+    finally:
+        ALL_ATTENTION_FUNCTIONS[attention.CPU_ATTENTION] = real
+    torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    with attention.static_attention(model.config, "cuda"):  # elsewhere: no change
+        assert model.config._attn_implementation == "sdpa"
