@@ -17,12 +17,8 @@ def timed(fn) -> float:
     return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.5).median
 
 
-for length, n in ((264, 1), (520, 1), (520, 4), (2056, 1)):
-    q = torch.randn(1, 9, n, 64).bfloat16()
-    k, v = (torch.randn(1, 9, length, 64).bfloat16() for _ in range(2))
-    mask = torch.zeros(1, 1, n, length).bfloat16()
-    mask[..., length // 2:] = torch.finfo(torch.bfloat16).min
-
+def row(q, k, v, mask) -> dict:
+    """The four ways, each a callable of no arguments over these inputs."""
     def math():
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -33,6 +29,14 @@ for length, n in ((264, 1), (520, 1), (520, 4), (2056, 1)):
 
     compiled = torch.compile(manual, fullgraph=True, dynamic=False)
     compiled()
-    row = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "sdpa math": math,
-           "matmul + softmax": manual, "compiled": compiled}
-    print(f"L={length} q={n}: " + ", ".join(f"{name} {1e6 * timed(fn):.0f} us" for name, fn in row.items()), flush=True)
+    return {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "sdpa math": math,
+            "matmul + softmax": manual, "compiled": compiled}
+
+
+for length, n in ((264, 1), (520, 1), (520, 4), (2056, 1)):
+    q = torch.randn(1, 9, n, 64).bfloat16()
+    k, v = (torch.randn(1, 9, length, 64).bfloat16() for _ in range(2))
+    mask = torch.zeros(1, 1, n, length).bfloat16()
+    mask[..., length // 2:] = torch.finfo(torch.bfloat16).min
+    ways = row(q, k, v, mask)
+    print(f"L={length} q={n}: " + ", ".join(f"{name} {1e6 * timed(fn):.0f} us" for name, fn in ways.items()), flush=True)
