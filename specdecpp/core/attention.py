@@ -1,6 +1,7 @@
-"""The attention kernels a decoder's forwards use on CUDA (not cuDNN's, which builds a plan for
-every new query/key length): :func:`decode_attention`, and :func:`decoding` for a ``generate``
-(which also turns autograd off)."""
+"""The attention kernels a decoder's forwards use: on CUDA not cuDNN's, which builds a plan for
+every new query/key length (:func:`decode_attention`, and :func:`decoding` for a ``generate``,
+which also turns autograd off); on a CPU, inside the static runners' forwards, two matrix products
+in place of PyTorch's fused kernel (:func:`cpu_attention`, :func:`static_attention`)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                   dropout: float = 0.0, **kwargs):
     """Attention of a few query tokens over a static cache on a CPU, as transformers' attention
     interface calls it (``query`` [B, H, q, D], ``key``/``value`` [B, H_kv, L, D], an additive 4-D
-    ``attention_mask``): two matrix products and a softmax in float32, grouped-query heads sharing
-    their key-value head without copying it. PyTorch's fused CPU kernel takes 4-5x as long for one
-    query token over a few hundred cached positions (docs/results/fast.md), which is every decoding
-    forward; the arithmetic is the same attention, in float32 throughout (the kernel's scores are no
-    more precise). Returns ``(output [B, q, H, D], None)``; anything else (dropout, soft-capping,
+    ``attention_mask``): two matrix products and a softmax in float32, each group of query heads
+    against its key-value head, which is not repeated per head. PyTorch's fused CPU kernel takes 4-8x
+    as long for one query token over a few hundred cached positions (research/cpu_kernels), which
+    is every decoding forward; the arithmetic is the same attention, in float32 throughout (the
+    kernel's scores are no more precise). Returns ``(output [B, q, H, D], None)``; anything else (dropout, soft-capping,
     sinks) goes to transformers' sdpa."""
     if dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
