@@ -144,7 +144,7 @@ for stage in "$@"; do
         STAGE_TIMEOUT=${ROUNDS_TESTS_TIMEOUT:-150} run rounds-tests $PY -m pytest -m gpu -q -rf -p no:cacheprovider \
             "${workers[@]}" --durations=10 tests/decoders/test_captured_rounds.py tests/decoders/test_host_reads.py \
             tests/models/test_graphs.py tests/decoders/test_exactness.py \
-            -k "(captured or replay or reads or fused or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1))) ${ROUNDS_TESTS_AND:-}" ;;
+            -k "(captured or replay or reads or fused or test_graphs or ((chain-target_only-fast_graphs or chain-fixed_k3-fast_graphs) and (greedy or same_seed or T1)))" ;;
     rounds)  # captured rounds (specdecpp/decoders/captured.py): their CUDA tests, then each round as one graph against per forward
         bash "$0" rounds-tests
         for sampling in ${ROUNDS_SAMPLINGS:-greedy paper}; do  # captured and per-forward interleaved in one pass

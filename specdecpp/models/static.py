@@ -657,6 +657,10 @@ class StaticModel(HiddenHook):
         self.steps = model_steps(model)
         self.compile_options: dict | None = None  # fast="compile": None = COMPILE_OPTIONS when a bucket compiles
         self.mask_min = torch.finfo(self.dtype).min
+        # around each forward: the CPU's attention in place of sdpa (core.attention.static_attention); decided
+        # once here, so a feed elsewhere enters no generator (a partial: forward_at's closures hold no runner)
+        self.attention = (functools.partial(static_attention, model.config, self.device) if self.device.type == "cpu"
+                          else contextlib.nullcontext)
 
     def _bucket(self, n: int, buckets: tuple[int, ...], what: str) -> int:
         """The smallest of ``buckets`` that holds ``n`` (``what``: "tokens" or "rows"), or ``n``
@@ -715,8 +719,7 @@ class StaticRunner(StaticModel):
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         # inference only: one graph whatever the caller's grad mode, and freezing needs it; a decoder's generate
         # runs without autograd already, and then no torch context is entered (one operation fewer a feed)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), \
-                static_attention(self.model.config, self.device):
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), self.attention():
             logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
                                                slots, mask)
         self.cache.length = start + n
@@ -808,12 +811,12 @@ class StaticRunner(StaticModel):
         cache = StaticKV(self.model.config, self.cache.size, self.dtype, self.device, (self.cache.keys, self.cache.values))
         fixed, step, causal = (self.decoder, self.head, self.cache_arg, cache), self.plain_step(width), self.causal_mask()
 
-        config, device = self.model.config, self.device
+        attention = self.attention
 
         def forward(ids: torch.Tensor, start: torch.Tensor):
             offsets = torch.arange(width, device=ids.device)
             slots, positions = start + offsets, start + offsets  # two tensors (an alias would be another graph)
-            with static_attention(config, device):
+            with attention():
                 return step(*fixed, ids, positions, slots, causal.index_select(0, slots)[None, None])
 
         return forward
@@ -971,7 +974,7 @@ class StaticBatchRunner(StaticModel):
         step, key, name = batch_step, (width, self.size, batch), f"batch_step_b{batch}_w{width}_s{self.size}"
         if compiled and self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
             step = compiled_step(self.model, batch_step, key, name, self.steps, self.compile_options)
-        with static_attention(self.model.config, self.device):
+        with self.attention():
             if compiled and self.fast in GRAPH_BACKENDS:
                 return self.graph_set.run(self.steps, (self.fast, *key), name, step, self.decoder, self.head,
                                           self.cache_arg, window, ids, positions, slots, mask)
