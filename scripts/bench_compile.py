@@ -10,7 +10,9 @@ context of ``--context`` tokens in a static cache of ``--size`` slots. Every var
 (``VARIANTS``: ``freezing``, ``cpp_wrapper``, ``max_autotune`` with the CPP GEMM template,
 ``coordinate_descent_tuning``, what ``mode="max-autotune-no-cudagraphs"`` sets, and combinations),
 besides the eager :class:`~specdecpp.models.runner.ModelRunner` and the uncompiled static runner.
-Printed per variant: the compile time of each width (cold unless inductor's cache already holds
+``--with-guards``: each compiled variant is timed a second time with every dynamo guard evaluated
+(``error_on_recompile`` set around each call; the steps otherwise skip them, specdecpp.models.static,
+"Guards"). Printed per variant: the compile time of each width (cold unless inductor's cache already holds
 it: give a fresh ``TORCHINDUCTOR_CACHE_DIR`` for cold figures), the growth of the resident memory,
 whether a second call recompiled (``error_on_recompile``), the largest logit difference to the
 eager runner and whether the argmax agrees.
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth-mb", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables instead of timing")
+    ap.add_argument("--with-guards", action="store_true",
+                    help="also time each compiled variant with every dynamo guard evaluated (the steps skip them)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
@@ -152,15 +156,22 @@ def main(argv=None) -> int:
                 logits[(variant, w)] = first
                 calls[(variant, w)] = lambda r=runner, t=tail[:w], w=w: r.feed(t, n_logits=w)
                 resets[(variant, w)] = lambda r=runner, n=length: r.rollback(n)
+                if args.with_guards and variant not in ("eager", "static"):
+                    def guarded(r=runner, t=tail[:w], w=w):
+                        with torch._dynamo.config.patch(error_on_recompile=True):  # static.compiled_step: every guard
+                            return r.feed(t, n_logits=w)
+                    calls[(variant + "/guards", w)], resets[(variant + "/guards", w)] = guarded, resets[(variant, w)]
             cache = {k.removeprefix("fxgraph_cache_"): n for k, n in counters["inductor"].items()
                      if k.startswith("fxgraph_cache_")}
             counters.clear()
             print(f"{variant}: compile " + ", ".join(f"w{w} {s:.1f} s" for w, s in info[variant]["compile_s"].items())
                   + f", resident memory +{info[variant]['rss_mb']:.0f} MB, inductor FX graph cache {cache}", flush=True)
             info[variant]["fx_graph_cache"] = cache
-        torch._dynamo.config.error_on_recompile = True  # a second call of any step must not compile again
-        for key, call in calls.items():
-            call(), resets[key]()
+            if args.with_guards and variant not in ("eager", "static"):
+                info[variant + "/guards"] = info[variant]
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a second call of any step must not compile again
+            for key, call in calls.items():
+                call(), resets[key]()
         for (variant, w), first in logits.items():
             ref = logits[(variants[0], w)]
             diff = torch.where(first == ref, 0.0, first - ref)  # a reduced-vocabulary draft's -inf logits agree
@@ -184,7 +195,7 @@ def main(argv=None) -> int:
     print("| variant | width | median ms | block medians ms | x floor | compile s | memory +MB | max |logit diff| "
           "vs first | argmax equal |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for variant in variants:
+    for variant in dict.fromkeys(k[0] for k in calls if isinstance(k, tuple)):
         rows = {}
         for w in widths:
             times = [t for b in blocks for t in b[(variant, w)].times]

@@ -1,7 +1,7 @@
 """Before/after in one run: do two checkouts of this project decode the same tokens, as fast?
 
 Each checkout runs in its own worker process (imported from that checkout's directory, through the
-public API only: load_pair, SpeculativeDecoder, FixedK, SVIP, SpecDecPP, load_head), both load the
+public API only: load_pair, SpeculativeDecoder, TargetOnly, FixedK, SVIP, SpecDecPP, load_head), both load the
 same pair, and the prompts alternate between them (old-new, new-old, ...) so that machine load hits
 both alike. Greedy decoding by default; ``--sampling paper`` samples (temperature 1, top-k 50) with
 one seeded generator per prompt, the same in both checkouts; ``--fast`` decodes on that fast path in
@@ -35,6 +35,7 @@ from specdecpp import (
     SamplingConfig,
     SpecDecPP,
     SpeculativeDecoder,
+    TargetOnly,
     load_head,
     load_pair,
 )
@@ -49,7 +50,8 @@ torch.set_num_threads(1)
 draft, target, tok = load_pair(draft=draft_dir, target=target_dir, dtype=dtype)
 prompts = load_prompts("bundled", split="test", limit=int(n_prompts))
 cfg = SamplingConfig(temperature=0) if sampling == "greedy" else SamplingConfig(temperature=1.0, top_k=50)
-decoders = {"fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg, fast=fast),
+decoders = {"target_only": SpeculativeDecoder(draft, target, TargetOnly(), cfg, fast=fast),
+            "fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg, fast=fast),
             "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg, fast=fast),
             "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg, fast=fast)}
 if fast is not None:  # compile (or capture) every bucket before the first timed call

@@ -44,6 +44,15 @@ bucket for the whole process (a new runner of the same model reuses them); each 
 of its own (:func:`_own_code`), as dynamo keeps its compiled variants per code object and would
 otherwise count every bucket and every model as a recompile of one function (limit 8).
 
+Guards: dynamo evaluates a compiled function's guards on every call (the model's modules and
+parameters, the cache's buffers, the arguments), about 1 ms of a 135M-parameter Llama's forward on a CPU. A
+step compiled by :func:`compiled_step` runs its later calls under
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its code
+object's compiled variants apart (one variant) and the global state (autograd) are evaluated, and a
+call that would need a recompile raises. Safe here because a runner hands each step only its
+bucket's shapes and ``freezing`` holds the weights anyway; under ``error_on_recompile`` every guard is
+evaluated (the tests' recompile checks).
+
 Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
 "The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
 weights become constants of the graph and each linear layer's weight is prepacked) with
@@ -416,17 +425,26 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     options = dict(options)
     compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
 
+    def unguarded(*args):
+        # dynamo's guards on the step's arguments (the model's modules and parameters, the cache's buffers) cost
+        # about 1 ms a call on a CPU; under "skip_guard_eval_unsafe" it runs only those that tell this code
+        # object's compiled variants apart (one here). Module docstring, "Guards"
+        if torch._dynamo.config.error_on_recompile:  # a caller checking for recompiles: every guard evaluated
+            return compiled(*args)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(*args)
+
     def first(*args):
         import torch._inductor.config as inductor_config
 
-        if steps.compiled.get(key) is compiled:  # compiled by an earlier call (a graph's warm-up holds this wrapper)
-            return compiled(*args)
+        if steps.compiled.get(key) is unguarded:  # compiled by an earlier call (a graph's warm-up holds this wrapper)
+            return unguarded(*args)
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
         with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options):
             out = compiled(*args)
         steps.compile_seconds[key] = time.perf_counter() - t0
-        steps.compiled[key] = compiled
+        steps.compiled[key] = unguarded
         log.info("compiled %s of %s in %.1f s", name, type(model).__name__, steps.compile_seconds[key])
         return out
 

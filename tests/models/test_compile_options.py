@@ -65,6 +65,7 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
 
         def run(*args):
             seen.setdefault("freezing_in_calls", []).append(inductor_config.freezing)
+            seen.setdefault("guards_skipped", []).append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
             return args
 
         return run
@@ -79,6 +80,11 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
     assert seen["options"] == (TUNED_COMPILE_OPTIONS["cpu"] if choice == "tuned" else None)
     assert seen["freezing_in_calls"] == [choice == "tuned", False]
     assert inductor_config.freezing is False
+    # the compiling call evaluates dynamo's guards, later calls skip them, unless recompiles are being checked
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(4)
+    assert seen["guards_skipped"] == [False, True, False]
+    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False  # the stance is put back
     mine = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (2, 64), "w2", _ModelSteps(),
                          options={"max_autotune": True})  # a runner's own options win over the default
     mine()
@@ -124,3 +130,31 @@ def test_tuned_settings_match_eager_never_recompile_and_freeze_the_weights(resto
     eager = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=buckets, fast="static").feed(ids)[0]
     torch.testing.assert_close(still, before)
     assert not torch.allclose(eager, before, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_without_its_guards_agrees_and_refuses_a_recompile(restore_options):
+    """After its compile a step runs under dynamo's ``skip_guard_eval_unsafe`` (docs/engine.md, "Guards"):
+    its logits are those of the same call with every guard evaluated, and a call that would need another
+    graph (autograd on, where the step compiled with it off) is refused with an error, not run on the
+    wrong graph; nothing compiles again."""
+    set_compile_options("plain")
+    model = tiny_lm(VOCAB, 32, 2, seed=11)
+    runner = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=(1,), fast="compile")
+    first = runner.feed(torch.tensor([5]))[0]  # the compile, under no_grad
+    graphs = counters["stats"]["unique_graphs"]
+    for i, token in enumerate([7, 9, 11]):
+        runner.rollback(1)
+        skipped = runner.feed(torch.tensor([token]))[0]
+        runner.rollback(1)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # every guard evaluated
+            guarded = runner.feed(torch.tensor([token]))[0]
+        torch.testing.assert_close(skipped, guarded, rtol=0, atol=0)
+    runner.rollback(0)
+    torch.testing.assert_close(runner.feed(torch.tensor([5]))[0], first, rtol=0, atol=0)
+    slots, positions, mask = runner.chain_inputs(0, 1)
+    args = (runner.decoder, runner.head, runner.cache_arg, runner.cache, torch.tensor([5]), positions, slots, mask)
+    assert torch.is_grad_enabled()
+    with runner.attention(), pytest.raises(RuntimeError, match="skip_guard_eval_unsafe"):
+        runner.plain_step(1)(*args)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
