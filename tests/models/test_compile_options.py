@@ -143,7 +143,7 @@ def test_a_compiled_step_without_its_guards_agrees_and_refuses_a_recompile(resto
     runner = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=(1,), fast="compile")
     first = runner.feed(torch.tensor([5]))[0]  # the compile, under no_grad
     graphs = counters["stats"]["unique_graphs"]
-    for i, token in enumerate([7, 9, 11]):
+    for token in (7, 9, 11):
         runner.rollback(1)
         skipped = runner.feed(torch.tensor([token]))[0]
         runner.rollback(1)
