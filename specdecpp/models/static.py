@@ -49,9 +49,10 @@ parameters, the cache's buffers, the arguments), about 1 ms of a 135M-parameter 
 step compiled by :func:`compiled_step` runs its later calls under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its code
 object's compiled variants apart (one variant) and the global state (autograd) are evaluated, and a
-call that would need a recompile raises. Safe here because a runner hands each step only its
-bucket's shapes and ``freezing`` holds the weights anyway; under ``error_on_recompile`` every guard is
-evaluated (the tests' recompile checks).
+call that would need a recompile raises. Safe here because a step is compiled per model object and
+a runner hands it only its bucket's shapes (and, under the CPU's ``freezing``, the weights are
+constants of the graph anyway); under ``error_on_recompile`` every guard is evaluated (the tests'
+recompile checks).
 
 Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
 "The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
