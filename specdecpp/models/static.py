@@ -49,7 +49,8 @@ parameters, the cache's buffers, the arguments), about 1 ms of a 135M-parameter 
 step compiled by :func:`compiled_step` runs its later calls under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its code
 object's compiled variants apart (one variant) and the global state (autograd) are evaluated, and a
-call that would need a recompile raises. Safe here because a step is compiled per model object and
+call that would need a recompile raises (torch 2.6 and later; before it, every guard is
+evaluated). Safe here because a step is compiled per model object and
 a runner hands it only its bucket's shapes (and, under the CPU's ``freezing``, the weights are
 constants of the graph anyway); under ``error_on_recompile`` every guard is evaluated (the tests'
 recompile checks).
@@ -140,6 +141,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import time
 import types
@@ -163,6 +165,8 @@ GRAPH_BACKENDS = ("graphs", "compile-graphs")  # the backends that capture CUDA 
 BUCKETED_BACKENDS = ("compile", *GRAPH_BACKENDS)  # the backends whose buckets warm_up compiles or captures
 GRAPHS_DEVICE_TYPES = ("cuda",)  # where the graph backends run (tests add "cpu" beside a fake capture_graph)
 GRAPH_WARMUP = 3  # eager forwards on a side stream before a bucket's capture
+# torch.compiler.set_stance(skip_guard_eval_unsafe=) came with torch 2.6; before it, every guard is evaluated
+CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(getattr(torch.compiler, "set_stance", lambda: None)).parameters
 # inductor's settings for fast="compile" by device type, none elsewhere (module docstring, "Compile settings");
 # read when a bucket compiles (set_compile_options changes them)
 TUNED_COMPILE_OPTIONS: dict[str, dict] = {
@@ -430,8 +434,8 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
         # dynamo's guards on the step's arguments (the model's modules and parameters, the cache's buffers) cost
         # about 1 ms a call on a CPU; under "skip_guard_eval_unsafe" it runs only those that tell this code
         # object's compiled variants apart (one here). Module docstring, "Guards"
-        if torch._dynamo.config.error_on_recompile:  # a caller checking for recompiles: every guard evaluated
-            return compiled(*args)
+        if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # a caller checking for recompiles: every
+            return compiled(*args)  # guard evaluated
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return compiled(*args)
 

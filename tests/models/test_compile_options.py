@@ -85,6 +85,9 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
         step(4)
     assert seen["guards_skipped"] == [False, True, False]
     assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False  # the stance is put back
+    monkeypatch.setattr("specdecpp.models.static.CAN_SKIP_GUARDS", False)  # a torch before 2.6: every guard
+    step(5)
+    assert seen["guards_skipped"] == [False, True, False, False]
     mine = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (2, 64), "w2", _ModelSteps(),
                          options={"max_autotune": True})  # a runner's own options win over the default
     mine()
