@@ -45,7 +45,7 @@ of its own (:func:`_own_code`), as dynamo keeps its compiled variants per code o
 otherwise count every bucket and every model as a recompile of one function (limit 8).
 
 Guards: dynamo evaluates a compiled function's guards on every call (the model's modules and
-parameters, the cache's buffers, the arguments), about 1 ms of a 135M-parameter Llama's forward on a CPU. A
+parameters, the cache's buffers, the arguments), 0.7-0.8 ms of a 135M-parameter Llama's forward on a CPU. A
 step compiled by :func:`compiled_step` runs its later calls under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its code
 object's compiled variants apart (one variant) and the global state (autograd) are evaluated, and a
@@ -432,7 +432,7 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 
     def unguarded(*args):
         # dynamo's guards on the step's arguments (the model's modules and parameters, the cache's buffers) cost
-        # about 1 ms a call on a CPU; under "skip_guard_eval_unsafe" it runs only those that tell this code
+        # 0.7-0.8 ms a call on a CPU; under "skip_guard_eval_unsafe" it runs only those that tell this code
         # object's compiled variants apart (one here). Module docstring, "Guards"
         if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # a caller checking for recompiles: every
             return compiled(*args)  # guard evaluated
