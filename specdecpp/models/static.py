@@ -45,15 +45,14 @@ of its own (:func:`_own_code`), as dynamo keeps its compiled variants per code o
 otherwise count every bucket and every model as a recompile of one function (limit 8).
 
 Guards: dynamo evaluates a compiled function's guards on every call (the model's modules and
-parameters, the cache's buffers, the arguments), 0.7-0.8 ms of a 135M-parameter Llama's forward on a CPU. A
-step compiled by :func:`compiled_step` runs its later calls under
+parameters, the cache's buffers, the arguments), 0.7-0.8 ms of a 135M-parameter Llama's forward on a
+CPU. A step compiled by :func:`compiled_step` runs its later calls under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its code
 object's compiled variants apart (one variant) and the global state (autograd) are evaluated, and a
-call that would need a recompile raises (torch 2.6 and later; before it, every guard is
-evaluated). Safe here because a step is compiled per model object and
-a runner hands it only its bucket's shapes (and, under the CPU's ``freezing``, the weights are
-constants of the graph anyway); under ``error_on_recompile`` every guard is evaluated (the tests'
-recompile checks).
+call that would need a recompile raises. Safe here because a step is compiled per model object and a
+runner hands it only its bucket's shapes (and, under the CPU's ``freezing``, the weights are
+constants of the graph anyway). Every guard is evaluated under ``error_on_recompile`` (the tests'
+recompile checks) and on a torch older than 2.6, which lacks the stance (:data:`CAN_SKIP_GUARDS`).
 
 Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
 "The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
@@ -430,12 +429,9 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     options = dict(options)
     compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
 
-    def unguarded(*args):
-        # dynamo's guards on the step's arguments (the model's modules and parameters, the cache's buffers) cost
-        # 0.7-0.8 ms a call on a CPU; under "skip_guard_eval_unsafe" it runs only those that tell this code
-        # object's compiled variants apart (one here). Module docstring, "Guards"
-        if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # a caller checking for recompiles: every
-            return compiled(*args)  # guard evaluated
+    def unguarded(*args):  # the module docstring, "Guards"
+        if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # every guard evaluated
+            return compiled(*args)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return compiled(*args)
 
