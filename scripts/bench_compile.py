@@ -21,7 +21,10 @@ Timing: every (variant, width) forward and a tensor copy of ``--bandwidth-mb`` M
 call by call (``specdecpp.core.timing.time_forwards``), ``--repeats`` timed calls per block,
 ``--blocks`` blocks; a variant's figure is the median over all its calls, its spread the lowest
 and highest block median. The floor is the target's weight bytes (``bench_fast.weight_bytes``)
-over the copy bandwidth of the same block (read + written bytes / s). ``--profile``: the operators
+over the copy bandwidth of the same block (read + written bytes / s). Since the copy's bandwidth drifts
+more than the forward (20-28 GB/s in one day on the project's CPU), each forward is also set against
+the copy timed next to it in the same round: the median of those paired ratios, with a 95% bootstrap
+interval over rounds (``specdecpp.analysis.stats``), is the "x floor, paired" column. ``--profile``: the operators
 of ten calls of each variant at the first width (torch.profiler), the linear layers grouped by
 weight shape. Writes JSON with ``--out``.
 """
@@ -35,11 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fast import weight_bytes  # noqa: E402
 
+from specdecpp.analysis.stats import bootstrap_interval  # noqa: E402
 from specdecpp.core.timing import machine_description, time_forwards  # noqa: E402
 from specdecpp.models.loading import load_pair  # noqa: E402
 from specdecpp.models.runner import ModelRunner  # noqa: E402
@@ -191,25 +196,31 @@ def main(argv=None) -> int:
         blocks = [time_forwards(calls, repeats=args.repeats, warmup=2, resets=resets) for _ in range(args.blocks)]
     wbytes = weight_bytes(model)
     floors = [wbytes / (2 * src.numel() * 4 / b["copy"].median) for b in blocks]
+    round_floors = [wbytes * t / (2 * src.numel() * 4) for b in blocks for t in b["copy"].times]
     floor = statistics.median(floors)
     result = {"machine": machine_description(), "model": args.model, "dtype": args.dtype, "size": args.size,
               "context": args.context, "weight_mb": wbytes / 1e6, "floor_ms": 1e3 * floor,
-              "floor_ms_blocks": [1e3 * f for f in floors], "variants": {}}
+              "floor_ms_blocks": [1e3 * f for f in floors],
+              "floor_ms_rounds": [1e3 * f for f in round_floors], "variants": {}}
     print(f"\nweights {wbytes / 1e6:.0f} MB; copy bandwidth {wbytes / floor / 1e9:.1f} GB/s; floor {1e3 * floor:.1f} ms "
           f"(blocks {', '.join(f'{1e3 * f:.1f}' for f in floors)})\n")
-    print("| variant | width | median ms | block medians ms | x floor | compile s | memory +MB | max |logit diff| "
-          "vs first | argmax equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | width | median ms | block medians ms | x floor | x floor, paired [95% CI] | compile s | "
+          "memory +MB | max |logit diff| vs first | argmax equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant in dict.fromkeys(k[0] for k in calls if isinstance(k, tuple)):
         rows = {}
         for w in widths:
             times = [t for b in blocks for t in b[(variant, w)].times]
             med = statistics.median(times)
             per_block = [b[(variant, w)].median for b in blocks]
+            paired = np.asarray(times) / np.asarray(round_floors)  # each forward over the copy timed in its round
+            low, high = bootstrap_interval(lambda x, axis=-1: np.median(x, axis=axis), paired)
             rows[w] = {"median_ms": 1e3 * med, "block_medians_ms": [1e3 * m for m in per_block],
-                       "over_floor": med / floor}
+                       "times_ms": [1e3 * t for t in times], "over_floor": med / floor,
+                       "over_floor_paired": float(np.median(paired)), "over_floor_paired_ci": [low, high]}
             print(f"| {variant} | {w} | {1e3 * med:.1f} | {1e3 * min(per_block):.1f}-{1e3 * max(per_block):.1f} | "
-                  f"{med / floor:.2f} | {info[variant]['compile_s'][w]:.0f} | {info[variant]['rss_mb']:.0f} | "
+                  f"{med / floor:.2f} | {np.median(paired):.2f} [{low:.2f}, {high:.2f}] | "
+                  f"{info[variant]['compile_s'][w]:.0f} | {info[variant]['rss_mb']:.0f} | "
                   f"{info[variant]['max_abs_diff'][w]:.3g} | {info[variant]['argmax_equal'][w]} |")
         result["variants"][variant] = {**info[variant], "widths": rows}
     if args.out:

@@ -31,6 +31,12 @@ def test_bench_compile_times_variants_against_the_floor(tiny_pair, tmp_path, cap
         assert set(variant["widths"]) == {"1", "2"}
         for row in variant["widths"].values():
             assert row["median_ms"] > 0 and len(row["block_medians_ms"]) == 2
+            # each forward over the floor of the copy timed in its own round, recomputed from the raw times
+            assert len(row["times_ms"]) == len(result["floor_ms_rounds"]) == 4
+            paired = sorted(t / f for t, f in zip(row["times_ms"], result["floor_ms_rounds"], strict=True))
+            assert row["over_floor_paired"] == pytest.approx((paired[1] + paired[2]) / 2)
+            low, high = row["over_floor_paired_ci"]
+            assert paired[0] <= low <= row["over_floor_paired"] <= high <= paired[-1]
         assert all(variant["argmax_equal"].values())
         assert max(variant["max_abs_diff"].values()) < 1e-4  # float32: the static runner is the eager one
         assert variant["fx_graph_cache"] == {}  # nothing compiled
