@@ -64,9 +64,9 @@ brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read flo
 1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
 copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); 90-100 s per
 bucket of such a target on a quiet machine (plain: ~55 s); a later process loads a bucket from
-inductor's FX graph cache (15 s) only where its graph holds no prepacked oneDNN weight, which an Intel
-Xeon's once did and an AMD Zen 4's never did (freezing prepacks before autotuning; "mkldnn tensors
-unpickleable": the bucket compiles in full in every process); and weights changed in place after a step compiled are not seen by it (the step holds the old
+inductor's FX graph cache (15 s) only where its graph holds no prepacked oneDNN weight (on an Intel
+Xeon one bucket's graph held none; on an AMD Zen 4 every one held some, since freezing prepacks before
+autotuning: "mkldnn tensors unpickleable", and each process compiles every bucket in full); and weights changed in place after a step compiled are not seen by it (the step holds the old
 ones: use a new model object). Dynamo reads ``freezing`` from inductor's config while it traces,
 so the first call runs under ``inductor.config.patch(freezing=...)`` (``torch.compile(options=)``
 reaches inductor only); freezing needs autograd off, and every step runs under ``torch.no_grad``.
