@@ -58,7 +58,12 @@ Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/res
 "The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
 weights become constants of the graph and each linear layer's weight is prepacked) with
 ``max_autotune`` over the ``CPP`` and ``ATEN`` GEMM backends, which picks inductor's C++ GEMM
-template (AMX micro-kernels on this CPU) over oneDNN's linear. A decoding forward is a row of
+template (AMX micro-kernels on this CPU) over oneDNN's linear; buckets of at most
+:data:`NARROW_GEMM_ROWS` rows (width x batch) get the template alone (:func:`narrow_options`: at four
+rows autotuning, which times each GEMM with its weight in the cache, picked kernels 20% slower than
+the template's on a Zen 4; from eight rows up the template alone is 2-4x slower), and a bucket whose
+product the template cannot compute compiles again with ATen beside it (:func:`with_aten_gemms`).
+A decoding forward is a row of
 matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread here: the template
 brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read floor (plain compile) to
 1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
@@ -425,9 +430,12 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     if compiled_fn is not None:
         return compiled_fn
     if options is None:
-        options = COMPILE_OPTIONS.get(next(model.parameters()).device.type, {})
+        device_type = next(model.parameters()).device.type
+        options = narrow_options(COMPILE_OPTIONS.get(device_type, {}), device_type,
+                                 key[0] * (key[2] if len(key) > 2 else 1))
     options = dict(options)
     compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
+    fallback = with_aten_gemms(options)
 
     def unguarded(*args):  # the module docstring, "Guards"
         if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # every guard evaluated
@@ -440,10 +448,19 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 
         if steps.compiled.get(key) is unguarded:  # compiled by an earlier call (a graph's warm-up holds this wrapper)
             return unguarded(*args)
+        nonlocal compiled
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
         with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options):
-            out = compiled(*args)
+            try:
+                out = compiled(*args)
+            except Exception as e:  # inductor wraps its errors (InductorError, BackendCompilerFailed)
+                if fallback is None or NO_GEMM_CHOICE not in str(e):
+                    raise
+                log.warning("%s of %s: inductor's C++ GEMM template cannot compute one of its matrix products; "
+                            "compiling it again with ATen's GEMMs beside the template", name, type(model).__name__)
+                compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=fallback)
+                out = compiled(*args)
         steps.compile_seconds[key] = time.perf_counter() - t0
         steps.compiled[key] = unguarded
         log.info("compiled %s of %s in %.1f s", name, type(model).__name__, steps.compile_seconds[key])
@@ -451,6 +468,33 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
 
     steps.compiled[key] = first
     return first
+
+
+NARROW_GEMM_ROWS = 4  # buckets of at most this many rows (width x batch) get the C++ GEMM template alone (CPU)
+NO_GEMM_CHOICE = "No choices to select"  # inductor's NoValidChoicesError: no backend it was given serves a GEMM
+
+
+def narrow_options(options: dict, device_type: str, rows: int) -> dict:
+    """The options a bucket of ``rows`` rows compiles with: the CPU's tuned settings with the C++
+    GEMM template alone (``max_autotune_gemm_backends="CPP"``) for at most :data:`NARROW_GEMM_ROWS`
+    rows, ``options`` as they are otherwise (other settings, devices, wider buckets). Inductor's
+    autotuning times each GEMM with its weight in the cache, where a forward streams it from memory,
+    and at four rows it picked kernels 20% slower than the template's; from eight rows up the template
+    alone is 2-4x slower (module docstring, "Compile settings")."""
+    if rows <= NARROW_GEMM_ROWS and options == TUNED_COMPILE_OPTIONS.get(device_type) and device_type == "cpu":
+        return {**options, "max_autotune_gemm_backends": "CPP"}
+    return options
+
+
+def with_aten_gemms(options: dict) -> dict | None:
+    """``options`` with ATen added to ``max_autotune_gemm_backends``, or None where they allow it
+    already (inductor's default backends include it) or do not autotune: what a bucket compiles with
+    again where the template alone leaves a matrix product without a kernel (a float64 model, a
+    transposed input), which inductor refuses with "No choices to select"."""
+    backends = [b.strip().upper() for b in str(options.get("max_autotune_gemm_backends", "ATEN")).split(",")]
+    if not options.get("max_autotune") or "ATEN" in backends:
+        return None
+    return {**options, "max_autotune_gemm_backends": ",".join([*backends, "ATEN"])}
 
 
 @contextlib.contextmanager

@@ -18,14 +18,17 @@ from specdecpp.decoders.batch import BatchRunner
 from specdecpp.models.runner import ModelRunner
 from specdecpp.models.static import (
     COMPILE_OPTIONS,
+    NO_GEMM_CHOICE,
     TUNED_COMPILE_OPTIONS,
     CallRunners,
     StaticRunner,
     _ModelSteps,
     compiled_step,
     model_steps,
+    narrow_options,
     set_compile_options,
     static_step,
+    with_aten_gemms,
 )
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
@@ -77,7 +80,9 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
     assert step(1, 2) == (1, 2) and steps.compiled[(1, 64)](3) == (3,)  # the second call: the compiled fn itself
     assert (1, 64) in steps.compile_seconds and seen["name"] == "static_step_w1_s64"
     assert seen["fullgraph"] is True and seen["dynamic"] is False
-    assert seen["options"] == (TUNED_COMPILE_OPTIONS["cpu"] if choice == "tuned" else None)
+    # a one-row bucket under the tuned settings: the C++ GEMM template alone (narrow_options)
+    tuned_narrow = {**TUNED_COMPILE_OPTIONS["cpu"], "max_autotune_gemm_backends": "CPP"}
+    assert seen["options"] == (tuned_narrow if choice == "tuned" else None)
     assert seen["freezing_in_calls"] == [choice == "tuned", False]
     assert inductor_config.freezing is False
     # the compiling call evaluates dynamo's guards, later calls skip them, unless recompiles are being checked
@@ -92,6 +97,66 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
                          options={"max_autotune": True})  # a runner's own options win over the default
     mine()
     assert seen["options"] == {"max_autotune": True} and seen["freezing_in_calls"][-1] is False
+
+
+def test_narrow_buckets_get_the_template_alone_and_aten_is_added_back_only_where_missing():
+    tuned = TUNED_COMPILE_OPTIONS["cpu"]
+    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"
+    for rows in (1, 2, 4):
+        assert narrow_options(tuned, "cpu", rows) == {**tuned, "max_autotune_gemm_backends": "CPP"}
+    for rows in (5, 8, 32):
+        assert narrow_options(tuned, "cpu", rows) == tuned
+    mine = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "x": 1}
+    assert narrow_options(mine, "cpu", 1) == mine and narrow_options({}, "cpu", 1) == {}  # not the tuned default
+    assert narrow_options(tuned, "cuda", 1) == tuned
+    assert with_aten_gemms(narrow_options(tuned, "cpu", 1)) == tuned
+    assert with_aten_gemms({"max_autotune": True, "max_autotune_gemm_backends": "cpp, triton"})[
+        "max_autotune_gemm_backends"] == "CPP,TRITON,ATEN"
+    for has_aten in ({}, {"freezing": True}, {"max_autotune": True}, tuned,  # inductor's default backends hold ATen
+                     {"max_autotune": False, "max_autotune_gemm_backends": "CPP"}):
+        assert with_aten_gemms(has_aten) is None
+
+
+def test_bucket_rows_choose_the_backends_and_a_gemm_without_a_kernel_compiles_again_with_aten(
+        monkeypatch, restore_options, caplog):
+    """Rows are width x batch; where the template alone leaves a matrix product without a kernel, inductor
+    raises "No choices to select" and the bucket compiles again with ATen beside the template, once, and
+    says so; any other compile error is raised as it is."""
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs["options"]["max_autotune_gemm_backends"])
+
+        def run(*args):
+            if kwargs["options"]["max_autotune_gemm_backends"] == "CPP" and args == ("float64",):
+                raise RuntimeError(f"LoweringException: NoValidChoicesError: {NO_GEMM_CHOICE}. Provided reason: "
+                                   "No choices exist for backend.")
+            return args
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    set_compile_options("tuned")
+    model = tiny_lm(VOCAB, 32, 2, seed=1)
+    steps = _ModelSteps()
+    for key in ((4, 64), (8, 64), (2, 64, 2), (2, 64, 4)):
+        compiled_step(model, static_step, key, f"step_{key}", steps)()
+    assert calls == ["CPP", "CPP,ATEN", "CPP", "CPP,ATEN"]
+    calls.clear()
+    with caplog.at_level("WARNING", logger="specdecpp.models.static"):
+        step = compiled_step(model, static_step, (1, 128), "static_step_w1_s128", steps)
+        assert step("float64") == ("float64",) and steps.compiled[(1, 128)]("float64") == ("float64",)
+    assert calls == ["CPP", "CPP,ATEN"]  # one fallback compile, kept for later calls
+    assert "static_step_w1_s128" in caplog.text and "ATen" in caplog.text and (1, 128) in steps.compile_seconds
+
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("something else went wrong")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        compiled_step(model, static_step, (2, 128), "w2", _ModelSteps())()
 
 
 @pytest.mark.slow
@@ -161,3 +226,21 @@ def test_a_compiled_step_without_its_guards_agrees_and_refuses_a_recompile(resto
     with runner.attention(), pytest.raises(RuntimeError, match="skip_guard_eval_unsafe"):
         runner.plain_step(1)(*args)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+
+
+@pytest.mark.slow
+def test_a_float64_model_compiles_through_the_aten_fallback(restore_options, caplog):
+    """Inductor's C++ GEMM template computes no float64 product: with the tuned settings a one-row bucket
+    (the template alone) is refused by inductor, compiles again with ATen beside the template, says so,
+    and gives the eager runner's logits."""
+    set_compile_options("tuned")
+    model = tiny_lm(VOCAB, 32, 2, seed=3).double()
+    runner = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=(1,), fast="compile")
+    ref = ModelRunner(model, VOCAB, want_hidden=False)
+    with caplog.at_level("WARNING", logger="specdecpp.models.static"), ref, torch.no_grad():
+        runner.feed(torch.tensor([3])), ref.feed(torch.tensor([3]))
+        for token in (6, 9):
+            torch.testing.assert_close(runner.feed(torch.tensor([token]))[0], ref.feed(torch.tensor([token]))[0],
+                                       rtol=0, atol=1e-5)
+    assert "compiling it again with ATen" in caplog.text
+    assert len(model_steps(model).compile_seconds) == 1
