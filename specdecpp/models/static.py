@@ -59,7 +59,7 @@ Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/res
 weights become constants of the graph and each linear layer's weight is prepacked) with
 ``max_autotune`` over the ``CPP`` and ``ATEN`` GEMM backends, which picks inductor's C++ GEMM
 template (AMX micro-kernels on this CPU) over oneDNN's linear; buckets of at most
-:data:`NARROW_GEMM_ROWS` rows (width x batch) get the template alone (:func:`narrow_options`: at four
+four rows (width x batch; the option ``narrow_gemm_rows``) get the template alone (:func:`narrow_options`: at four
 rows autotuning, which times each GEMM with its weight in the cache, picked kernels 20% slower than
 the template's on a Zen 4; from eight rows up the template alone is 2-4x slower), and a bucket whose
 product the template cannot compute compiles again with ATen beside it (:func:`with_aten_gemms`).
@@ -174,7 +174,7 @@ CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(getattr(torch.co
 # inductor's settings for fast="compile" by device type, none elsewhere (module docstring, "Compile settings");
 # read when a bucket compiles (set_compile_options changes them)
 TUNED_COMPILE_OPTIONS: dict[str, dict] = {
-    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}}
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "narrow_gemm_rows": 4}}
 COMPILE_OPTIONS: dict[str, dict] = {k: dict(v) for k, v in TUNED_COMPILE_OPTIONS.items()}
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
 MIN_MAX_LEN = 256  # the smallest cache a decoder's call gets (call_max_len)
@@ -430,10 +430,8 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     if compiled_fn is not None:
         return compiled_fn
     if options is None:
-        device_type = next(model.parameters()).device.type
-        options = narrow_options(COMPILE_OPTIONS.get(device_type, {}), device_type,
-                                 key[0] * (key[2] if len(key) > 2 else 1))
-    options = dict(options)
+        options = COMPILE_OPTIONS.get(next(model.parameters()).device.type, {})
+    options = narrow_options(options, key[0] * (key[2] if len(key) > 2 else 1))
     compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
     fallback = with_aten_gemms(options)
 
@@ -470,19 +468,22 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     return first
 
 
-NARROW_GEMM_ROWS = 4  # buckets of at most this many rows (width x batch) get the C++ GEMM template alone (CPU)
+NARROW_KEY = "narrow_gemm_rows"  # the project's own option (not inductor's): see narrow_options
 NO_GEMM_CHOICE = "No choices to select"  # inductor's NoValidChoicesError: no backend it was given serves a GEMM
 
 
-def narrow_options(options: dict, device_type: str, rows: int) -> dict:
-    """The options a bucket of ``rows`` rows compiles with: the CPU's tuned settings with the C++
-    GEMM template alone (``max_autotune_gemm_backends="CPP"``) for at most :data:`NARROW_GEMM_ROWS`
-    rows, ``options`` as they are otherwise (other settings, devices, wider buckets). Inductor's
-    autotuning times each GEMM with its weight in the cache, where a forward streams it from memory,
-    and at four rows it picked kernels 20% slower than the template's; from eight rows up the template
-    alone is 2-4x slower (module docstring, "Compile settings")."""
-    if rows <= NARROW_GEMM_ROWS and options == TUNED_COMPILE_OPTIONS.get(device_type) and device_type == "cpu":
-        return {**options, "max_autotune_gemm_backends": "CPP"}
+def narrow_options(options: dict, rows: int) -> dict:
+    """The inductor options a bucket of ``rows`` rows (width x batch) compiles with: ``options``
+    without the project's own key ``narrow_gemm_rows``, and where that key is set and ``rows`` is at
+    most it, with the C++ GEMM template alone (``max_autotune_gemm_backends="CPP"``). The CPU's tuned
+    settings set it to 4: inductor's autotuning times each GEMM with its weight in the cache, where a
+    forward streams it from memory, and at four rows it picked kernels 20% slower than the
+    template's; from eight rows up the template alone is 2-4x slower (module docstring, "Compile
+    settings"). A ``compile_options`` mapping without the key autotunes every bucket."""
+    options = dict(options)
+    limit = options.pop(NARROW_KEY, None)
+    if limit is not None and rows <= int(limit):
+        options["max_autotune_gemm_backends"] = "CPP"
     return options
 
 

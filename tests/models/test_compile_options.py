@@ -82,6 +82,7 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
     assert seen["fullgraph"] is True and seen["dynamic"] is False
     # a one-row bucket under the tuned settings: the C++ GEMM template alone (narrow_options)
     tuned_narrow = {**TUNED_COMPILE_OPTIONS["cpu"], "max_autotune_gemm_backends": "CPP"}
+    del tuned_narrow["narrow_gemm_rows"]
     assert seen["options"] == (tuned_narrow if choice == "tuned" else None)
     assert seen["freezing_in_calls"] == [choice == "tuned", False]
     assert inductor_config.freezing is False
@@ -101,18 +102,21 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
 
 def test_narrow_buckets_get_the_template_alone_and_aten_is_added_back_only_where_missing():
     tuned = TUNED_COMPILE_OPTIONS["cpu"]
-    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN" and tuned["narrow_gemm_rows"] == 4
+    inductors = {k: v for k, v in tuned.items() if k != "narrow_gemm_rows"}  # the project's key never reaches torch
     for rows in (1, 2, 4):
-        assert narrow_options(tuned, "cpu", rows) == {**tuned, "max_autotune_gemm_backends": "CPP"}
+        assert narrow_options(tuned, rows) == {**inductors, "max_autotune_gemm_backends": "CPP"}
     for rows in (5, 8, 32):
-        assert narrow_options(tuned, "cpu", rows) == tuned
-    mine = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "x": 1}
-    assert narrow_options(mine, "cpu", 1) == mine and narrow_options({}, "cpu", 1) == {}  # not the tuned default
-    assert narrow_options(tuned, "cuda", 1) == tuned
-    assert with_aten_gemms(narrow_options(tuned, "cpu", 1)) == tuned
+        assert narrow_options(tuned, rows) == inductors
+    mine = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    assert narrow_options(mine, 1) == mine and narrow_options({}, 1) == {}  # a mapping without the key: as it is
+    assert narrow_options({**mine, "narrow_gemm_rows": 2}, 2)["max_autotune_gemm_backends"] == "CPP"
+    assert narrow_options({**mine, "narrow_gemm_rows": 2}, 4) == mine
+    assert tuned["narrow_gemm_rows"] == 4  # not changed by the calls
+    assert with_aten_gemms(narrow_options(tuned, 1)) == inductors
     assert with_aten_gemms({"max_autotune": True, "max_autotune_gemm_backends": "cpp, triton"})[
         "max_autotune_gemm_backends"] == "CPP,TRITON,ATEN"
-    for has_aten in ({}, {"freezing": True}, {"max_autotune": True}, tuned,  # inductor's default backends hold ATen
+    for has_aten in ({}, {"freezing": True}, {"max_autotune": True}, inductors,  # inductor's defaults hold ATen
                      {"max_autotune": False, "max_autotune_gemm_backends": "CPP"}):
         assert with_aten_gemms(has_aten) is None
 
