@@ -48,7 +48,7 @@ from specdecpp.analysis.stats import bootstrap_interval  # noqa: E402
 from specdecpp.core.timing import machine_description, time_forwards  # noqa: E402
 from specdecpp.models.loading import load_pair  # noqa: E402
 from specdecpp.models.runner import ModelRunner  # noqa: E402
-from specdecpp.models.static import StaticRunner, _ModelSteps  # noqa: E402
+from specdecpp.models.static import TUNED_COMPILE_OPTIONS, StaticRunner, _ModelSteps  # noqa: E402
 from specdecpp_demo.pair import cache_dir  # noqa: E402
 
 DEMO = cache_dir()  # the materialised demo pair ($SPECDECPP_CACHE/demo; make demo-pair)
@@ -64,6 +64,7 @@ VARIANTS: dict[str, dict | None] = {
     "max_autotune": AUTOTUNE,
     "mode_max_autotune_no_cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
     "freezing+cpp_wrapper": {"freezing": True, "cpp_wrapper": True},
+    "tuned": TUNED_COMPILE_OPTIONS["cpu"],  # the CPU default: freezing+max_autotune, freezing+cpp_gemm up to 4 rows
     "freezing+max_autotune": {"freezing": True, **AUTOTUNE},
     "freezing+cpp_gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
     "freezing+max_autotune+noprepack": {"freezing": True, **AUTOTUNE, "cpp.weight_prepack": False},
