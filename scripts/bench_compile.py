@@ -196,8 +196,11 @@ def main(argv=None) -> int:
         calls["copy"] = lambda: dst.copy_(src)
         blocks = [time_forwards(calls, repeats=args.repeats, warmup=2, resets=resets) for _ in range(args.blocks)]
     wbytes = weight_bytes(model)
-    floors = [wbytes / (2 * src.numel() * 4 / b["copy"].median) for b in blocks]
-    round_floors = [wbytes * t / (2 * src.numel() * 4) for b in blocks for t in b["copy"].times]
+    def floor_of(copy_s: float) -> float:  # the weights' read time at a copy's bandwidth (read + written bytes)
+        return wbytes * copy_s / (2 * src.numel() * 4)
+
+    floors = [floor_of(b["copy"].median) for b in blocks]
+    round_floors = [floor_of(t) for b in blocks for t in b["copy"].times]
     floor = statistics.median(floors)
     result = {"machine": machine_description(), "model": args.model, "dtype": args.dtype, "size": args.size,
               "context": args.context, "weight_mb": wbytes / 1e6, "floor_ms": 1e3 * floor,
