@@ -236,7 +236,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
     for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
         if job.fast and job.todo and hasattr(runner, "warm_up"):
             seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens,
-                                     job.batch_size if job.batch_size > 1 else None)
+                                     job.batch_size if job.batch_size > 1 else None, progress=job.progress)
             log.info("%s %s: fast=%s warmed up (compiled) in %.1f s, untimed", job.spec.name, job.spec.tag, job.fast,
                      seconds)
     warm = max((job.warmup_tokens for job in jobs), default=0)

@@ -301,10 +301,12 @@ class EngineRunner:
         self.decoder = decoder
         self.clock = Clock(decoder.device, sync=profile)
 
-    def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None) -> float:
+    def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None,
+                progress: bool = False) -> float:
         """The fast path's sizing and compilation for calls up to this long (the decoder's
-        ``warm_up``; ``batch_size``: for its ``generate_batch``), untimed; its seconds."""
-        return self.decoder.warm_up(prompt_len, max_new_tokens, batch_size)
+        ``warm_up``; ``batch_size``: for its ``generate_batch``; ``progress``: a bar over the
+        steps), untimed; its seconds."""
+        return self.decoder.warm_up(prompt_len, max_new_tokens, batch_size, progress)
 
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         decoder, hooked = self.decoder, self.decoder.fast is None

@@ -652,7 +652,7 @@ def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
     longest, widest = max(p.shape[0] for p in prompts), max(args.batch)
     t0 = time.perf_counter()
     for decoder in decoders.values():
-        decoder.warm_up(longest, args.max_new_tokens, widest)
+        decoder.warm_up(longest, args.max_new_tokens, widest, progress=True)
     for size in args.batch:  # one untimed call of each (method, backend) per batch size
         for name in BATCH_METHODS:
             for backend in backends:
@@ -849,7 +849,7 @@ def main(argv=None) -> int:
                 for name in policies for key, (fast, capture) in backends.items()}
     longest = max(p.shape[1] for p in ids)
     for decoder in decoders.values():  # compile every bucket at the calls' cache size, then one untimed call
-        decoder.warm_up(longest, args.max_new_tokens)
+        decoder.warm_up(longest, args.max_new_tokens, progress=True)
         decoder.generate(ids[0], min(8, args.max_new_tokens), torch.Generator().manual_seed(0), eos_token_id=eos)
     meters, apart = {}, breakdown_apart(args, device)
 

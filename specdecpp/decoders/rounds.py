@@ -402,8 +402,10 @@ class FastPlanned:
     """A decoder whose ``fast_plan(prompt_len, max_new_tokens)`` says the tokens a call holds and
     each model's buckets, over its ``runners`` (:class:`~specdecpp.models.static.CallRunners`)."""
 
-    def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None) -> float:
+    def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None,
+                progress: bool = False) -> float:
         """Size the fast path for calls up to this long and compile every bucket they use
         (fast='compile'), so no later call compiles; the seconds it took (0 without compiling).
-        ``batch_size``: those of ``generate_batch`` calls of at most that many rows at once."""
-        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens), rows=batch_size)
+        ``batch_size``: those of ``generate_batch`` calls of at most that many rows at once;
+        ``progress``: a progress bar over the steps compiled or captured."""
+        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens), rows=batch_size, progress=progress)

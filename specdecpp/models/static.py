@@ -154,6 +154,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from ..core.attention import CPU_ATTENTION, decode_attention, static_attention
 from ..core.compat import cache_kwargs
@@ -258,31 +259,40 @@ class CallRunners:
         return functools.partial(StaticBatchRunner, fast=self.fast, max_len=self._max_len(tokens, buckets),
                                  buckets=buckets, rows=rows)
 
-    def warm_up(self, tokens: int, plan, rows: int | None = None) -> float:
+    def warm_up(self, tokens: int, plan, rows: int | None = None, progress: bool = False) -> float:
         """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
         tokens (one forward of each width; the steps are kept for the process) unless compiled
         already; with ``rows``, those of a batch call of at most ``rows`` rows at once instead
         (every batch bucket up to the one that holds ``rows``, times every width). Returns the
-        seconds it took (0 unless ``fast`` compiles or captures: "compile", "graphs", "compile-graphs")."""
+        seconds it took (0 unless ``fast`` compiles or captures: "compile", "graphs", "compile-graphs").
+        ``progress``: a progress bar over the steps (a tuned target bucket compiles for minutes on a CPU)."""
         if self.fast not in BUCKETED_BACKENDS:
             return 0.0
         t0 = time.perf_counter()
-        with torch.no_grad(), decode_attention(self.models[0].device):  # the state decoding compiles under
-            for model, buckets in plan:
+        total = sum(len(buckets) * (1 if rows is None else len(fit_buckets(rows, BATCH_BUCKETS))) for _, buckets in plan)
+        what = "capturing" if self.fast == "graphs" else "compiling"
+        with torch.no_grad(), decode_attention(self.models[0].device), \
+                tqdm(total=total, desc=f"fast={self.fast}: {what} steps", unit="step", disable=not progress) as bar:
+            for model, buckets in plan:  # the state decoding compiles under
                 runner = None  # under graphs, the last model's runner releases its buffers before the next leases
+                name = type(model).__name__
                 if rows is None:
                     runner = self(tokens, buckets)(model, 1, False)
                     for width in runner.buckets:
+                        bar.set_postfix_str(f"{name} width {width}")
                         runner.rollback(0)
                         runner.feed(torch.zeros(width, dtype=torch.long, device=runner.device))
+                        bar.update()
                     continue
                 runner = self.batch(tokens, buckets, rows)(model, 1, False)
                 for batch in fit_buckets(rows, runner.batch_buckets):
                     runner.select([])
                     runner.add_rows([torch.zeros(0, dtype=torch.long, device=runner.device)] * batch)
                     for width in runner.buckets:
+                        bar.set_postfix_str(f"{name} batch {batch} width {width}")
                         runner.rollback([0] * batch)
                         runner.feed([torch.zeros(width, dtype=torch.long, device=runner.device)] * batch)
+                        bar.update()
         return time.perf_counter() - t0
 
 

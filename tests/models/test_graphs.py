@@ -154,6 +154,24 @@ def test_each_bucket_captured_once_then_never(graphs_on, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_warm_up_shows_its_steps(graphs_on, device, capsys):
+    """warm_up(progress=True): a bar over every (model, width) step, and with ``rows`` every (model,
+    batch, width) step, each counted once it is captured; progress=False prints nothing."""
+    graphs_on(device)
+    model, other = fresh(device), fresh(device, seed=6)
+    runners = CallRunners("graphs", (model, other))
+    runners.warm_up(40, [(model, (1, 2, 4)), (other, (1, 2))], progress=True)
+    err = capsys.readouterr().err
+    assert "fast=graphs: capturing steps" in err and "5/5" in err
+    assert model_steps(model).captures == 3 and model_steps(other).captures == 2
+    runners.warm_up(40, [(model, (1, 2))], rows=3, progress=True)  # batch buckets 1, 2, 4 x widths 1, 2
+    err = capsys.readouterr().err
+    assert "6/6" in err and "batch 4 width 2" in err
+    runners.warm_up(40, [(model, (1, 2, 4))])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_batch_graphs_match_the_eager_batch_runner(graphs_on, device, seed):
     graphs_on(device)
