@@ -70,9 +70,11 @@ docs/batch.md): for each B the prompts in groups of B, each group one call with 
 more: ``--fast static compile``), every (method, backend) on a group before the next group, the
 order rotating from group to group. Per B and method: tokens/s pooled over calls, each backend
 over eager with a paired 95% bootstrap interval over calls, fast fixed K over fast target-only, and
-whether every row's greedy tokens equal eager's. Compiling every (batch, width) bucket (the
-decoders' ``warm_up(..., batch_size)``) comes first, untimed, with one untimed call per
-(method, backend, B); the seconds per bucket are printed.
+whether every row's greedy tokens equal eager's. ``--batch-methods`` narrows the methods (``sample``
+alone: data_gen's sampling, which compiles only the target's one-token batch buckets). Compiling
+every (batch, width) bucket (the decoders' ``warm_up(..., batch_size)``, and for ``sample`` the
+target's batch buckets at width 1) comes first, untimed, with one untimed call per (method,
+backend, B); the seconds per bucket are printed.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ from specdecpp.analysis.stats import bootstrap_interval, pooled_ratio
 from specdecpp.core.timing import Clock, machine_description, time_forward
 from specdecpp.data.labels import sample_responses
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
-from specdecpp.models.static import model_steps
+from specdecpp.models.static import CallRunners, model_steps
 
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
 WIDTHS = (1, 2, 4, 8)
@@ -625,13 +627,12 @@ def after_first_table(result: dict) -> str:
 BATCH_METHODS = ("target_only", "fixed_k2", "sample")  # sample: data_gen's target sampling
 
 
-def batch_call(name: str, decoders: dict, backend, group: list[torch.Tensor], max_new_tokens: int, eos
+def batch_call(name: str, decoders: dict, backend, group: list[torch.Tensor], max_new_tokens: int, eos, target
                ) -> tuple[list, float]:
     """One timed call over ``group`` (1-D prompts) with ``batch_size=len(group)``: each row's new
     tokens and the call's wall time."""
     t0 = time.perf_counter()
     if name == "sample":
-        target = decoders[("target_only", backend)].target
         tokens = sample_responses(target, [p.tolist() for p in group], SAMPLINGS["greedy"], max_new_tokens,
                                   [torch.Generator() for _ in group], eos_token_id=eos, batch_size=len(group),
                                   fast=backend)
@@ -644,33 +645,37 @@ def batch_call(name: str, decoders: dict, backend, group: list[torch.Tensor], ma
 
 def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
     """``--batch``: rows per (B, method, backend), one per call (module docstring)."""
-    backends = [None, *args.fast]
+    backends, methods = [None, *args.fast], [m for m in BATCH_METHODS if m in args.batch_methods]
     policies = {"target_only": TargetOnly(), "fixed_k2": FixedK(2)}
     decoders = {(name, b): SpeculativeDecoder(draft, target, policy, SAMPLINGS["greedy"], fast=b)
-                for name, policy in policies.items() for b in backends}
+                for name, policy in policies.items() if name in methods for b in backends}
     prompts = [p[0] for p in ids]
     longest, widest = max(p.shape[0] for p in prompts), max(args.batch)
     t0 = time.perf_counter()
     for decoder in decoders.values():
         decoder.warm_up(longest, args.max_new_tokens, widest, progress=True)
+    if "sample" in methods:  # sample_responses' runner: the same cache size, one-token forwards, every batch bucket
+        for b in args.fast:
+            CallRunners(b, (target,)).warm_up(longest + args.max_new_tokens + 1, [(target, (1,))], rows=widest,
+                                              progress=True)
     for size in args.batch:  # one untimed call of each (method, backend) per batch size
-        for name in BATCH_METHODS:
+        for name in methods:
             for backend in backends:
-                batch_call(name, decoders, backend, prompts[:size], min(8, args.max_new_tokens), eos)
+                batch_call(name, decoders, backend, prompts[:size], min(8, args.max_new_tokens), eos, target)
     compiled = compile_record({"target": target, "draft": draft})
     print(f"warmed up (compiled) in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows: dict = {(size, name, b): [] for size in args.batch for name in BATCH_METHODS for b in backends}
+    rows: dict = {(size, name, b): [] for size in args.batch for name in methods for b in backends}
     t0 = time.perf_counter()
     step = 0
     for size in args.batch:
         groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
         for rep in range(args.batch_repeats):
             for g, group in enumerate(groups):
-                keys = [(name, b) for name in BATCH_METHODS for b in backends]
+                keys = [(name, b) for name in methods for b in backends]
                 keys = keys[step % len(keys):] + keys[: step % len(keys)]
                 step += 1
                 for name, backend in keys:
-                    tokens, wall = batch_call(name, decoders, backend, group, args.max_new_tokens, eos)
+                    tokens, wall = batch_call(name, decoders, backend, group, args.max_new_tokens, eos, target)
                     rows[(size, name, backend)].append({"prompt_id": f"g{g}r{rep}", "timed": True, "wall_time_s": wall,
                                                         "n_generated": sum(len(t) for t in tokens), "tokens": tokens})
     print(f"decoded in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -679,7 +684,7 @@ def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
         print(f"WARNING: compiled while timing (not warmed up): {sorted(late)}", flush=True)
     out = {}
     for size in args.batch:
-        for name in BATCH_METHODS:
+        for name in methods:
             eager = rows[(size, name, None)]
             entry = {"eager": {"tokens_per_s": pooled(eager), "n_generated": sum(r["n_generated"] for r in eager)}}
             for b in args.fast:
@@ -688,12 +693,12 @@ def batch_run(args, draft, target, ids: list[torch.Tensor], eos) -> dict:
                                   for i, (t, u) in enumerate(zip(r["tokens"], e["tokens"], strict=True)) if t != u})
                 entry[b] = {"tokens_per_s": pooled(mine), "n_generated": sum(r["n_generated"] for r in mine),
                             "over_eager": ratio(mine, eager), "greedy_equal": not unequal, "unequal_rows": unequal}
-                if name == "fixed_k2":
+                if name == "fixed_k2" and "target_only" in methods:
                     entry[b]["over_target_only"] = ratio(mine, rows[(size, "target_only", b)])
-            if name == "fixed_k2":
+            if name == "fixed_k2" and "target_only" in methods:
                 entry["eager"]["over_target_only"] = ratio(eager, rows[(size, "target_only", None)])
             out.setdefault(str(size), {})[name] = entry
-    return {"batches": out, "units": {str(size): len(rows[(size, "target_only", None)]) for size in args.batch},
+    return {"batches": out, "units": {str(size): len(rows[(size, methods[0], None)]) for size in args.batch},
             "compile_seconds": compile_record({"target": target, "draft": draft})}
 
 
@@ -727,6 +732,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", help="measure generate_batch and data_gen's sampling at these "
                     "batch sizes instead (module docstring)")
     ap.add_argument("--batch-repeats", type=int, default=1, help="with --batch: calls per group of prompts")
+    ap.add_argument("--batch-methods", nargs="+", choices=BATCH_METHODS, default=list(BATCH_METHODS),
+                    help="with --batch: these methods only (sample: data_gen's target sampling)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="fast", help="fast (bf16 on CUDA and CPUs with native bf16) | auto | float32 | "
                     "bfloat16 | float16")

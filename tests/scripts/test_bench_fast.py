@@ -145,6 +145,23 @@ def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):
     assert "--fast takes one backend" in capsys.readouterr().err
 
 
+def test_bench_fast_batches_of_one_method(tmp_path, capsys):
+    """--batch-methods sample: data_gen's sampling alone, eager against fast, no decoder built."""
+    import bench_fast
+
+    write_configs(tmp_path)
+    out = tmp_path / "bench.json"
+    assert bench_fast.main(["--configs", str(tmp_path), "--fast", "static", "--device", "cpu", "--dtype", "float32",
+                            "--prompts", "4", "--max-new-tokens", "6", "--prompt-len", "5", "--batch", "4",
+                            "--batch-methods", "sample", "--require-equal", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 4 | sample |" in printed and "fixed_k2" not in printed
+    result = json.loads(out.read_text())
+    assert set(result["batches"]["4"]) == {"sample"} and result["units"] == {"4": 1}
+    m = result["batches"]["4"]["sample"]
+    assert m["eager"]["n_generated"] == m["static"]["n_generated"] == 24 and m["static"]["greedy_equal"]
+
+
 def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards():
     """Two calls' rows by hand: the first round of each is left out, a round of K candidates costs
     t_target at the smallest measured width >= K + 1 (the widest beyond) plus K one-token draft
