@@ -273,7 +273,8 @@ class CallRunners:
         what = "capturing" if self.fast == "graphs" else "compiling"
         with torch.no_grad(), decode_attention(self.models[0].device), \
                 tqdm(total=total, desc=f"fast={self.fast}: {what} steps", unit="step", disable=not progress) as bar:
-            for model, buckets in plan:  # the state decoding compiles under
+            # (autograd off and the decoding attention: the state decoding compiles under)
+            for model, buckets in plan:
                 runner = None  # under graphs, the last model's runner releases its buffers before the next leases
                 name = type(model).__name__
                 if rows is None:

@@ -146,7 +146,7 @@ def test_bench_fast_batches_on_tiny_random_models(tmp_path, capsys):
 
 
 def test_bench_fast_batches_of_one_method(tmp_path, capsys):
-    """--batch-methods sample: data_gen's sampling alone, eager against fast, no decoder built."""
+    """--batch-methods sample: data_gen's sampling alone, eager against fast, the same greedy tokens."""
     import bench_fast
 
     write_configs(tmp_path)
