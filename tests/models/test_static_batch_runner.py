@@ -163,6 +163,27 @@ def test_slots_above_the_lengths_and_free_rows_change_nothing(cpu_model, device)
             torch.testing.assert_close(got_hidden[b, :n], want_hidden[b, :n], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefill_reads_only_the_slots_below_its_width(cpu_model, device):
+    """Rows joining are prefilled over their longest prefix's slots only, not the whole buffer: the
+    slots above it may even hold NaN (which a masked read would spread), the prefill writes finite
+    keys and values, and the next feed's logits equal the eager runner's."""
+    model = on(device, cpu_model)
+    g = torch.Generator().manual_seed(8)
+    prefixes = [torch.randint(0, VOCAB, (n,), generator=g).to(device) for n in (9, 4, 12)]
+    static = StaticBatchRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, rows=4)
+    for buf in (*static.keys, *static.values):
+        buf[:, :, 12:] = float("nan")
+    eager = BatchRunner(model, VOCAB, want_hidden=True)
+    with eager:
+        for r in (eager, static):
+            r.add_rows(prefixes)
+        for buf in (*static.keys, *static.values):
+            assert buf[:3, :, :12].isfinite().all()
+            buf[:, :, 12:] = 0.0  # decoding forwards read every slot, masked
+        compare_feed(device, [eager, static], [torch.randint(0, VOCAB, (1,), generator=g).to(device)] * 3, None)
+
+
 def test_errors_and_the_wide_forward_warning(cpu_model, caplog):
     model = tiny_lm(VOCAB, 32, 2, seed=9, scale=0.6)  # a fresh model: the warnings are once per model
     runner = StaticBatchRunner(model, VOCAB, want_hidden=False, max_len=12, buckets=(1, 2), batch_buckets=(1, 2))
