@@ -118,7 +118,7 @@ holes); rows leaving free their buffer row (no copy) unless the rows left fit a 
 bucket than the buffer rows they occupy, when the rows above it move down (a copy of those rows);
 rows joining take the lowest free buffer rows, their prefixes prefilled in one eager forward over
 just those rows, attending over the longest prefix's slots only (a gathered copy of those slots of
-their buffers; over the whole buffer the demo target's prefill of 16 rows took 8-10% longer on a
+their buffers; over the whole buffer a 135M-parameter target's prefill of 16 rows took 8-10% longer on a
 CPU, 1.3x the eager runner's time against 1.2x). More rows than the largest
 batch bucket, or a wider forward than the largest width bucket, runs unpadded and uncompiled and
 says so once per model. What it costs, beyond the one-row runner's: each decoding forward attends over all
