@@ -936,8 +936,7 @@ class RowWindow:
         values[rows[:, None], :, slots] = value_states.transpose(1, 2)
         if self.rows is None:
             return keys, values
-        span = keys.shape[2] if self.span is None else self.span
-        return keys[:, :, :span].index_select(0, self.rows), values[:, :, :span].index_select(0, self.rows)
+        return keys[:, :, : self.span].index_select(0, self.rows), values[:, :, : self.span].index_select(0, self.rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions and slots are always passed; never read
