@@ -121,7 +121,15 @@ just those rows, attending over the longest prefix's slots only (a gathered copy
 their buffers; over the whole buffer a 135M-parameter target's prefill of 16 rows took 8-10% longer on a
 CPU, 1.3x the eager runner's time against 1.2x). More rows than the largest
 batch bucket, or a wider forward than the largest width bucket, runs unpadded and uncompiled and
-says so once per model. What it costs, beyond the one-row runner's: each decoding forward attends over all
+says so once per model. Under ``"compile"`` and ``"compile-graphs"`` a (batch, width) bucket that has
+not compiled yet runs in the smallest compiled bucket that holds it (more padding rows or columns,
+within the buffer rows) until the forwards it served there have taken as long as that bucket took
+to compile, and only then compiles (ski rental: at most about twice the better of compiling at once
+and never compiling). So a batch that drains at the end of a job (data_gen's sampling: 16 rows, then
+fewer) does not compile four smaller buckets for its last few hundred forwards (a tuned bucket of a
+135M-parameter target takes 60-90 s on a CPU). ``CallRunners.warm_up`` compiles every bucket it
+names. On a GPU the host's clock times only an asynchronous forward's launch, so a smaller bucket
+compiles later there than the rule says. What it costs, beyond the one-row runner's: each decoding forward attends over all
 ``size`` slots of every row, also the padding rows, and the step computes logits for every column.
 
 CUDA graphs (``fast="graphs"``): a graph replays kernels on fixed addresses, so the KV buffers of
@@ -170,6 +178,7 @@ DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs", "compile-graphs")
 GRAPH_BACKENDS = ("graphs", "compile-graphs")  # the backends that capture CUDA graphs (on static KV buffers)
 BUCKETED_BACKENDS = ("compile", *GRAPH_BACKENDS)  # the backends whose buckets warm_up compiles or captures
+COMPILING_BACKENDS = ("compile", "compile-graphs")  # the backends whose buckets inductor compiles (a minute or more on a CPU)
 GRAPHS_DEVICE_TYPES = ("cuda",)  # where the graph backends run (tests add "cpu" beside a fake capture_graph)
 GRAPH_WARMUP = 3  # eager forwards on a side stream before a bucket's capture
 # torch.compiler.set_stance(skip_guard_eval_unsafe=) came with torch 2.6; before it, every guard is evaluated
@@ -288,6 +297,7 @@ class CallRunners:
                         bar.update()
                     continue
                 runner = self.batch(tokens, buckets, rows)(model, 1, False)
+                runner.cover = False  # every bucket its own step
                 for batch in fit_buckets(rows, runner.batch_buckets):
                     runner.select([])
                     runner.add_rows([torch.zeros(0, dtype=torch.long, device=runner.device)] * batch)
@@ -418,6 +428,7 @@ class _ModelSteps:
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
     capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds, less a compile
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
+    rent: dict = field(default_factory=dict)  # batch key not compiled -> seconds its forwards took in a larger bucket
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -967,6 +978,8 @@ class StaticBatchRunner(StaticModel):
         self.slot_of: list[int] = []
         self.n_compactions = 0  # BatchRunner's counter: no compaction is ever needed here
         self.n_moved_rows = 0  # rows copied to a lower buffer row so that the batch bucket shrinks
+        # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
+        self.cover = fast in COMPILING_BACKENDS
 
     @property
     def rows(self) -> int:
@@ -1015,14 +1028,20 @@ class StaticBatchRunner(StaticModel):
         self._check_room(m)
         batch = self._bucket(max(self.slot_of) + 1, self.batch_buckets, "rows")
         padded = self._bucket(width, self.buckets, "tokens")
+        compiled = self.fast in BUCKETED_BACKENDS and batch in self.batch_buckets and padded in self.buckets
+        renting = None
+        if compiled and self.cover:
+            padded, batch, renting = self._cover(padded, batch)
         ids = torch.zeros((batch, padded), dtype=torch.long, device=self.device)
         lengths, real = [0] * batch, [0] * batch
         for b, (slot, chunk) in enumerate(zip(self.slot_of, chunks, strict=True)):
             lengths[slot], real[slot] = self.lengths[b], m[b]
             if m[b]:
                 ids[slot, : m[b]] = chunk
-        compiled = self.fast in BUCKETED_BACKENDS and batch in self.batch_buckets and padded in self.buckets
+        t0 = time.perf_counter()
         logits, hidden = self._forward(ids, lengths, real, None, compiled)
+        if renting is not None:
+            self.steps.rent[renting] = self.steps.rent.get(renting, 0.0) + time.perf_counter() - t0
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
         keep = width if n_logits is None else min(n_logits, width)
         if self.slot_of != list(range(self.rows)):
@@ -1030,6 +1049,26 @@ class StaticBatchRunner(StaticModel):
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
         logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
         return graph_outputs(compiled and self.fast in GRAPH_BACKENDS, logits, hidden if self.want_hidden else None)
+
+    def _cover(self, width: int, batch: int) -> tuple[int, int, tuple | None]:
+        """The (width, batch) bucket a forward that needs bucket (``width``, ``batch``) runs in, and
+        the key it rents for: its own if compiled, else the smallest compiled bucket that holds it
+        (within the buffer rows) while the forwards it served there took less time in all than that
+        bucket took to compile (ski rental: a bucket compiles once waiting has cost as much as
+        compiling; the module docstring, "Batches"); else its own, compiled on this forward."""
+        key = (width, self.size, batch)
+        done = self.steps.compile_seconds
+        if key in done:
+            return width, batch, None
+        covers = sorted((w * b, w, b) for w, size, b in (k for k in done if len(k) == 3)
+                        if size == self.size and w >= width and batch <= b <= self.capacity
+                        and w in self.buckets and b in self.batch_buckets)
+        if not covers or self.steps.rent.get(key, 0.0) >= done[(covers[0][1], self.size, covers[0][2])]:
+            return width, batch, None
+        if key not in self.steps.rent:
+            log.info("%s: forwards of batch bucket %d, width %d run in the compiled bucket (%d, %d) until they have "
+                     "taken its compile time", type(self.model).__name__, batch, width, covers[0][2], covers[0][1])
+        return covers[0][1], covers[0][2], key
 
     def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
                  compiled: bool, span: int | None = None):

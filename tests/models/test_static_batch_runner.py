@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
+from specdecpp.models import static
 from specdecpp.models.static import CallRunners, RowWindow, StaticBatchRunner, model_steps
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
@@ -209,6 +210,56 @@ def test_errors_and_the_wide_forward_warning(cpu_model, caplog):
     with pytest.raises(ValueError, match="fast=None needs the eager batch runner"):
         CallRunners(None, (model,)).batch(20)
     assert CallRunners(None, (model,)).batch(20, eager=BatchRunner) is BatchRunner
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bucket_not_compiled_runs_in_a_compiled_larger_one_until_it_pays(device, monkeypatch):
+    """fast='compile' (a stand-in for inductor that records what compiles): when a batch drains, its
+    smaller bucket runs in the compiled larger one (padding rows) and does not compile, with the
+    eager runner's logits, until those forwards have taken the larger bucket's compile time; a
+    width no compiled bucket holds compiles at once; warm_up compiles every bucket it names."""
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=11, scale=0.6))  # fresh: nothing compiled for it yet
+    compiled = []
+
+    def fake_compiled_step(model_, step, key, name, steps=None, options=None):
+        steps = model_steps(model_) if steps is None else steps
+        if key not in steps.compiled:
+            compiled.append(key)
+            steps.compiled[key], steps.compile_seconds[key] = step, 1e9  # a compile that took "forever"
+        return steps.compiled[key]
+
+    monkeypatch.setattr(static, "compiled_step", fake_compiled_step)
+    runners = CallRunners("compile", (model,))
+    fast = runners.batch(MAX_LEN - 8, (1, 2), rows=4)(model, VOCAB, True)
+    ref, size, steps = BatchRunner(model, VOCAB, want_hidden=True), fast.size, model_steps(model)
+    g = torch.Generator().manual_seed(5)
+
+    def rand(n: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (n,), generator=g).to(device)
+
+    with ref:
+        prefixes = [rand(n) for n in (5, 3, 7, 2)]
+        for r in (ref, fast):
+            r.add_rows(prefixes)
+        compare_feed(device, [ref, fast], [rand(1) for _ in range(4)], None)
+        assert compiled == [(1, size, 4)]
+        for r in (ref, fast):
+            r.select([2, 0])  # two rows left: bucket 2, run in bucket 4
+        for _ in range(3):
+            compare_feed(device, [ref, fast], [rand(1), rand(1)], None)
+        for r in (ref, fast):
+            r.select([1])  # one row: bucket 1, run in bucket 4
+        compare_feed(device, [ref, fast], [rand(1)], None)
+        assert compiled == [(1, size, 4)] and steps.rent[(1, size, 2)] > 0 and steps.rent[(1, size, 1)] > 0
+        compare_feed(device, [ref, fast], [rand(2)], None)  # width 2: no compiled bucket holds it
+        assert compiled == [(1, size, 4), (2, size, 1)]
+        compare_feed(device, [ref, fast], [rand(1)], None)  # run in (2, 1), the smallest that holds it
+        assert compiled == [(1, size, 4), (2, size, 1)]
+        steps.compile_seconds[(2, size, 1)] = steps.rent[(1, size, 1)]  # paid for: it compiles now
+        compare_feed(device, [ref, fast], [rand(1)], None)
+        assert compiled[-1] == (1, size, 1)
+    runners.warm_up(MAX_LEN - 8, [(model, (1, 2))], rows=4)
+    assert set(compiled) == {(w, size, b) for w in (1, 2) for b in (1, 2, 4)}
 
 
 @pytest.mark.slow
