@@ -98,6 +98,21 @@ plus the padding tail, rounded up by :func:`call_max_len` to a power of two (at 
 lengths share a cache size and with it the compiled steps; the buckets from :func:`fit_buckets`
 (those up to the call's widest forward, so a prefill wider than that runs eager and no bucket is
 compiled that the call cannot use). ``CallRunners.warm_up`` compiles them all before timing.
+
+Buckets not compiled yet: under ``"compile"`` and ``"compile-graphs"`` without a warm-up, a
+forward whose bucket has not compiled yet runs in the smallest compiled bucket of its cache size
+that holds it (more padding columns; for a batch, also padding rows within the buffer rows) until
+the forwards it served there have taken as long, in all, as that bucket took to compile; then its
+own compiles (ski rental: within about twice the better of compiling at once and never compiling;
+the time is kept per bucket for the process, ``model_steps(model).rent``). So a batch that drains at
+the end of a job (data_gen's sampling: 16 rows, then fewer) does not compile four smaller buckets
+for its last few hundred forwards, nor a chain decoder a bucket for its few narrower forwards (a
+tuned bucket of a 135M-parameter target takes 60-120 s on a CPU). ``CallRunners.warm_up`` compiles
+every bucket it names (``runner.cover = False``). Which bucket runs a forward then depends on time
+spent, and buckets may round bf16 differently, so two such runs can draw different tokens at
+near-ties (the tuned CPU settings' autotuning already picks kernels by timing races); warm up for
+runs that must repeat bit for bit. On a GPU the host's clock sees only an asynchronous forward's
+launch, so a bucket compiles later there than the rule says.
 :func:`check_fast` is the one check of a ``fast`` argument.
 
 Batches (:class:`StaticBatchRunner`, what ``generate_batch`` and data_gen's sampling run on with
@@ -121,15 +136,7 @@ just those rows, attending over the longest prefix's slots only (a gathered copy
 their buffers; over the whole buffer a 135M-parameter target's prefill of 16 rows took 8-10% longer on a
 CPU, 1.3x the eager runner's time against 1.2x). More rows than the largest
 batch bucket, or a wider forward than the largest width bucket, runs unpadded and uncompiled and
-says so once per model. Under ``"compile"`` and ``"compile-graphs"`` a (batch, width) bucket that has
-not compiled yet runs in the smallest compiled bucket that holds it (more padding rows or columns,
-within the buffer rows) until the forwards it served there have taken as long as that bucket took
-to compile, and only then compiles (ski rental: at most about twice the better of compiling at once
-and never compiling). So a batch that drains at the end of a job (data_gen's sampling: 16 rows, then
-fewer) does not compile four smaller buckets for its last few hundred forwards (a tuned bucket of a
-135M-parameter target takes 60-90 s on a CPU). ``CallRunners.warm_up`` compiles every bucket it
-names. On a GPU the host's clock times only an asynchronous forward's launch, so a smaller bucket
-compiles later there than the rule says. What it costs, beyond the one-row runner's: each decoding forward attends over all
+says so once per model. What it costs, beyond the one-row runner's: each decoding forward attends over all
 ``size`` slots of every row, also the padding rows, and the step computes logits for every column.
 
 CUDA graphs (``fast="graphs"``): a graph replays kernels on fixed addresses, so the KV buffers of
@@ -290,6 +297,7 @@ class CallRunners:
                 name = type(model).__name__
                 if rows is None:
                     runner = self(tokens, buckets)(model, 1, False)
+                    runner.cover = False  # every bucket its own step
                     for width in runner.buckets:
                         bar.set_postfix_str(f"{name} width {width}")
                         runner.rollback(0)
@@ -745,10 +753,39 @@ class StaticModel(HiddenHook):
         self.steps = model_steps(model)
         self.compile_options: dict | None = None  # fast="compile": None = COMPILE_OPTIONS when a bucket compiles
         self.mask_min = torch.finfo(self.dtype).min
+        # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
+        self.cover = fast in COMPILING_BACKENDS
         # around each forward: the CPU's attention in place of sdpa (core.attention.static_attention); decided
         # once here, so a feed elsewhere enters no generator (a partial: forward_at's closures hold no runner)
         self.attention = (functools.partial(static_attention, model.config, self.device) if self.device.type == "cpu"
                           else contextlib.nullcontext)
+
+    def _cover(self, size: int, width: int, batch: int | None = None) -> tuple[int, int | None, tuple | None]:
+        """The bucket a forward that needs bucket ``width`` (and ``batch``: a batch runner's) of
+        cache ``size`` runs in, and the key it rents for: its own if compiled, else the smallest
+        compiled bucket that holds it (a batch bucket within the buffer rows) while the forwards it
+        served there took less time in all than that bucket took to compile (ski rental; the module
+        docstring, "Buckets not compiled yet"), else its own, compiled on this forward."""
+        done = self.steps.compile_seconds
+        key = (width, size) if batch is None else (width, size, batch)
+        if key in done:
+            return width, batch, None
+        if batch is None:
+            covers = sorted((w, w, None) for w, s in (k for k in done if len(k) == 2)
+                            if s == size and w >= width and w in self.buckets)
+        else:
+            covers = sorted((w * b, w, b) for w, s, b in (k for k in done if len(k) == 3)
+                            if s == size and w >= width and batch <= b <= self.capacity
+                            and w in self.buckets and b in self.batch_buckets)
+        if not covers:
+            return width, batch, None
+        _, w, b = covers[0]
+        if self.steps.rent.get(key, 0.0) >= done[(w, size) if b is None else (w, size, b)]:
+            return width, batch, None
+        if key not in self.steps.rent:
+            log.info("%s: forwards of bucket %s run in the compiled bucket %s until they have taken its compile "
+                     "time", type(self.model).__name__, key, (w, size) if b is None else (w, size, b))
+        return w, b, key
 
     def _bucket(self, n: int, buckets: tuple[int, ...], what: str) -> int:
         """The smallest of ``buckets`` that holds ``n`` (``what``: "tokens" or "rows"), or ``n``
@@ -793,6 +830,9 @@ class StaticRunner(StaticModel):
             raise ValueError(f"the static cache holds max_len={self.max_len} tokens: {start} cached + {n} fed does not "
                              "fit; build the runner with a larger max_len")
         width = self._bucket(n, self.buckets, "tokens")
+        renting = None
+        if self.cover and width in self.buckets:
+            width, _, renting = self._cover(self.cache.size, width)
         pad = width - n
         if position_ids is None and attention_mask is None:  # a chain's forward: inputs kept for the process
             slots, position_ids, mask = self.chain_inputs(start, width)
@@ -807,9 +847,12 @@ class StaticRunner(StaticModel):
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         # inference only: one graph whatever the caller's grad mode, and freezing needs it; a decoder's generate
         # runs without autograd already, and then no torch context is entered (one operation fewer a feed)
+        t0 = time.perf_counter() if renting else 0.0
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), self.attention():
             logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
                                                slots, mask)
+        if renting:
+            self.steps.rent[renting] = self.steps.rent.get(renting, 0.0) + time.perf_counter() - t0
         self.cache.length = start + n
         if n_logits < width:  # the padding rows, and rows not asked for, dropped
             rows = slice(n - n_logits, n)
@@ -978,8 +1021,6 @@ class StaticBatchRunner(StaticModel):
         self.slot_of: list[int] = []
         self.n_compactions = 0  # BatchRunner's counter: no compaction is ever needed here
         self.n_moved_rows = 0  # rows copied to a lower buffer row so that the batch bucket shrinks
-        # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
-        self.cover = fast in COMPILING_BACKENDS
 
     @property
     def rows(self) -> int:
@@ -1031,16 +1072,16 @@ class StaticBatchRunner(StaticModel):
         compiled = self.fast in BUCKETED_BACKENDS and batch in self.batch_buckets and padded in self.buckets
         renting = None
         if compiled and self.cover:
-            padded, batch, renting = self._cover(padded, batch)
+            padded, batch, renting = self._cover(self.size, padded, batch)
         ids = torch.zeros((batch, padded), dtype=torch.long, device=self.device)
         lengths, real = [0] * batch, [0] * batch
         for b, (slot, chunk) in enumerate(zip(self.slot_of, chunks, strict=True)):
             lengths[slot], real[slot] = self.lengths[b], m[b]
             if m[b]:
                 ids[slot, : m[b]] = chunk
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if renting else 0.0
         logits, hidden = self._forward(ids, lengths, real, None, compiled)
-        if renting is not None:
+        if renting:
             self.steps.rent[renting] = self.steps.rent.get(renting, 0.0) + time.perf_counter() - t0
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
         keep = width if n_logits is None else min(n_logits, width)
@@ -1049,26 +1090,6 @@ class StaticBatchRunner(StaticModel):
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
         logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
         return graph_outputs(compiled and self.fast in GRAPH_BACKENDS, logits, hidden if self.want_hidden else None)
-
-    def _cover(self, width: int, batch: int) -> tuple[int, int, tuple | None]:
-        """The (width, batch) bucket a forward that needs bucket (``width``, ``batch``) runs in, and
-        the key it rents for: its own if compiled, else the smallest compiled bucket that holds it
-        (within the buffer rows) while the forwards it served there took less time in all than that
-        bucket took to compile (ski rental: a bucket compiles once waiting has cost as much as
-        compiling; the module docstring, "Batches"); else its own, compiled on this forward."""
-        key = (width, self.size, batch)
-        done = self.steps.compile_seconds
-        if key in done:
-            return width, batch, None
-        covers = sorted((w * b, w, b) for w, size, b in (k for k in done if len(k) == 3)
-                        if size == self.size and w >= width and batch <= b <= self.capacity
-                        and w in self.buckets and b in self.batch_buckets)
-        if not covers or self.steps.rent.get(key, 0.0) >= done[(covers[0][1], self.size, covers[0][2])]:
-            return width, batch, None
-        if key not in self.steps.rent:
-            log.info("%s: forwards of batch bucket %d, width %d run in the compiled bucket (%d, %d) until they have "
-                     "taken its compile time", type(self.model).__name__, batch, width, covers[0][2], covers[0][1])
-        return covers[0][1], covers[0][2], key
 
     def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
                  compiled: bool, span: int | None = None):

@@ -16,7 +16,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
-from specdecpp.models import static
 from specdecpp.models.static import CallRunners, RowWindow, StaticBatchRunner, model_steps
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
@@ -27,6 +26,7 @@ from tests.models.test_static_runner import (  # the one-row runner's model and 
     close,
     cpu_model,  # noqa: F401
     on,
+    record_compiles,
 )
 
 
@@ -214,21 +214,12 @@ def test_errors_and_the_wide_forward_warning(cpu_model, caplog):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_bucket_not_compiled_runs_in_a_compiled_larger_one_until_it_pays(device, monkeypatch):
-    """fast='compile' (a stand-in for inductor that records what compiles): when a batch drains, its
+    """fast='compile' without a warm-up (inductor stood in for): when a batch drains, its
     smaller bucket runs in the compiled larger one (padding rows) and does not compile, with the
     eager runner's logits, until those forwards have taken the larger bucket's compile time; a
     width no compiled bucket holds compiles at once; warm_up compiles every bucket it names."""
     model = on(device, tiny_lm(VOCAB, 32, 2, seed=11, scale=0.6))  # fresh: nothing compiled for it yet
-    compiled = []
-
-    def fake_compiled_step(model_, step, key, name, steps=None, options=None):
-        steps = model_steps(model_) if steps is None else steps
-        if key not in steps.compiled:
-            compiled.append(key)
-            steps.compiled[key], steps.compile_seconds[key] = step, 1e9  # a compile that took "forever"
-        return steps.compiled[key]
-
-    monkeypatch.setattr(static, "compiled_step", fake_compiled_step)
+    compiled = record_compiles(monkeypatch)
     runners = CallRunners("compile", (model,))
     fast = runners.batch(MAX_LEN - 8, (1, 2), rows=4)(model, VOCAB, True)
     ref, size, steps = BatchRunner(model, VOCAB, want_hidden=True), fast.size, model_steps(model)

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from specdecpp.models import static
 from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import StaticKV, StaticRunner, model_steps, new_runner
+from specdecpp.models.static import CallRunners, StaticKV, StaticRunner, model_steps, new_runner
 from tests.helpers.tiny import tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -37,6 +38,22 @@ def close(device: str, mine: torch.Tensor, ref: torch.Tensor) -> None:
     # EPYC, some 30 ulps of logits near 4); a wrong position or a stale cache entry moves them by O(1)
     atol, rtol = (5e-5, 1e-4) if device == "cpu" else (1e-4, 1e-3)
     torch.testing.assert_close(mine, ref, atol=atol, rtol=rtol)
+
+
+def record_compiles(monkeypatch) -> list:
+    """Stand in for inductor (``static.compiled_step``): a bucket "compiles" to the eager step, is
+    timed at 1e9 s (never worth renting out) and its key is appended to the list returned."""
+    compiled = []
+
+    def fake_compiled_step(model, step, key, name, steps=None, options=None):
+        steps = model_steps(model) if steps is None else steps
+        if key not in steps.compiled:
+            compiled.append(key)
+            steps.compiled[key], steps.compile_seconds[key] = step, 1e9
+        return steps.compiled[key]
+
+    monkeypatch.setattr(static, "compiled_step", fake_compiled_step)
+    return compiled
 
 
 def random_tree(rng: random.Random, n: int, cached: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -114,6 +131,33 @@ def test_random_feeds_rollbacks_compactions_match_the_dynamic_cache(cpu_model, s
                 assert mine.keys.shape == ref.keys.shape
                 close(device, mine.keys, ref.keys)
                 close(device, mine.values, ref.values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_width_not_compiled_runs_in_a_compiled_wider_bucket_until_it_pays(device, monkeypatch):
+    """fast='compile' without a warm-up (inductor stood in for): a forward whose bucket has not
+    compiled runs in the smallest compiled bucket that holds it, chains and token trees alike, with
+    the dynamic cache's logits, and compiles once the forwards it served there have taken that
+    bucket's compile time; a width no compiled bucket holds compiles at once; warm_up compiles
+    every bucket it names."""
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=12, scale=0.6))  # fresh: nothing compiled for it yet
+    compiled = record_compiles(monkeypatch)
+    runners = CallRunners("compile", (model,))
+    fast = runners(MAX_LEN - 8, (1, 2, 4))(model, VOCAB, True)
+    ref, size, steps = ModelRunner(model, VOCAB, want_hidden=True), fast.cache.size, model_steps(model)
+    with ref:
+        for n in (3, 1, 2, 1):  # 3 compiles bucket 4, which then runs 1 and 2
+            ids = torch.randint(0, VOCAB, (n,), device=device)
+            close(device, fast.feed(ids)[0], ref.feed(ids)[0])
+        assert compiled == [(4, size)] and steps.rent[(1, size)] > 0 and steps.rent[(2, size)] > 0
+        run_both(random.Random(5), model, [ref, fast], device, steps=30)  # chains and trees, all in bucket 4
+        assert compiled == [(4, size)]
+        steps.compile_seconds[(4, size)] = steps.rent[(1, size)]  # paid for: bucket 1 compiles on its next forward
+        ids = torch.randint(0, VOCAB, (1,), device=device)
+        close(device, fast.feed(ids)[0], ref.feed(ids)[0])
+        assert compiled == [(4, size), (1, size)]
+    runners.warm_up(MAX_LEN - 8, [(model, (1, 2, 4))])
+    assert compiled == [(4, size), (1, size), (2, size)]
 
 
 def as_transformers_5_17_calls(monkeypatch, cache_type) -> list:
