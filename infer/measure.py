@@ -63,7 +63,8 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     widths = widths or {}
     calls, resets = {}, {}
     backends = fast if isinstance(fast, dict) else dict.fromkeys(models, fast)
-    runners = {b: CallRunners(b, models.values()) for b in {backends.get(name) for name in models}}
+    runners = {b: CallRunners(b, models.values(), cover=False)  # each width timed in its own bucket
+               for b in {backends.get(name) for name in models}}
     with torch.no_grad():
         for name, model in models.items():
             tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
@@ -96,7 +97,7 @@ def batch_times(draft, target, context: list[int], sizes: list[int], widths: lis
     if len(context) <= tail_len:
         raise ValueError(f"batch_times: a context of {len(context)} tokens is too short for widths up to {max(widths)}")
     calls, resets = {}, {}
-    runners = CallRunners(fast, (draft, target))
+    runners = CallRunners(fast, (draft, target), cover=False)  # each (B, n) timed in its own bucket
     for name, model, ws in (("draft", draft, [1]), ("target", target, widths)):
         for b in sizes:
             make = runners.batch(len(context), fit_buckets(max(ws)), rows=b, eager=BatchRunner)

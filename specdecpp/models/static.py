@@ -244,10 +244,13 @@ class CallRunners:
     ``fast=None``). The static caches' size is the largest any call of this decoder has needed so
     far (:func:`call_max_len` of the tokens plus the padding tail, so the size does not depend on
     the buckets): a call that fits reuses it, and with it the compiled steps of every model and
-    width. :meth:`warm_up` compiles every bucket at a call's size before anything is timed."""
+    width. :meth:`warm_up` compiles every bucket at a call's size before anything is timed.
+    ``cover=False``: every forward runs in its own bucket, compiled on first use, never in a
+    compiled larger one (the module docstring, "Buckets not compiled yet"): what a tool that times
+    each bucket's own forward needs."""
 
-    def __init__(self, fast: str | None, models) -> None:
-        self.fast, self.models, self.size = fast, tuple(models), 0
+    def __init__(self, fast: str | None, models, cover: bool = True) -> None:
+        self.fast, self.models, self.size, self.cover = fast, tuple(models), 0, cover
 
     def _max_len(self, tokens: int, buckets: tuple[int, ...]) -> int:
         need = tokens + buckets[-1]
@@ -260,7 +263,10 @@ class CallRunners:
         max_len = None if self.fast is None else self._max_len(tokens, buckets)
 
         def make(model, vocab: int, want_hidden: bool):
-            return new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets)
+            runner = new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets)
+            if not self.cover and self.fast is not None:
+                runner.cover = False
+            return runner
 
         return make
 
@@ -275,7 +281,7 @@ class CallRunners:
                 raise ValueError("CallRunners.batch: fast=None needs the eager batch runner (eager=BatchRunner)")
             return eager
         return functools.partial(StaticBatchRunner, fast=self.fast, max_len=self._max_len(tokens, buckets),
-                                 buckets=buckets, rows=rows)
+                                 buckets=buckets, rows=rows, cover=self.cover)
 
     def warm_up(self, tokens: int, plan, rows: int | None = None, progress: bool = False) -> float:
         """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
@@ -1005,12 +1011,14 @@ class StaticBatchRunner(StaticModel):
     ``compact()``, ``select(keep)``, ``add_rows(prefixes)``, ``row_cache(b)``, ``rows``,
     ``lengths``, ``width``; the module docstring says how it works). ``rows``: the most rows
     expected at once (more grow the buffers, a copy); ``max_len``: the tokens a row can hold;
-    ``buckets``: the width buckets, ``batch_buckets`` the batch buckets."""
+    ``buckets``: the width buckets, ``batch_buckets`` the batch buckets; ``cover=False``: no forward
+    runs in a compiled larger bucket than its own (:class:`CallRunners`)."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-                 rows: int = 1) -> None:
+                 rows: int = 1, cover: bool = True) -> None:
         super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
+        self.cover = cover and self.cover
         self.batch_buckets = check_buckets(batch_buckets)
         self.size = self.max_len + self.buckets[-1]
         self.keys: list[torch.Tensor] = []

@@ -160,6 +160,19 @@ def test_a_width_not_compiled_runs_in_a_compiled_wider_bucket_until_it_pays(devi
     assert compiled == [(4, size), (1, size), (2, size)]
 
 
+def test_runners_without_cover_compile_each_bucket_on_its_first_use(monkeypatch):
+    """CallRunners(cover=False), what the cost measurements use: a forward runs in its own bucket."""
+    model = tiny_lm(VOCAB, 32, 2, seed=13, scale=0.6)
+    compiled = record_compiles(monkeypatch)
+    runners = CallRunners("compile", (model,), cover=False)
+    runner = runners(MAX_LEN - 8, (1, 2, 4))(model, VOCAB, False)
+    for n in (3, 1):
+        runner.feed(torch.randint(0, VOCAB, (n,)))
+    assert compiled == [(4, runner.cache.size), (1, runner.cache.size)]
+    assert not runners.batch(MAX_LEN - 8, (1, 2), rows=2)(model, VOCAB, False).cover
+    assert CallRunners("compile", (model,)).batch(MAX_LEN - 8, (1, 2), rows=2)(model, VOCAB, False).cover
+
+
 def as_transformers_5_17_calls(monkeypatch, cache_type) -> list:
     """Make the model call ``cache_type.update(key_states, value_states, layer_idx)`` with no
     ``cache_position`` (as transformers 5.17's Llama attention does); returns the calls' layers."""
