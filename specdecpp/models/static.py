@@ -98,6 +98,7 @@ plus the padding tail, rounded up by :func:`call_max_len` to a power of two (at 
 lengths share a cache size and with it the compiled steps; the buckets from :func:`fit_buckets`
 (those up to the call's widest forward, so a prefill wider than that runs eager and no bucket is
 compiled that the call cannot use). ``CallRunners.warm_up`` compiles them all before timing.
+:func:`check_fast` is the one check of a ``fast`` argument.
 
 Buckets not compiled yet: under ``"compile"`` and ``"compile-graphs"`` without a warm-up, a
 forward whose bucket has not compiled yet runs in the smallest compiled bucket of its cache size
@@ -113,7 +114,6 @@ spent, and buckets may round bf16 differently, so two such runs can draw differe
 near-ties (the tuned CPU settings' autotuning already picks kernels by timing races); warm up for
 runs that must repeat bit for bit. On a GPU the host's clock sees only an asynchronous forward's
 launch, so a bucket compiles later there than the rule says.
-:func:`check_fast` is the one check of a ``fast`` argument.
 
 Batches (:class:`StaticBatchRunner`, what ``generate_batch`` and data_gen's sampling run on with
 ``fast``; ``CallRunners.batch`` builds it, ``CallRunners.warm_up(..., rows=)`` compiles its
@@ -442,7 +442,7 @@ class _ModelSteps:
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
     capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds, less a compile
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
-    rent: dict = field(default_factory=dict)  # batch key not compiled -> seconds its forwards took in a larger bucket
+    rent: dict = field(default_factory=dict)  # a bucket not compiled -> seconds its forwards took in a larger one
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
