@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict | None] = {
     "mode_max_autotune_no_cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
     "freezing+cpp_wrapper": {"freezing": True, "cpp_wrapper": True},
     "tuned": TUNED_COMPILE_OPTIONS["cpu"],  # the CPU default: freezing+max_autotune, freezing+cpp_gemm up to 4 rows
+    # the CPU default with inductor's concat-linear pass: the linears sharing an input (q, k, v; gate, up) as one GEMM
+    "tuned+concat_linear": {**TUNED_COMPILE_OPTIONS["cpu"], "cpp.enable_concat_linear": True},
     "freezing+max_autotune": {"freezing": True, **AUTOTUNE},
     "freezing+cpp_gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
     "freezing+max_autotune+noprepack": {"freezing": True, **AUTOTUNE, "cpp.weight_prepack": False},
