@@ -379,7 +379,7 @@ class BatchRun:
                                     self.marks, fill, keep_logits=decoder.rule.lossy, runners=runners(draft_buckets))
         self.target = runners(target_buckets)(decoder.target, decoder.vocab, want_hidden=False)
         # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
-        self.drafting = decoder.policy.max_candidates > 0 or decoder.rule.lossy
+        self.drafting = decoder.drafts
         self.runners = [self.target, self.drafter.runner] if self.drafting else [self.target]
         self.stats, self.joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
         self.outputs: list[GenerateOutput | None] = [None] * len(prompts)

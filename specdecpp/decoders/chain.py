@@ -81,6 +81,12 @@ class SpeculativeDecoder(FastPlanned):
         self.rule = ExactRule(self.sampling) if cascade is None else CascadeRule(cascade, self.sampling)
         policy.bind(draft, self.sampling.temperature)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the draft runs any forward: not under target-only decoding (no candidates), unless
+        a cascade's rule reads the draft's logits."""
+        return self.policy.max_candidates > 0 or self.rule.lossy
+
     def fast_plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, list]:
         """The tokens a call holds (prompt + new tokens + the widest verification + 1) and each
         model's buckets, ``[(draft, buckets), (target, buckets)]``."""

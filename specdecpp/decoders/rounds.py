@@ -400,12 +400,19 @@ def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRu
 
 class FastPlanned:
     """A decoder whose ``fast_plan(prompt_len, max_new_tokens)`` says the tokens a call holds and
-    each model's buckets, over its ``runners`` (:class:`~specdecpp.models.static.CallRunners`)."""
+    each model's buckets, over its ``runners`` (:class:`~specdecpp.models.static.CallRunners`);
+    ``drafts``: whether its draft runs any forward (not under target-only decoding)."""
+
+    drafts = True
 
     def warm_up(self, prompt_len: int, max_new_tokens: int, batch_size: int | None = None,
                 progress: bool = False) -> float:
         """Size the fast path for calls up to this long and compile every bucket they use
         (fast='compile'), so no later call compiles; the seconds it took (0 without compiling).
         ``batch_size``: those of ``generate_batch`` calls of at most that many rows at once;
-        ``progress``: a progress bar over the steps compiled or captured."""
-        return self.runners.warm_up(*self.fast_plan(prompt_len, max_new_tokens), rows=batch_size, progress=progress)
+        ``progress``: a progress bar over the steps compiled or captured. A decoder whose draft
+        runs no forward (``drafts`` false) compiles none of the draft's buckets."""
+        tokens, plan = self.fast_plan(prompt_len, max_new_tokens)
+        if not self.drafts:
+            plan = [(model, buckets) for model, buckets in plan if model is not self.draft]
+        return self.runners.warm_up(tokens, plan, rows=batch_size, progress=progress)

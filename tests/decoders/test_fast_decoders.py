@@ -25,6 +25,7 @@ from specdecpp import (
 from specdecpp.decoders.sequoia import tree_buckets
 from specdecpp.models.static import MIN_MAX_LEN, CallRunners, call_max_len, model_steps
 from tests.helpers.tiny import noisy_copy, tiny_lm
+from tests.models.test_static_runner import record_compiles
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -117,6 +118,29 @@ def test_calls_share_one_cache_size(pair):
         out = decoder.generate(torch.tensor([prompt]), n, return_caches=True)
         sizes |= {out.caches[role].size for role in ("draft", "target")}
     assert sizes == {512}
+
+
+def test_target_only_warms_up_no_draft_bucket(monkeypatch):
+    """warm_up compiles only the models a decoder runs: target-only decoding never feeds the draft
+    (one-row and batch calls), a cascade over it does (its rule reads the draft's logits), fixed K does;
+    and target-only after its warm-up equals the target's greedy decoding without compiling more."""
+    target = tiny_lm(32, 32, 2, seed=35, scale=0.4)  # fresh models: nothing compiled for them yet
+    draft = noisy_copy(target, 0.3, seed=36)
+    record_compiles(monkeypatch)
+    target_only = SpeculativeDecoder(draft, target, TargetOnly(), GREEDY, fast="compile")
+    target_only.warm_up(7, 12)
+    target_only.warm_up(7, 12, batch_size=2)
+    assert not model_steps(draft).compile_seconds and model_steps(target).compile_seconds
+    compiled = set(model_steps(target).compile_seconds)
+    ref = target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, do_sample=False).tolist()
+    assert target_only.generate(torch.tensor([[1, 2, 3]]), 12).tokens.tolist() == ref
+    outs = target_only.generate_batch([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], 12, batch_size=2)
+    assert outs[0].tokens.tolist() == ref
+    assert not model_steps(draft).compile_seconds and set(model_steps(target).compile_seconds) == compiled
+    for policy, cascade in ((TargetOnly(), Cascade("diff", 0.1)), (FixedK(2), None)):
+        other_draft = noisy_copy(target, 0.3, seed=37)
+        SpeculativeDecoder(other_draft, target, policy, GREEDY, cascade=cascade, fast="compile").warm_up(7, 12)
+        assert model_steps(other_draft).compile_seconds
 
 
 def test_sequoia_buckets_are_the_tree_widths():
