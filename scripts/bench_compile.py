@@ -88,9 +88,9 @@ def runner_for(variant: str, model, size: int, widths: list[int]):
     if variant == "eager":
         return ModelRunner(model, vocab, False)
     fast = "static" if variant == "static" else "compile"
-    runner = StaticRunner(model, vocab, False, fast=fast, max_len=size - max(widths), buckets=tuple(widths))
+    runner = StaticRunner(model, vocab, False, fast=fast, max_len=size - max(widths), buckets=tuple(widths),
+                          cover=False)  # each width timed in its own bucket
     runner.steps = _ModelSteps(warned_wide=True)  # compiled steps of this variant only (the prefill is wide)
-    runner.cover = False  # each width timed in its own bucket
     runner.compile_options = dict(VARIANTS[variant] or {})
     return runner
 

@@ -108,7 +108,7 @@ own compiles (ski rental: within about twice the better of compiling at once and
 the time is kept per bucket for the process, ``model_steps(model).rent``). So a batch that drains at
 the end of a job (data_gen's sampling: 16 rows, then fewer) does not compile four smaller buckets
 for its last few hundred forwards, nor a chain decoder a bucket for its few narrower forwards (a
-tuned bucket of a 135M-parameter target takes 60-120 s on a CPU). ``CallRunners.warm_up`` compiles
+tuned bucket of a 135M-parameter target takes a minute or two on a CPU). ``CallRunners.warm_up`` compiles
 every bucket it names (``runner.cover = False``). Which bucket runs a forward then depends on time
 spent, and buckets may round bf16 differently, so two such runs can draw different tokens at
 near-ties (the tuned CPU settings' autotuning already picks kernels by timing races); warm up for
@@ -215,12 +215,12 @@ def check_fast(where: str, fast, device=None, *models) -> str | None:
 
 
 def new_runner(model, vocab: int, want_hidden: bool, fast: str | None = None, *, max_len: int | None = None,
-               buckets: tuple[int, ...] = TARGET_BUCKETS):
+               buckets: tuple[int, ...] = TARGET_BUCKETS, cover: bool = True):
     """The runner the ``fast`` switch chooses (module docstring): ``None`` gives the eager
     :class:`ModelRunner`, ``"static"`` / ``"compile"`` / ``"graphs"`` / ``"compile-graphs"`` a :class:`StaticRunner`."""
     if fast is None:
         return ModelRunner(model, vocab, want_hidden)
-    return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets)
+    return StaticRunner(model, vocab, want_hidden, fast=fast, max_len=max_len, buckets=buckets, cover=cover)
 
 
 def call_max_len(tokens: int, model) -> int:
@@ -263,10 +263,7 @@ class CallRunners:
         max_len = None if self.fast is None else self._max_len(tokens, buckets)
 
         def make(model, vocab: int, want_hidden: bool):
-            runner = new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets)
-            if not self.cover and self.fast is not None:
-                runner.cover = False
-            return runner
+            return new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets, cover=self.cover)
 
         return make
 
@@ -741,7 +738,7 @@ class StaticModel(HiddenHook):
     itself, so the context manager has no hook to install."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, fast: str, max_len: int | None,
-                 buckets: tuple[int, ...]) -> None:
+                 buckets: tuple[int, ...], cover: bool = True) -> None:
         self.device = next(model.parameters()).device
         if fast is None:
             raise ValueError(f"{type(self).__name__}: fast must be 'static', 'compile' or 'graphs' (fast=None is the eager "
@@ -760,7 +757,7 @@ class StaticModel(HiddenHook):
         self.compile_options: dict | None = None  # fast="compile": None = COMPILE_OPTIONS when a bucket compiles
         self.mask_min = torch.finfo(self.dtype).min
         # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
-        self.cover = fast in COMPILING_BACKENDS
+        self.cover = cover and fast in COMPILING_BACKENDS
         # around each forward: the CPU's attention in place of sdpa (core.attention.static_attention); decided
         # once here, so a feed elsewhere enters no generator (a partial: forward_at's closures hold no runner)
         self.attention = (functools.partial(static_attention, model.config, self.device) if self.device.type == "cpu"
@@ -776,22 +773,21 @@ class StaticModel(HiddenHook):
         key = (width, size) if batch is None else (width, size, batch)
         if key in done:
             return width, batch, None
-        if batch is None:
-            covers = sorted((w, w, None) for w, s in (k for k in done if len(k) == 2)
-                            if s == size and w >= width and w in self.buckets)
-        else:
-            covers = sorted((w * b, w, b) for w, s, b in (k for k in done if len(k) == 3)
-                            if s == size and w >= width and batch <= b <= self.capacity
-                            and w in self.buckets and b in self.batch_buckets)
-        if not covers:
+        holders = [k for k in done if len(k) == len(key) and k[1] == size and k[0] >= width and k[0] in self.buckets
+                   and (batch is None or (batch <= k[2] <= self.capacity and k[2] in self.batch_buckets))]
+        if not holders:
             return width, batch, None
-        _, w, b = covers[0]
-        if self.steps.rent.get(key, 0.0) >= done[(w, size) if b is None else (w, size, b)]:
+        cover = min(holders, key=lambda k: (k[0] * (1 if batch is None else k[2]), k[0]))  # the fewest rows x columns
+        if self.steps.rent.get(key, 0.0) >= done[cover]:
             return width, batch, None
         if key not in self.steps.rent:
             log.info("%s: forwards of bucket %s run in the compiled bucket %s until they have taken its compile "
-                     "time", type(self.model).__name__, key, (w, size) if b is None else (w, size, b))
-        return w, b, key
+                     "time", type(self.model).__name__, key, cover)
+        return cover[0], None if batch is None else cover[2], key
+
+    def _pay_rent(self, key: tuple, t0: float) -> None:
+        """Count the time since ``t0`` (a forward run in a larger bucket for ``key``) towards ``key``'s rent."""
+        self.steps.rent[key] = self.steps.rent.get(key, 0.0) + time.perf_counter() - t0
 
     def _bucket(self, n: int, buckets: tuple[int, ...], what: str) -> int:
         """The smallest of ``buckets`` that holds ``n`` (``what``: "tokens" or "rows"), or ``n``
@@ -811,8 +807,8 @@ class StaticRunner(StaticModel):
     :class:`ModelRunner`."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
-                 buckets: tuple[int, ...] = TARGET_BUCKETS) -> None:
-        super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
+                 buckets: tuple[int, ...] = TARGET_BUCKETS, cover: bool = True) -> None:
+        super().__init__(model, vocab, want_hidden, fast, max_len, buckets, cover)
         size = self.max_len + self.buckets[-1]
         buffers, self._graph_steps = None, {}
         if fast in GRAPH_BACKENDS:  # the buffers the captured graphs of this model and size read (static addresses)
@@ -837,7 +833,7 @@ class StaticRunner(StaticModel):
                              "fit; build the runner with a larger max_len")
         width = self._bucket(n, self.buckets, "tokens")
         renting = None
-        if self.cover and width in self.buckets:
+        if self.cover and width in self.buckets and (width, self.cache.size) not in self.steps.compile_seconds:
             width, _, renting = self._cover(self.cache.size, width)
         pad = width - n
         if position_ids is None and attention_mask is None:  # a chain's forward: inputs kept for the process
@@ -858,7 +854,7 @@ class StaticRunner(StaticModel):
             logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
                                                slots, mask)
         if renting:
-            self.steps.rent[renting] = self.steps.rent.get(renting, 0.0) + time.perf_counter() - t0
+            self._pay_rent(renting, t0)
         self.cache.length = start + n
         if n_logits < width:  # the padding rows, and rows not asked for, dropped
             rows = slice(n - n_logits, n)
@@ -1017,8 +1013,7 @@ class StaticBatchRunner(StaticModel):
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
                  rows: int = 1, cover: bool = True) -> None:
-        super().__init__(model, vocab, want_hidden, fast, max_len, buckets)
-        self.cover = cover and self.cover
+        super().__init__(model, vocab, want_hidden, fast, max_len, buckets, cover)
         self.batch_buckets = check_buckets(batch_buckets)
         self.size = self.max_len + self.buckets[-1]
         self.keys: list[torch.Tensor] = []
@@ -1090,7 +1085,7 @@ class StaticBatchRunner(StaticModel):
         t0 = time.perf_counter() if renting else 0.0
         logits, hidden = self._forward(ids, lengths, real, None, compiled)
         if renting:
-            self.steps.rent[renting] = self.steps.rent.get(renting, 0.0) + time.perf_counter() - t0
+            self._pay_rent(renting, t0)
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
         keep = width if n_logits is None else min(n_logits, width)
         if self.slot_of != list(range(self.rows)):
