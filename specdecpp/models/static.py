@@ -173,7 +173,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..core.attention import CPU_ATTENTION, decode_attention, static_attention
+from ..core.attention import CPU_ATTENTION, attention_swap, decode_attention
 from ..core.compat import cache_kwargs
 from ..core.hooks import new_cache
 from .runner import HiddenHook, ModelRunner
@@ -758,10 +758,9 @@ class StaticModel(HiddenHook):
         self.mask_min = torch.finfo(self.dtype).min
         # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
         self.cover = cover and fast in COMPILING_BACKENDS
-        # around each forward: the CPU's attention in place of sdpa (core.attention.static_attention); decided
-        # once here, so a feed elsewhere enters no generator (a partial: forward_at's closures hold no runner)
-        self.attention = (functools.partial(static_attention, model.config, self.device) if self.device.type == "cpu"
-                          else contextlib.nullcontext)
+        # around each forward: the CPU's attention in place of sdpa (core.attention.attention_swap), the way
+        # decided once here, the cheapest this config allows (a partial: forward_at's closures hold no runner)
+        self.attention = attention_swap(model.config, self.device)
 
     def _cover(self, size: int, width: int, batch: int | None = None) -> tuple[int, int | None, tuple | None]:
         """The bucket a forward that needs bucket ``width`` (and ``batch``: a batch runner's) of

@@ -210,3 +210,50 @@ def test_static_runners_use_the_cpu_attention_only_inside_their_forwards():
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
     with attention.static_attention(model.config, "cuda"):  # elsewhere: no change
         assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_swap_a_runner_enters_writes_the_config_dict_and_restores_it():
+    """``attention_swap`` (what a static runner enters around each forward) on a Llama config: the
+    instance-dict swap, read back through the config's own attribute; nested entries, an error inside
+    and a model on another attention leave the config as it was; off a CPU nothing is swapped."""
+    model = tiny_lm(64, 32, 2, seed=3, scale=0.5)
+    config = model.config
+    swap = attention.attention_swap(config, "cpu")
+    assert swap.func is attention._SwapStored  # this transformers keeps the choice in the instance dict
+    with swap():
+        assert config._attn_implementation == attention.CPU_ATTENTION
+        with swap():  # a forward inside another runner's forward
+            assert config._attn_implementation == attention.CPU_ATTENTION
+        assert config._attn_implementation == attention.CPU_ATTENTION
+    assert config._attn_implementation == "sdpa"
+    with pytest.raises(KeyError), swap():
+        raise KeyError("inside the forward")
+    assert config._attn_implementation == "sdpa"
+    config._attn_implementation = "eager"  # switched after the runner was built: left alone
+    with swap():
+        assert config._attn_implementation == "eager"
+    assert config._attn_implementation == "eager"
+    config._attn_implementation = "sdpa"
+    assert attention.attention_swap(config, "cuda") is contextlib.nullcontext
+
+
+def test_a_config_with_sub_configs_swaps_through_its_attribute():
+    """Where the config has sub-configs (whose setter the dict write would skip) or keeps the
+    choice elsewhere, the swap goes through ``config._attn_implementation`` (static_attention)."""
+    from transformers import LlamaConfig
+
+    class Composite(LlamaConfig):
+        sub_configs = {"text_config": LlamaConfig}
+
+    config = Composite(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2)
+    config.text_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    swap = attention.attention_swap(config, "cpu")
+    assert swap.func is attention.static_attention
+    with swap():
+        assert config._attn_implementation == config.text_config._attn_implementation == attention.CPU_ATTENTION
+    assert config._attn_implementation == config.text_config._attn_implementation == "sdpa"
+    del config.__dict__[attention.STORED]  # a transformers that stores it elsewhere
+    assert not attention._stored_directly(config)
