@@ -123,10 +123,11 @@ for stage in "$@"; do
     fast-units)  # the runners' CUDA twins; the fast decoders' greedy/same-seed/T1 twins are in `core`
         xdist_args
         STAGE_TIMEOUT=${FAST_TESTS_TIMEOUT:-180} run fast-tests $PY -m pytest -m gpu \
-            -k "(fast or static_runner or static_batch or graphs) and not compile-graphs and not compile_graphs" -q \
+            -k "(fast or static_runner or static_batch or graphs or compile_options) and not compile-graphs and not compile_graphs" -q \
             -p no:cacheprovider "${workers[@]}" --durations=10 \
             ${FAST_TEST_FILES:-tests/decoders/test_exactness.py tests/models/test_static_runner.py \
-            tests/models/test_static_batch_runner.py tests/models/test_graphs.py tests/decoders/test_fast_decoders.py} ;;
+            tests/models/test_static_batch_runner.py tests/models/test_graphs.py tests/decoders/test_fast_decoders.py \
+            tests/models/test_compile_options.py} ;;
     fast-compile)
         STAGE_TIMEOUT=${FAST_BENCH_TIMEOUT:-180} run fast-bench $PY scripts/bench_fast.py --random --device cuda \
             --fast compile --prompts "${FAST_PROMPTS:-4}" --max-new-tokens 48 --svip-max 3 --repeats 20 \

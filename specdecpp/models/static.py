@@ -53,6 +53,11 @@ call that would need a recompile raises. Safe here because a step is compiled pe
 runner hands it only its bucket's shapes (and, under the CPU's ``freezing``, the weights are
 constants of the graph anyway). Every guard is evaluated under ``error_on_recompile`` (the tests'
 recompile checks) and on a torch older than 2.6, which lacks the stance (:data:`CAN_SKIP_GUARDS`).
+Where it may skip them, a step goes further: its later calls bypass dynamo altogether and call the
+graph inductor compiled on the first call, handed that call's own tensors (:func:`direct_call`;
+checked once against dynamo's outputs, and only under the global state the graph compiled under).
+Dynamo's own Python per call, some 130 calls, costs tenths of a millisecond on a CPU whose caches
+each forward has flushed (docs/engine.md, "Later calls without dynamo").
 
 Compile settings (:data:`COMPILE_OPTIONS`, per device type; measured in docs/results/fast.md,
 "The compiled forward against the weight-read floor"): on a CPU, inductor's ``freezing`` (the
@@ -467,12 +472,16 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
     if options is None:
         options = COMPILE_OPTIONS.get(next(model.parameters()).device.type, {})
     options = narrow_options(options, key[0] * (key[2] if len(key) > 2 else 1))
-    compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=options or None)
+    graphs: list = []  # what inductor compiled for this step: (callable, example inputs), the latest last
+    compiled = _compile(step, name, options, graphs)
     fallback = with_aten_gemms(options)
+    direct = None  # the compiled graph called without dynamo (module docstring, "Guards"), once checked
 
     def unguarded(*args):  # the module docstring, "Guards"
         if not CAN_SKIP_GUARDS or torch._dynamo.config.error_on_recompile:  # every guard evaluated
             return compiled(*args)
+        if direct is not None and direct.state.check():  # the global state it compiled under (autograd, ...)
+            return direct(*args)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return compiled(*args)
 
@@ -492,15 +501,99 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
                     raise
                 log.warning("%s of %s: inductor's C++ GEMM template cannot compute one of its matrix products; "
                             "compiling it again with ATen's GEMMs beside the template", name, type(model).__name__)
-                compiled = torch.compile(_own_code(step, name), fullgraph=True, dynamic=False, options=fallback)
+                compiled = _compile(step, name, fallback, graphs)
                 out = compiled(*args)
         steps.compile_seconds[key] = time.perf_counter() - t0
+        nonlocal direct
+        direct = direct_call(graphs, args, out, name)
         steps.compiled[key] = unguarded
         log.info("compiled %s of %s in %.1f s", name, type(model).__name__, steps.compile_seconds[key])
         return out
 
     steps.compiled[key] = first
     return first
+
+
+def _compile(step, name: str, options: dict, graphs: list):
+    """``torch.compile(fullgraph=True, dynamic=False)`` of a copy of ``step`` named ``name`` with
+    inductor and ``options``, each graph inductor returns also appended to ``graphs`` with its
+    example inputs (:class:`_KeptGraphs`; torch.compile's own inductor backend where this torch
+    has no such class to extend)."""
+    code = _own_code(step, name)
+    base = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if base is None:
+        return torch.compile(code, fullgraph=True, dynamic=False, options=options or None)
+    return torch.compile(code, fullgraph=True, dynamic=False, backend=_kept_graphs(base)(options, graphs))
+
+
+@functools.cache
+def _kept_graphs(base: type) -> type:
+    class _KeptGraphs(base):
+        """torch.compile's inductor backend (``options`` as torch.compile's ``options=``) that also
+        keeps what it compiled: ``(callable, example inputs)`` appended to ``graphs``."""
+
+        def __init__(self, options: dict, graphs: list) -> None:
+            super().__init__(None, options or None, False)
+            self.options, self.graphs = options or None, graphs
+
+        def __call__(self, model_, inputs_):
+            fn = super().__call__(model_, inputs_)
+            self.graphs.append((fn, list(inputs_)))
+            return fn
+
+    return _KeptGraphs
+
+
+def step_tensors(args: tuple) -> list:
+    """The tensors a step's call ``(decoder, head, cache_arg, cache, ids, positions, slots, mask)``
+    hands its graph that change from call to call or runner to runner: its four tensor arguments,
+    then the cache's per-layer key and value buffers."""
+    cache = args[3]
+    return [*args[4:8], *cache.keys, *cache.values]
+
+
+def direct_call(graphs: list, args: tuple, out, name: str):
+    """A step's compiled graph called as dynamo's compiled code calls it, without dynamo: each later
+    call skips dynamo's frame evaluation and its guards (which a step skips anyway), 0.1-0.6 ms of
+    host time a call on a CPU (module docstring, "Guards"). ``graphs[-1]`` is what inductor compiled
+    on the first call ``args``, which returned ``out``: its example inputs are matched by identity
+    to the call's :func:`step_tensors` (the rest, the weights and buffers of the model, are held as
+    they are), and the graph is called once more with ``args``, which writes the same keys and
+    values to the same slots again and must return ``out`` bit for bit. Returns ``(*args) ->
+    (logits, hidden)``, replaying the one side effect dynamo replays that matters (``cache.slots``,
+    :func:`batch_step`), with ``state``: dynamo's check of the global state (autograd, autocast, ...)
+    as it is now, the state the graph compiled under; or None where the match or the check fails
+    (said at DEBUG level), or this torch has no such check: dynamo then calls the graph as before."""
+    state = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    if state is None or not hasattr(state, "GlobalStateGuard"):
+        return None
+    if len(graphs) != 1 or not isinstance(out, tuple):  # a recompile, or another output structure
+        log.debug("%s: %d graphs compiled; calls go through dynamo", name, len(graphs))
+        return None
+    fn, example = graphs[-1]
+    position = {id(t): i for i, t in enumerate(step_tensors(args))}
+    spec = [(position.get(id(t), -1), None if id(t) in position else t) for t in example]
+    placed = [i for i, _ in spec if i >= 0]
+    if len(position) != len(step_tensors(args)) or len(set(placed)) != len(placed):  # a tensor in two places
+        log.debug("%s: its graph's inputs are not the step's tensors one to one; calls go through dynamo", name)
+        return None
+
+    def call(*args):
+        tensors = step_tensors(args)
+        args[3].slots = args[6]
+        return tuple(fn(*[tensors[i] if i >= 0 else t for i, t in spec]))
+
+    try:
+        again = call(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure: dynamo's path stays
+        log.debug("%s: calling its graph directly failed (%s); calls go through dynamo", name, exc)
+        return None
+    if len(again) != len(out) or not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                                         and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(again, out, strict=True)):
+        log.debug("%s: its graph called directly returned other outputs; calls go through dynamo", name)
+        return None
+    call.state = state.GlobalStateGuard()  # a call under another global state goes through dynamo, which refuses it
+    return call
 
 
 NARROW_KEY = "narrow_gemm_rows"  # the project's own option (not inductor's): see narrow_options

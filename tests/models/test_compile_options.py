@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
+from specdecpp.models import static
 from specdecpp.models.runner import ModelRunner
 from specdecpp.models.static import (
     COMPILE_OPTIONS,
@@ -32,7 +33,7 @@ from specdecpp.models.static import (
 )
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
-from tests.models.test_static_runner import MAX_LEN, VOCAB, on, run_both
+from tests.models.test_static_runner import DEVICES, MAX_LEN, VOCAB, close, on, run_both
 
 
 @pytest.fixture
@@ -55,6 +56,13 @@ def test_options_by_name_or_mapping(restore_options):
             set_compile_options(bad)
 
 
+def options_of(compile_kwargs: dict):
+    """The inductor options a torch.compile call was given: ``options=``, or those of the project's
+    inductor backend (static._compile)."""
+    backend = compile_kwargs.get("backend")
+    return compile_kwargs.get("options") if backend is None else backend.options
+
+
 @pytest.mark.parametrize("choice", ["tuned", "plain"])
 def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_options, choice):
     """What reaches torch.compile, and that ``freezing`` is set while the first call traces (dynamo
@@ -64,7 +72,7 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
     seen = {}
 
     def fake_compile(fn, **kwargs):
-        seen.update(kwargs, name=fn.__name__)
+        seen.update({k: v for k, v in kwargs.items() if k != "backend"}, name=fn.__name__, options=options_of(kwargs))
 
         def run(*args):
             seen.setdefault("freezing_in_calls", []).append(inductor_config.freezing)
@@ -129,10 +137,11 @@ def test_bucket_rows_choose_the_backends_and_a_gemm_without_a_kernel_compiles_ag
     calls = []
 
     def fake_compile(fn, **kwargs):
-        calls.append(kwargs["options"]["max_autotune_gemm_backends"])
+        backends = options_of(kwargs)["max_autotune_gemm_backends"]
+        calls.append(backends)
 
         def run(*args):
-            if kwargs["options"]["max_autotune_gemm_backends"] == "CPP" and args == ("float64",):
+            if backends == "CPP" and args == ("float64",):
                 raise RuntimeError(f"LoweringException: NoValidChoicesError: {NO_GEMM_CHOICE}. Provided reason: "
                                    "No choices exist for backend.")
             return args
@@ -248,3 +257,81 @@ def test_a_float64_model_compiles_through_the_aten_fallback(restore_options, cap
                                        rtol=0, atol=1e-5)
     assert "compiling it again with ATen" in caplog.text
     assert len(model_steps(model).compile_seconds) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_step_is_called_without_dynamo_and_writes_each_runners_own_cache(restore_options, monkeypatch,
+                                                                                    device):
+    """After its compile a step calls inductor's graph directly (static.direct_call: no dynamo frame
+    evaluation, no stance), matched to each call's own tensors: two runners sharing the compiled
+    bucket each read and write their own cache and agree with the eager static runner through random
+    feeds; a call under another global state (autograd on) goes through dynamo, which refuses it."""
+    set_compile_options("plain", device)
+    model = on(device, tiny_lm(VOCAB, 32, 2, seed=13))
+    stances = []
+    real = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or real(*a, **k))
+    runners = [StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="compile",
+                            cover=False) for _ in range(2)]
+    eager = [StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="static")
+             for _ in range(2)]
+    for r in runners:
+        r.feed(torch.tensor([3, 4], device=device))
+        r.feed(torch.tensor([5], device=device))  # both buckets compiled by the first runner, then used by both
+    assert set(model_steps(model).compile_seconds) == {(1, runners[0].cache.size), (2, runners[0].cache.size)}
+    stances.clear()
+    for e in eager:
+        e.feed(torch.tensor([3, 4, 5], device=device))
+    rng = random.Random(5)
+    for _ in range(40):
+        i, n = rng.randrange(2), rng.choice([1, 2])
+        ids = torch.randint(0, VOCAB, (n,), device=device)
+        logits, hidden = runners[i].feed(ids, n_logits=n)
+        ref_logits, ref_hidden = eager[i].feed(ids, n_logits=n)
+        close(device, logits, ref_logits)
+        close(device, hidden, ref_hidden)
+        if rng.random() < 0.3:
+            keep = rng.randint(1, runners[i].length)
+            runners[i].rollback(keep)
+            eager[i].rollback(keep)
+    assert stances == []  # no call went through dynamo
+    for mine, ref in zip(runners, eager, strict=True):
+        length = mine.length
+        close(device, mine.cache.keys[0][:, :, :length], ref.cache.keys[0][:, :, :length])
+    slots, positions, mask = runners[0].chain_inputs(0, 1)
+    args = (runners[0].decoder, runners[0].head, runners[0].cache_arg, runners[0].cache,
+            torch.tensor([5], device=device), positions, slots, mask)
+    assert torch.is_grad_enabled()
+    if static.CAN_SKIP_GUARDS:
+        with runners[0].attention(), pytest.raises(RuntimeError, match="skip_guard_eval_unsafe"):
+            runners[0].plain_step(1)(*args)
+        assert stances  # through dynamo
+
+
+def test_direct_call_falls_back_to_dynamo_where_the_graph_is_not_the_steps_one_to_one():
+    """static.direct_call gives None (dynamo keeps calling) for a recompiled step, for a graph input
+    it cannot place, and for a graph whose direct call returns other outputs; else a call that hands
+    each of the call's own tensors to its place."""
+    cache = type("Cache", (), {})()
+    cache.keys, cache.values = [torch.zeros(2)], [torch.ones(2)]
+    ids, positions, slots, mask = (torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), torch.zeros(1))
+    weight = torch.full((2,), 3.0)
+    args = (None, None, "past_key_values", cache, ids, positions, slots, mask)
+
+    def graph(k, i, w, v, *constants):  # the inputs in the graph's own order, a weight among them
+        return [k + v + w, i * 1.0]
+
+    out = tuple(graph(cache.keys[0], ids, weight, cache.values[0]))
+    example = [cache.keys[0], ids, weight, cache.values[0]]
+    call = static.direct_call([(graph, example)], args, out, "step")
+    assert call is not None and call.state.check()
+    other = type("Cache", (), {})()
+    other.keys, other.values = [torch.full((2,), 10.0)], [torch.zeros(2)]
+    logits, hidden = call(None, None, "past_key_values", other, torch.tensor([7]), positions, slots, mask)
+    assert torch.equal(logits, torch.full((2,), 13.0)) and torch.equal(hidden, torch.tensor([7.0]))
+    assert other.slots is slots  # the side effect dynamo would replay
+    assert static.direct_call([(graph, example)] * 2, args, out, "step") is None  # recompiled
+    assert static.direct_call([(graph, [*example, torch.zeros(1)])], args, out, "step") is not None  # a constant more
+    assert static.direct_call([(graph, [cache.keys[0], ids, weight, weight])], args, out, "step") is None  # values missing
+    assert static.direct_call([(lambda *a: [torch.zeros(2), torch.zeros(1)], example)], args, out, "step") is None
