@@ -571,10 +571,11 @@ def direct_call(graphs: list, args: tuple, out, name: str):
         log.debug("%s: %d graphs compiled; calls go through dynamo", name, len(graphs))
         return None
     fn, example = graphs[-1]
-    position = {id(t): i for i, t in enumerate(step_tensors(args))}
+    tensors = step_tensors(args)
+    position = {id(t): i for i, t in enumerate(tensors)}
     spec = [(position.get(id(t), -1), None if id(t) in position else t) for t in example]
     placed = [i for i, _ in spec if i >= 0]
-    if len(position) != len(step_tensors(args)) or len(set(placed)) != len(placed):  # a tensor in two places
+    if len(position) != len(tensors) or len(set(placed)) != len(placed):  # a tensor in two places
         log.debug("%s: its graph's inputs are not the step's tensors one to one; calls go through dynamo", name)
         return None
 
