@@ -467,3 +467,47 @@ def test_argmax_is_the_first_of_ties_as_max_indices(shape, dtype):
         assert got.shape == want.shape and got.dtype == want.dtype == torch.long and torch.equal(got, want)
     tied = torch.zeros(shape, dtype=dtype)
     assert (argmax(tied) == 0).all()
+
+
+def test_the_compiled_sparse_sampling_gives_the_numpy_way_s_ids_logits_and_draws(monkeypatch):
+    """specdecpp/core/kernels.py (numba) against the numpy way it replaces, recomputed with the
+    kernels turned off: the same kept ids and logits for rows with ties at the k-th (bf16's coarse
+    values), -inf logits (a reduced draft's), fewer finite logits than k, chunks of one and of 64; the
+    same index drawn for the same generator state, the generator left where the numpy way leaves it;
+    a row that cannot be drawn from raises as before, and a NaN row takes the numpy way."""
+    from specdecpp.core import kernels, sampling
+
+    pytest.importorskip("numba")
+    assert kernels.get() is not None
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(60, 49152, generator=gen) * 3
+    rows[1::3] = rows[1::3].bfloat16().float()
+    rows[2::3, :40000] = float("-inf")
+    rows[3, 30:] = float("-inf")  # 30 finite logits, k = 50: every logit kept, the -inf ones at 0
+    for chunk, k in ((64, 50), (64, 5), (1, 3)):
+        monkeypatch.setattr(sampling, "TOP_K_CHUNK", chunk)
+        for row in rows:
+            on = sampling._top_k_kept(row, k)
+            with monkeypatch.context() as m:
+                m.setenv(kernels.DISABLE_ENV, "0")
+                off = sampling._top_k_kept(row, k)
+            assert on[0].dtype == np.int64 and on[1].dtype == np.float32
+            assert np.array_equal(on[0], off[0]) and np.array_equal(on[1], off[1])
+    for trial in range(200):
+        n = 1 + trial % 60
+        probs = torch.rand(n, generator=gen).numpy()
+        probs[:: 1 + trial % 4] = 0.0  # zero mass: never drawn
+        probs[-1] += 1e-3
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        assert sampling.draw_index(probs, a) == sampling.draw_few(probs.tolist(), b)
+        assert torch.equal(a.get_state(), b.get_state())
+    for bad in ([0.5, float("nan")], [0.5, -0.1], [0.0, 0.0], [float("inf"), 1.0]):
+        with pytest.raises(ValueError, match="non-negative and finite"):
+            sampling.draw_index(np.array(bad, np.float32), None)
+    nan_row = rows[0].clone()
+    nan_row[7] = float("nan")
+    ids, vals = sampling._top_k_kept(nan_row, 50)  # the numpy way's answer, whatever it is
+    with monkeypatch.context() as m:
+        m.setenv(kernels.DISABLE_ENV, "0")
+        ref = sampling._top_k_kept(nan_row, 50)
+    assert np.array_equal(ids, ref[0]) and np.array_equal(vals, ref[1], equal_nan=True)
