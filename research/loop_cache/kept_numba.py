@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from specdecpp.core.sampling import TOP_K_CHUNK, SamplingConfig, warp_kept
+from specdecpp.core.sampling import SamplingConfig, warp_kept
 
 
 @numba.njit(cache=True, nogil=True)

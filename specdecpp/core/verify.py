@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .sampling import INVALID_PROBS, KeptProbs, argmax, draw_each, draw_index, draw_token, rows_valid
+from .sampling import (
+    INVALID_PROBS,
+    KeptProbs,
+    argmax,
+    draw_each,
+    draw_index,
+    draw_token,
+    rows_valid,
+)
 
 INVALID_Q = "verify: the draft's rows q must be non-negative and finite with a positive sum"
 
