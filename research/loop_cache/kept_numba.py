@@ -1,109 +1,154 @@
-"""Experiment 10 (research/loop_cache/README.md): a sampled row's sparse top-k, softmax and draw as
-one numba-compiled function, against the engine's way (``warp_kept`` then ``KeptProbs.draw``: a dozen
-torch and numpy operations and a few dozen Python lines), right after a forward-sized cache flush.
-Random bf16 rows of 49,152 logits, top-k 50, T=1, 1 thread, 40 rows x 3 passes, each timed after a
-numpy read of 256 MB; the same uniform for both, so the same token.
+"""Experiment 10 (research/loop_cache/README.md): a sampled row's sparse top-k and its draw as
+numba-compiled functions, one call each where the engine's numpy way (``specdecpp.core.sampling``:
+``_top_k_kept`` and ``KeptProbs.draw``) makes a dozen torch and numpy calls and a few dozen Python lines.
+The same kept ids, logits and draws (checked below and by ``numba_ab.py``). Not built into the engine
+(the README says why); it was, at commit 28f3cb1, as ``specdecpp/core/kernels.py``.
+
+``install()`` puts the kernels under ``specdecpp.core.sampling`` for this process, switched by
+``STATE["on"]``; ``main()`` times a random bf16 row's ``warp_kept`` and draw right after a 256 MB flush
+both ways, alternating row by row (40 rows x 3 passes, top-k 50, T=1, 1 thread; the same token both
+ways, checked). Needs ``pip install numba`` (not a dependency of the project).
 
     PYTHONPATH=. python research/loop_cache/kept_numba.py
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
-import numba
 import numpy as np
 import torch
 
+from specdecpp.core import sampling
 from specdecpp.core.sampling import SamplingConfig, warp_kept
 
+STATE = {"on": True}
 
-@numba.njit(cache=True, nogil=True)
-def kept_draw(bits, k, inv_t, u, ids_out, probs_out):
-    """bits: the row's bf16 values as uint16 [V], V a multiple of 64. Returns (n kept, token)."""
-    x = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    chunks = x.size // 64
-    heads = np.empty(chunks, np.float32)
-    for c in range(chunks):
-        m = x[c * 64]
-        for j in range(1, 64):
-            v = x[c * 64 + j]
-            if v > m:
-                m = v
-        heads[c] = m
-    bound = np.partition(heads, chunks - k)[chunks - k]
-    n = 0
-    vals = np.empty(chunks * 64 if k * 64 > chunks * 64 else k * 64, np.float32)
-    cand = np.empty(vals.size, np.int64)
-    for c in range(chunks):
-        if heads[c] >= bound:
-            for j in range(64):
-                v = x[c * 64 + j]
-                if v >= bound and n < vals.size:
-                    vals[n] = v
-                    cand[n] = c * 64 + j
-                    n += 1
-    kth = np.partition(vals[:n], n - k)[n - k]
-    m = -np.inf
-    kept = 0
-    for i in range(n):
-        if vals[i] >= kth:
-            ids_out[kept] = cand[i]
-            probs_out[kept] = vals[i] * inv_t
-            if probs_out[kept] > m:
-                m = probs_out[kept]
-            kept += 1
-    total32 = np.float32(0.0)
-    for i in range(kept):
-        e = np.float32(np.exp(probs_out[i] - m))
-        probs_out[i] = e
-        total32 += e
-    for i in range(kept):
-        probs_out[i] = probs_out[i] / total32
-    cum = 0.0
-    for i in range(kept):
-        cum += np.float64(probs_out[i])
-    target = min(u * cum, np.nextafter(cum, 0.0))
-    acc = 0.0
-    for i in range(kept):
-        acc += np.float64(probs_out[i])
-        if acc > target:
-            return kept, ids_out[i]
-    return kept, ids_out[kept - 1]
+
+@functools.cache
+def _compiled():
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True)
+
+    @jit
+    def top_k_kept(x, k, chunk):
+        """:func:`specdecpp.core.sampling._top_k_kept` of a float32 row ``x`` [V] (V a multiple of
+        ``chunk``): the kept ids (increasing) and logits, or two empty arrays where ``x`` holds a NaN
+        (the numpy way then decides)."""
+        chunks = x.size // chunk
+        heads = np.empty(chunks, np.float32)
+        for c in range(chunks):
+            m = x[c * chunk]
+            for j in range(c * chunk, (c + 1) * chunk):
+                v = x[j]
+                if v != v:
+                    return np.empty(0, np.int64), np.empty(0, np.float32)
+                if v > m:
+                    m = v
+            heads[c] = m
+        bound = np.partition(heads, chunks - k)[chunks - k]  # the k-th largest chunk maximum
+        n = 0
+        for c in range(chunks):
+            if heads[c] >= bound:
+                for j in range(c * chunk, (c + 1) * chunk):
+                    n += x[j] >= bound
+        ids, vals = np.empty(n, np.int64), np.empty(n, np.float32)
+        n = 0
+        for c in range(chunks):
+            if heads[c] >= bound:
+                for j in range(c * chunk, (c + 1) * chunk):
+                    if x[j] >= bound:
+                        ids[n], vals[n] = j, x[j]
+                        n += 1
+        kth = np.partition(vals, n - k)[n - k]  # the k-th largest logit
+        kept = 0
+        for i in range(n):
+            if vals[i] >= kth:
+                ids[kept], vals[kept] = ids[i], vals[i]
+                kept += 1
+        return ids[:kept], vals[:kept]
+
+    @jit
+    def draw(probs, u):
+        """:func:`specdecpp.core.sampling.draw_few` with its uniform ``u`` given: the index drawn from
+        float32 ``probs`` (float64 sums, the same clamp and search), or -1 where the row is not one
+        to draw from (a negative or non-finite entry, no positive mass)."""
+        total = 0.0
+        for i in range(probs.size):
+            p = np.float64(probs[i])
+            if not p >= 0.0:  # negative or NaN
+                return -1
+            total += p
+        if not (total > 0.0 and total < np.inf):
+            return -1
+        x = min(u * total, np.nextafter(total, 0.0))
+        acc = 0.0
+        for i in range(probs.size):
+            acc += np.float64(probs[i])
+            if acc > x:
+                return i
+        return probs.size - 1
+
+    return top_k_kept, draw
+
+
+def install() -> None:
+    """The kernels under ``sampling._top_k_kept`` and ``KeptProbs.draw`` for this process, used while
+    ``STATE["on"]`` (else the numpy way); float32 rows only, a row with a NaN the numpy way."""
+    top_k_kept, draw = _compiled()
+    numpy_kept, numpy_draw = sampling._top_k_kept, sampling.KeptProbs.draw
+
+    def kept(x, k):
+        x = x.detach() if x.requires_grad else x
+        if STATE["on"] and x.dtype == torch.float32:
+            ids, vals = top_k_kept(x.numpy(), k, sampling.TOP_K_CHUNK)
+            if ids.size:
+                return ids, vals
+        return numpy_kept(x, k)
+
+    def kept_draw(self, generator):
+        if not STATE["on"]:
+            return numpy_draw(self, generator)
+        i = draw(self.probs, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+        if i < 0:
+            raise ValueError(sampling.INVALID_PROBS)
+        return int(self.ids[i])
+
+    sampling._top_k_kept, sampling.KeptProbs.draw = kept, kept_draw
 
 
 def main() -> None:
     torch.set_num_threads(1)
+    install()
     cfg = SamplingConfig(temperature=1.0, top_k=50)
     g = torch.Generator().manual_seed(0)
     junk = np.ones(256 * 2**20 // 8)
     rows = [torch.randn(49152, generator=g).mul_(3).bfloat16() for _ in range(40)]
-    ids_out, probs_out = np.empty(4096, np.int64), np.empty(4096, np.float32)
     t0 = time.perf_counter()
-    kept_draw(rows[0].view(torch.int16).numpy().view(np.uint16), 50, 1.0, 0.5, ids_out, probs_out)
-    print(f"numba's first call (compile or load from its cache): {time.perf_counter() - t0:.2f} s")
-    res = {"warp_kept + draw (the engine's way)": [], "one numba function": []}
-    same = 0
+    warp_kept(rows[0], cfg).draw(g)
+    print(f"first call (numba compiles, or loads from its cache): {time.perf_counter() - t0:.2f} s")
+    res: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(3):
         for r in rows:
-            for name in res:
+            state, tokens = g.get_state(), []
+            for on in (True, False):
+                STATE["on"] = on
+                g.set_state(state)
                 junk.sum()
                 r.sum()  # the forward leaves its logits in cache
-                state = g.get_state()
                 t0 = time.perf_counter()
-                if name.startswith("warp_kept"):
-                    a = warp_kept(r, cfg).draw(g)
-                else:
-                    u = float(torch.rand(1, generator=g, dtype=torch.float64))
-                    n, b = kept_draw(r.view(torch.int16).numpy().view(np.uint16), cfg.top_k, 1.0, u, ids_out, probs_out)
-                res[name].append((time.perf_counter() - t0) * 1e3)
-                if name.startswith("warp_kept"):
-                    g.set_state(state)
-            same += int(a == b)
-    for name, v in res.items():
-        print(f"{name}: cold median {statistics.median(v):.3f} ms")
-    print(f"same token {same}/{3 * len(rows)}")
+                tokens.append(warp_kept(r, cfg).draw(g))
+                res[on].append((time.perf_counter() - t0) * 1e3)
+            kept_on = (STATE.update(on=True), warp_kept(r.float(), cfg))[1]
+            kept_off = (STATE.update(on=False), warp_kept(r.float(), cfg))[1]
+            if tokens[0] != tokens[1] or not (np.array_equal(kept_on.ids, kept_off.ids)
+                                              and np.array_equal(kept_on.probs, kept_off.probs)):
+                raise RuntimeError("the two ways kept or drew differently")
+    for on, v in res.items():
+        print(f"{'numba kernels' if on else 'the numpy way (the engine)'}: cold median {statistics.median(v):.3f} ms")
 
 
 if __name__ == "__main__":

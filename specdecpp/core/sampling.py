@@ -15,8 +15,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from . import kernels
-
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -138,15 +136,9 @@ def _top_k_row(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _top_k_kept(x: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ids (increasing) and logits of one row ``x`` [V] (V a multiple of TOP_K_CHUNK) that top-k
     keeps: its ``k`` largest and every tie at the k-th."""
-    x = x.detach() if x.requires_grad else x
-    compiled = kernels.get()
-    if compiled is not None and x.dtype == torch.float32:  # one compiled call (specdecpp/core/kernels.py)
-        ids, vals = compiled[0](x.numpy(), k, TOP_K_CHUNK)
-        if ids.size:  # else a NaN: the numpy way below decides
-            return ids, vals
     # in numpy: the same selections as torch's ops, at a fraction of their dispatch cost (a dozen
     # small ops a row, 4-5 rows a sampled round)
-    by_chunk = x.view(-1, TOP_K_CHUNK)
+    by_chunk = (x.detach() if x.requires_grad else x).view(-1, TOP_K_CHUNK)
     heads = by_chunk.amax(-1).numpy()  # torch's reduction over rows of 64 is 3x numpy's
     bound = np.partition(heads, heads.size - k)[heads.size - k]  # the k-th largest chunk maximum
     chunks = np.flatnonzero(heads >= bound)
@@ -182,7 +174,7 @@ class KeptProbs:
 
     def draw(self, generator: torch.Generator | None) -> int:
         """:func:`sample` of ``dense()``: the same token for the same generator state."""
-        return int(self.ids[draw_index(self.probs, generator)])
+        return int(self.ids[draw_few(self.probs.tolist(), generator)])
 
 
 def dense_rows(rows: list) -> list[torch.Tensor]:
@@ -224,18 +216,6 @@ def warp_kept(logits: torch.Tensor, cfg: SamplingConfig) -> KeptProbs | None:
         z = torch.cat([z, z.new_full((pad,), float("-inf"))])
     ids, vals = _top_k_kept(z, cfg.top_k)
     return KeptProbs(ids, torch.from_numpy(vals).softmax(-1).numpy(), vocab)
-
-
-def draw_index(probs: np.ndarray, generator: torch.Generator | None) -> int:
-    """:func:`draw_few` of a float32 array: one compiled call where numba is available
-    (specdecpp/core/kernels.py), the same uniform, sums and index."""
-    compiled = kernels.get()
-    if compiled is None:
-        return draw_few(probs.tolist(), generator)
-    i = compiled[1](probs, float(torch.rand(1, generator=generator, dtype=torch.float64)))
-    if i < 0:
-        raise ValueError(INVALID_PROBS)
-    return i
 
 
 def draw_few(probs: list[float], generator: torch.Generator | None) -> int:

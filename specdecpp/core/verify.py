@@ -17,15 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .sampling import (
-    INVALID_PROBS,
-    KeptProbs,
-    argmax,
-    draw_each,
-    draw_index,
-    draw_token,
-    rows_valid,
-)
+from .sampling import INVALID_PROBS, KeptProbs, argmax, draw_each, draw_few, draw_token, rows_valid
 
 INVALID_Q = "verify: the draft's rows q must be non-negative and finite with a positive sum"
 
@@ -186,4 +178,4 @@ def _residual_draw(p: KeptProbs, q: KeptProbs, generator: torch.Generator | None
     r = np.maximum(p_u - q_u, np.float32(0))
     mass = r.sum(dtype=np.float32)
     r = r / max(mass, np.float32(1e-30)) if mass > 1e-12 else p_u
-    return int(ids[draw_index(r, generator)])
+    return int(ids[draw_few(r.tolist(), generator)])
