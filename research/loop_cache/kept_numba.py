@@ -142,10 +142,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 tokens.append(warp_kept(r, cfg).draw(g))
                 res[on].append((time.perf_counter() - t0) * 1e3)
-            kept_on = (STATE.update(on=True), warp_kept(r.float(), cfg))[1]
-            kept_off = (STATE.update(on=False), warp_kept(r.float(), cfg))[1]
-            if tokens[0] != tokens[1] or not (np.array_equal(kept_on.ids, kept_off.ids)
-                                              and np.array_equal(kept_on.probs, kept_off.probs)):
+            kept = []
+            for on in (True, False):
+                STATE["on"] = on
+                kept.append(warp_kept(r, cfg))
+            if tokens[0] != tokens[1] or not (np.array_equal(kept[0].ids, kept[1].ids)
+                                              and np.array_equal(kept[0].probs, kept[1].probs)):
                 raise RuntimeError("the two ways kept or drew differently")
     for on, v in res.items():
         print(f"{'numba kernels' if on else 'the numpy way (the engine)'}: cold median {statistics.median(v):.3f} ms")
