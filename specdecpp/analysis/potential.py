@@ -136,11 +136,12 @@ def head_rule(name: str, threshold: float, min_candidates: int = 1, max_candidat
 
 def svip(threshold: float, c: float = 0.15, max_candidates: int = 40) -> Policy:
     """:class:`~specdecpp.stopping.policies.SVIP`: stop after the candidate whose draft
-    distribution has sqrt(c * H) > threshold, H read from ``ctx['draft_entropy']`` (float64)."""
+    distribution has sqrt(c * H) > threshold, H read from ``ctx['draft_entropy']`` (float64), compared
+    as the engine compares it (c * H > threshold ** 2, the policy's float64 arithmetic)."""
     policy = SVIP(threshold, c, max_candidates)
     c, h = policy.c, policy.threshold
     return Policy(policy.name, {"threshold": h},
-                  lambda s, k, ctx: math.sqrt(c * float(ctx["draft_entropy"][s + k - 1])) > h, policy.max_candidates)
+                  lambda s, k, ctx: c * float(ctx["draft_entropy"][s + k - 1]) > h * h, policy.max_candidates)
 
 
 def oracle(max_candidates: int = 10_000) -> Policy:

@@ -10,8 +10,8 @@ a policy's type.
 A batch of rows (``SpeculativeDecoder.generate_batch``) asks the same question of every row at
 once: ``stop_rows(k, logits [B, V], hidden [B, H], tokens [B], active [B]) -> bool tensor [B]``,
 computed on the device (the engine reads the decisions once per draft step, never per row). The
-built-in policies answer ``should_stop`` with the same code (a batch of one row; ``SpecDecPP`` keeps
-its one-row product as a Python float, the same arithmetic, tested equal); ``active`` marks
+built-in policies answer ``should_stop`` with the same arithmetic, one row's final steps in Python
+floats (``SVIP``'s square root, ``SpecDecPP``'s product; tested equal row by row); ``active`` marks
 the rows still drafting (a row that stopped waits: its entries are filler and its answer unused).
 """
 
@@ -98,13 +98,6 @@ class StopPolicy:
         raise NotImplementedError(f"{type(self).__name__} decides one row at a time (should_stop); implement "
                                   "stop_rows(k, logits, hidden, tokens, active) to decode a batch with it")
 
-    def _one_row(self, k, logits, hidden, token) -> bool:
-        """``should_stop`` through ``stop_rows`` on a batch of one row."""
-        tokens = token.reshape(1) if token is not None else None
-        rows = self.stop_rows(k, logits.unsqueeze(0), None if hidden is None else hidden.unsqueeze(0), tokens,
-                              torch.ones(1, dtype=torch.bool, device=logits.device))
-        return bool(rows[0])
-
     def settings(self) -> dict:
         return {}
 
@@ -168,11 +161,19 @@ class SVIP(StopPolicy):
         self.support = ScoredIds(draft_model)
 
     def should_stop(self, k, logits, hidden, token=None) -> bool:
-        return self._one_row(k, logits, hidden, token)
+        """:meth:`stop_rows`'s decision for one row (as a batch of one: a 1-D row's reductions can
+        round differently), its entropy read on the host and the comparison made in Python floats:
+        the same float64 arithmetic in eleven tensor operations where ``stop_rows`` and its read
+        take eighteen. On a CPU each costs tens of microseconds after a forward has flushed the
+        caches (docs/engine.md, "The loop on a CPU: cold caches")."""
+        row = logits.unsqueeze(0)
+        return self.c * float(entropy(row, self.temperature, self.support(row))) > self.threshold * self.threshold
 
     def stop_rows(self, k, logits, hidden, tokens, active) -> torch.Tensor:
-        h = entropy(logits, self.temperature, self.support(logits)).double()  # float64 as math.sqrt on the host would be
-        return (self.c * h).sqrt() > self.threshold
+        # sqrt(c H) > t as c H > t^2 (t >= 0), in float64: multiplications round the same in torch and
+        # Python, where torch's CPU square root is not always the correctly rounded one (1 ulp off)
+        h = entropy(logits, self.temperature, self.support(logits)).double()
+        return self.c * h > self.threshold * self.threshold
 
     def settings(self) -> dict:
         return {"threshold": self.threshold, "c": self.c, "max_candidates": self.max_candidates}

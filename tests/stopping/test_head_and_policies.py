@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdecpp import SVIP, AcceptanceHead, FixedK, SpecDecPP, TargetOnly
+from specdecpp.core.sampling import entropy
 
 
 def test_head_blocks_are_distinct_and_shaped_as_designed():
@@ -131,6 +132,33 @@ def test_svip_stops_when_sqrt_c_entropy_exceeds_threshold():
     two = torch.full((v,), -1e9)
     two[0], two[1] = math.log(p), math.log(1 - p)
     assert not boundary.should_stop(1, two, None)
+
+
+@pytest.mark.parametrize("vocab,temperature", [(32, 1.0), (50_000, 1.0), (4096, 0.7)])
+def test_svip_one_row_decides_as_its_batch_at_the_threshold(vocab, temperature):
+    """should_stop (the entropy read on the host, compared in Python floats) and stop_rows (float64
+    tensors) agree where it matters most: thresholds a few float64 steps either side of each row's
+    sqrt(c * H), against c * H > t ** 2 recomputed here from the row's entropy as a batch."""
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(20):
+        logits = (torch.randn(vocab, generator=g) * 4).to(torch.bfloat16)
+        h = float(entropy(logits.unsqueeze(0), temperature)[0])
+        at = math.sqrt(0.15 * h)
+        below, above = at, at
+        for _ in range(3):
+            below, above = math.nextafter(below, 0.0), math.nextafter(above, 1.0)
+        for threshold in (below, math.nextafter(at, 0.0), at, math.nextafter(at, 1.0), above):
+            policy = SVIP(threshold, c=0.15)
+            policy.bind(None, temperature)
+            rows = policy.stop_rows(1, logits.unsqueeze(0), None, torch.zeros(1, dtype=torch.long),
+                                    torch.ones(1, dtype=torch.bool))
+            assert policy.should_stop(1, logits, None) == bool(rows[0]) == (0.15 * h > threshold * threshold)
+        decided = []
+        for threshold in (below, above):  # three steps off: sqrt(c H)'s side, however it rounds
+            policy = SVIP(threshold, c=0.15)
+            policy.bind(None, temperature)
+            decided.append(policy.should_stop(1, logits, None))
+        assert decided == [True, False]
 
 
 def test_fixed_k_and_target_only():
