@@ -11,7 +11,7 @@ A batch of rows (``SpeculativeDecoder.generate_batch``) asks the same question o
 once: ``stop_rows(k, logits [B, V], hidden [B, H], tokens [B], active [B]) -> bool tensor [B]``,
 computed on the device (the engine reads the decisions once per draft step, never per row). The
 built-in policies answer ``should_stop`` with the same arithmetic, one row's final steps in Python
-floats (``SVIP``'s square root, ``SpecDecPP``'s product; tested equal row by row); ``active`` marks
+floats (``SVIP``'s comparison, ``SpecDecPP``'s product; tested equal row by row); ``active`` marks
 the rows still drafting (a row that stopped waits: its entries are filler and its answer unused).
 """
 
@@ -163,8 +163,8 @@ class SVIP(StopPolicy):
     def should_stop(self, k, logits, hidden, token=None) -> bool:
         """:meth:`stop_rows`'s decision for one row (as a batch of one: a 1-D row's reductions can
         round differently), its entropy read on the host and the comparison made in Python floats:
-        the same float64 arithmetic in eleven tensor operations where ``stop_rows`` and its read
-        take eighteen. On a CPU each costs tens of microseconds after a forward has flushed the
+        the same float64 arithmetic in eleven tensor operations, where ``stop_rows`` on a batch of
+        one and its read took nineteen. On a CPU each costs tens of microseconds after a forward has flushed the
         caches (docs/engine.md, "The loop on a CPU: cold caches")."""
         row = logits.unsqueeze(0)
         return self.c * float(entropy(row, self.temperature, self.support(row))) > self.threshold * self.threshold
