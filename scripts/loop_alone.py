@@ -103,6 +103,19 @@ def replay_call(decoder, tape: StepTape, prompt, args, eos, seed: int) -> dict:
     return {"rounds": len(ref.stats.accept_lengths), **{k: float(np.median(v)) for k, v in times.items()}}
 
 
+def median_us(fn, flush: np.ndarray, repeats: int, cold: bool) -> float:
+    """The median of ``repeats`` calls of ``fn`` in microseconds, each right after reading ``flush``
+    where ``cold`` (the read not timed)."""
+    ts = []
+    for _ in range(repeats):
+        if cold:
+            flush.sum()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(ts))
+
+
 def cold_ops(flush_mb: int, repeats: int = 30) -> list[dict]:
     """Single small operations, warm and right after a flush of ``flush_mb`` MB (medians, us)."""
     flush = np.ones(flush_mb * 2**18, np.float32)
@@ -114,20 +127,8 @@ def cold_ops(flush_mb: int, repeats: int = 30) -> list[dict]:
            "torch: a 49,152 bf16 row to float32": lambda: row.float(),
            "numpy: x + 1 (50 floats)": lambda: xn + 1, "numpy: partition (50 floats)": lambda: np.partition(xn, 10),
            "python: sum(range(100))": lambda: sum(range(100))}
-    out = []
-    for name, fn in ops.items():
-        res = {}
-        for cold in (False, True):
-            ts = []
-            for _ in range(repeats):
-                if cold:
-                    flush.sum()
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            res["cold" if cold else "warm"] = 1e6 * float(np.median(ts))
-        out.append({"op": name, "warm_us": res["warm"], "cold_us": res["cold"]})
-    return out
+    return [{"op": name, "warm_us": median_us(fn, flush, repeats, False), "cold_us": median_us(fn, flush, repeats, True)}
+            for name, fn in ops.items()]
 
 
 def table(result: dict) -> str:

@@ -13,7 +13,9 @@ inputs (the demo draft's hidden state and bf16 logits row), the demo draft's emb
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,16 +24,8 @@ from specdecpp.models.loading import load_pair
 from specdecpp.stopping.head import load_head
 from specdecpp.stopping.policies import SVIP, SpecDecPP, algorithm2_stops
 
-
-def timed(fn, flush, repeats: int, cold: bool) -> float:
-    ts = []
-    for _ in range(repeats):
-        if cold:
-            flush.sum()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(ts))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from loop_alone import median_us  # noqa: E402
 
 
 def main() -> None:
@@ -107,7 +101,7 @@ def main() -> None:
     print("|---|---|---|")
     for _ in range(2):
         for name, fn in cases.items():
-            print(f"| {name} | {timed(fn, flush, args.repeats, False):.1f} | {timed(fn, flush, args.repeats, True):.1f} |")
+            print(f"| {name} | {median_us(fn, flush, args.repeats, False):.1f} | {median_us(fn, flush, args.repeats, True):.1f} |")
 
 
 if __name__ == "__main__":
