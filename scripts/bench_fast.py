@@ -15,7 +15,11 @@ with ``--threads`` torch threads on a CPU:
    ``specdecpp.core.timing``, torch.utils.benchmark), medians.
 2. The weight-read floor of a one-token target forward: the bytes of the weights it reads (every
    parameter but an untied input embedding) over the memory bandwidth, measured here by copying a
-   tensor of ``--bandwidth-mb`` MB (bytes read + written / seconds, median of ``--repeats``).
+   tensor of ``--bandwidth-mb`` MB (bytes read + written / seconds, median of ``--repeats``). The
+   copy is timed after the forwards, not beside them. On a shared machine whose speed drifts, the
+   ratio can be off by a third: on an Intel Xeon the copy swung from 10 to 14 GB/s within ten
+   minutes (docs/results/fast.md). ``scripts/bench_compile.py`` sets each forward against a copy
+   timed in the same round, which is the figure to judge the floor by.
 3. Decoding: target-only, fixed K 1-3, SVIP and, with ``--head DIR``, SpecDec++ with that head,
    each eager and fast; every method and backend on a prompt before the next prompt (the order of
    the backends rotates from prompt to prompt). Held-out prompts of the bundled test split with the
@@ -536,7 +540,8 @@ def forwards_table(result: dict) -> str:
     lines += ["", f"Memory bandwidth (a {result['bandwidth_mb']} MB copy, read + written bytes / s): "
               f"{floor['bandwidth_gb_s']:.1f} GB/s; the target reads {floor['weight_mb']:.1f} MB of weights per "
               f"forward: floor {floor['floor_ms']:.2f} ms; one-token forward eager {floor['eager_over_floor']:.2f}x, "
-              f"fast {floor['fast_over_floor']:.2f}x the floor."]
+              f"fast {floor['fast_over_floor']:.2f}x the floor (the copy timed after the forwards; "
+              "scripts/bench_compile.py sets each forward beside a copy)."]
     return "\n".join(lines)
 
 
