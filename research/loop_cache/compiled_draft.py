@@ -59,19 +59,21 @@ def top_kept(row: torch.Tensor, chunks: bool) -> tuple[torch.Tensor, torch.Tenso
 def draft_phase_fn(runner: static.StaticRunner, k: int, top_k: int, draw: bool = True, chunks: bool = False):
     """The K draft steps and draws as one function of (the last committed token [1], its slot
     start (0-d), K uniforms) -> (the K candidates [K], whether any row's ties spilled past KEEP).
-    ``draw=False``: the same K steps, each fed the token it was given and nothing drawn (the
-    forwards' own cost inside such a graph)."""
+    ``draw=False``: the same K steps, each fed the token it was given and nothing drawn, with the
+    K logits rows returned as a third output (the forwards' own cost inside such a graph: an
+    output no one reads would let inductor drop each step's output layer)."""
     fixed = (runner.decoder, runner.head, runner.cache_arg, runner.cache)
     causal = runner.causal_mask()
 
     def phase(token: torch.Tensor, start: torch.Tensor, u: torch.Tensor):
-        out, spilled = [], torch.zeros((), dtype=torch.bool)
+        out, rows, spilled = [], [], torch.zeros((), dtype=torch.bool)
         for i in range(k):
             slots = start + i + torch.arange(1)
             positions = start + i + torch.arange(1)
             logits, _ = static.static_step(*fixed, token, positions, slots, causal.index_select(0, slots)[None, None])
-            if not draw:
-                out.append(logits[0, :1].long())
+            if not draw:  # the next step is fed the same token again; each row is returned, so that
+                out.append(token)  # no step's output layer is left out of the graph
+                rows.append(logits[0])
                 continue
             values, ids, next_best = top_kept(logits[0].float(), chunks)
             kth = values[top_k - 1]
@@ -81,7 +83,7 @@ def draft_phase_fn(runner: static.StaticRunner, k: int, top_k: int, draw: bool =
             j = torch.searchsorted(cdf, (u[i] * cdf[-1]).reshape(1)).clamp_max(KEEP - 1)
             token = ids[j]
             out.append(token)
-        return torch.cat(out), spilled
+        return (torch.cat(out), spilled) if draw else (torch.cat(out), spilled, torch.stack(rows))
 
     return phase
 
@@ -143,7 +145,7 @@ def main() -> None:
 
         def one_call(compiled=compiled, stance=stance):
             with stance, mine.attention():
-                ids, spilled = compiled(token, start, torch.rand(args.k, generator=g))
+                ids, spilled, *_ = compiled(token, start, torch.rand(args.k, generator=g))
             return ids.tolist(), bool(spilled)
 
         one_call()
