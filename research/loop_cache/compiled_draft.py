@@ -29,12 +29,12 @@ import time
 
 import numpy as np
 import torch
+from demo_pair import demo_pair_bf16  # beside this file: the study's shared setting
 
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import Clock
 from specdecpp.decoders.rounds import Drafter
 from specdecpp.models import static
-from specdecpp.models.loading import load_pair
 from specdecpp.stopping.policies import FixedK
 
 KEEP = 64  # the fixed-size candidate set inside the compiled call
@@ -95,11 +95,7 @@ def main() -> None:
     ap.add_argument("--flush-mb", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=48)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    from specdecpp_demo import demo_draft_path, demo_target_path
-
-    draft, target, _ = load_pair(str(demo_draft_path()), str(demo_target_path()), device="cpu", dtype="bfloat16")
+    draft, target, _ = demo_pair_bf16()
     vocab = target.config.vocab_size
     sampling = SamplingConfig(temperature=1.0, top_k=50)
     g = torch.Generator().manual_seed(0)

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdecpp.models.loading import load_pair
 from specdecpp.stopping.head import load_head
 from specdecpp.stopping.policies import SVIP, SpecDecPP, algorithm2_stops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from demo_pair import demo_pair_bf16  # noqa: E402 (beside this file)
 from loop_alone import median_us  # noqa: E402
 
 
@@ -34,11 +34,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--flush-mb", type=int, default=256)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    from specdecpp_demo import demo_draft_path, demo_target_path
-
-    draft, _, _ = load_pair(str(demo_draft_path()), str(demo_target_path()), device="cpu", dtype="bfloat16")
+    draft, _, _ = demo_pair_bf16()
     vocab = draft.config.vocab_size
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(draft.config.hidden_size, generator=g).to(torch.bfloat16)
