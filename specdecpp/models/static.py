@@ -73,7 +73,9 @@ matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread h
 brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read floor (plain compile) to
 1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
 copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); 90-100 s per
-bucket of such a target on a quiet machine (plain: ~55 s); a later process loads a bucket from
+bucket of such a target on a quiet machine (plain: ~55 s), about 40% less since the first call compiles
+under :func:`~specdecpp.models.codegen_memo.memoised_codegen` (inductor's templates and index expressions
+kept by their text); a later process loads a bucket from
 inductor's FX graph cache (15 s) only where its graph holds no prepacked oneDNN weight (on an Intel
 Xeon one bucket's graph held none; on an AMD Zen 4 every one held some, since freezing prepacks before
 autotuning: "mkldnn tensors unpickleable", and each process compiles every bucket in full); and weights changed in place after a step compiled are not seen by it (the step holds the old
@@ -181,6 +183,7 @@ from tqdm import tqdm
 from ..core.attention import CPU_ATTENTION, attention_swap, decode_attention
 from ..core.compat import cache_kwargs
 from ..core.hooks import new_cache
+from .codegen_memo import memoised_codegen
 from .runner import HiddenHook, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -493,7 +496,8 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
         nonlocal compiled
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
-        with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options):
+        with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options), \
+                memoised_codegen():
             try:
                 out = compiled(*args)
             except Exception as e:  # inductor wraps its errors (InductorError, BackendCompilerFailed)

@@ -1,0 +1,107 @@
+"""Inductor's C++ GEMM template, rendered without parsing the same text again (issue 33, compile time).
+
+Under the CPU's tuned settings (:data:`specdecpp.models.static.TUNED_COMPILE_OPTIONS`: freezing and
+the C++ GEMM template) inductor renders every matrix product of a graph from jinja templates twice,
+once when it lists the product's kernel choices and once when it writes the graph's code: 542 renders
+for one bucket of a 30-layer Llama. Each render
+
+- compiles its jinja templates from their source again: ``KernelTemplate._template_from_string``
+  calls ``Environment.from_string``, which keeps no cache (6,705 template compiles for that bucket);
+- parses the kernel's index expressions from their text with sympy's ``parse_expr``
+  (``cpp_template_kernel.parse_expr_with_index_symbols``; 25,328 parses).
+
+Both are pure functions of a string, and the sources are a dozen constants of inductor's: the
+same text gives a template that renders the same code, and the same sympy expression (sympy's
+expressions are immutable). :func:`memoised_codegen` keeps each result by its text for the process
+while a step compiles. On a 2-core Intel Xeon that took a 135M-parameter Llama's one-token bucket from
+117-120 s to 71-74 s (docs/results/fast.md, "Compile time"). The generated code, and with it the
+kernels, are the same (tests/models/test_codegen_memo.py). Each patch is applied only where this torch has the function
+it replaces, with the signature it expects, and undone when the compile ends.
+``SPECDECPP_CODEGEN_MEMO=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+_TEMPLATES: dict[str, object] = {}  # a jinja template's source -> the template inductor compiled from it
+_EXPRESSIONS: dict[str, object] = {}  # an index expression's text -> the sympy expression inductor parsed
+_LOCK = threading.RLock()  # one patcher at a time: nested or concurrent compiles patch once
+_DEPTH = 0
+
+
+def enabled() -> bool:
+    """Whether compiles use the memos (``SPECDECPP_CODEGEN_MEMO=0`` turns them off)."""
+    return os.environ.get("SPECDECPP_CODEGEN_MEMO", "1").strip() != "0"
+
+
+def _takes_one_argument(fn) -> bool:
+    try:
+        return len(inspect.signature(fn).parameters) == 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _patches() -> list[tuple[object, str, object, object]]:
+    """(owner, attribute, original, replacement) for each function this torch has as expected."""
+    out = []
+    try:
+        import torch._inductor.compile_fx  # noqa: F401 (imports the codegen modules in the order their cycle needs)
+        from torch._inductor.codegen import common, cpp_template_kernel
+    except ImportError as exc:
+        log.debug("no inductor codegen to memoise (%s)", exc)
+        return out
+    template = getattr(common, "KernelTemplate", None)
+    original = inspect.getattr_static(template, "_template_from_string", None) if template is not None else None
+    if isinstance(original, staticmethod) and _takes_one_argument(original.__func__):
+        compile_template = original.__func__
+
+        def template_from_string(source):
+            if not isinstance(source, str):
+                return compile_template(source)
+            found = _TEMPLATES.get(source)
+            if found is None:
+                found = _TEMPLATES[source] = compile_template(source)
+            return found
+
+        out.append((template, "_template_from_string", original, staticmethod(template_from_string)))
+    parse = getattr(cpp_template_kernel, "parse_expr_with_index_symbols", None)
+    if parse is not None and _takes_one_argument(parse):
+        def parse_expr_with_index_symbols(expr):
+            if not isinstance(expr, str):  # a sympy expression is returned as it is, a list item by item (by the original)
+                return parse(expr)
+            found = _EXPRESSIONS.get(expr)
+            if found is None:
+                found = _EXPRESSIONS[expr] = parse(expr)
+            return found
+
+        out.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, parse_expr_with_index_symbols))
+    return out
+
+
+@contextlib.contextmanager
+def memoised_codegen(on: bool | None = None):
+    """Within it, inductor's jinja templates and its C++ template kernel's index expressions are kept
+    by their text (module docstring). ``on``: None follows :func:`enabled`; False does nothing."""
+    global _DEPTH
+    if not (enabled() if on is None else on):
+        yield
+        return
+    with _LOCK:
+        patches = _patches() if _DEPTH == 0 else []
+        for owner, name, _, replacement in patches:
+            setattr(owner, name, replacement)
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            for owner, name, original, _ in patches:
+                setattr(owner, name, original)
