@@ -6,7 +6,8 @@
 
 Compiles the demo target's (or draft's) one bucket per width under the given inductor options, as
 scripts/bench_compile.py does, and prints each width's compile time, inductor's FX graph cache counters
-and dynamo's per-phase compile times. ``--profile`` writes cProfile's stats of the compiles.
+and dynamo's per-phase compile times. ``--profile`` writes cProfile's stats of the compiles; ``--warm-up K``
+instead times what a fixed-K speculative decoder's ``warm_up`` compiles, whole, with each bucket's seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ from specdecpp.models.static import StaticRunner, _ModelSteps  # noqa: E402
 from specdecpp_demo.pair import cache_dir  # noqa: E402
 
 
+def warm_up(draft, target, k: int) -> int:
+    from specdecpp.core.sampling import SamplingConfig
+    from specdecpp.decoders.chain import SpeculativeDecoder
+    from specdecpp.models.static import model_steps
+    from specdecpp.stopping.policies import FixedK
+
+    decoder = SpeculativeDecoder(draft, target, FixedK(k), SamplingConfig(temperature=1.0, top_k=50), fast="compile")
+    t0 = time.perf_counter()
+    decoder.warm_up(64, 64, progress=True)
+    print(f"warm-up, fixed K={k}: {time.perf_counter() - t0:.1f} s", flush=True)
+    for name, model in (("target", target), ("draft", draft)):
+        for key, sec in model_steps(model).compile_seconds.items():
+            print(f"  {name} {key}: {sec:.1f} s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["target", "draft"], default="target")
@@ -35,10 +52,15 @@ def main() -> int:
     ap.add_argument("--options", default="tuned", help="a name of bench_compile.VARIANTS")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--warm-up", type=int, metavar="K",
+                    help="instead: what a fixed-K speculative decoder's warm-up compiles (fast='compile', the"
+                         " engine's buckets for a prompt of 64 and 64 new tokens), timed whole")
     args = ap.parse_args()
     torch.set_num_threads(1)
     demo = cache_dir()
     draft, target, _ = load_pair(str(demo / "draft"), str(demo / "target"), device="cpu", dtype="bfloat16")
+    if args.warm_up:
+        return warm_up(draft, target, args.warm_up)
     model = target if args.model == "target" else draft
     widths = [int(w) for w in args.widths.split(",")]
     runner = StaticRunner(model, model.config.vocab_size, False, fast="compile", max_len=args.size - max(widths),
