@@ -73,7 +73,7 @@ matrix-vector products, which ATen's bf16 GEMM runs at 3-12 GB/s on one thread h
 brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read floor (plain compile) to
 1.2x, a 15M-parameter one's from 3.4x to 1.05x. What that costs: each bucket's graph holds its own packed
 copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); 90-100 s per
-bucket of such a target on a quiet machine (plain: ~55 s), about 40% less since the first call compiles
+bucket of such a target on a quiet machine (plain: ~55 s), 30-40% less since the first call compiles
 under :func:`~specdecpp.models.codegen_memo.memoised_codegen` (inductor's templates and index expressions
 kept by their text); a later process loads a bucket from
 inductor's FX graph cache (15 s) only where its graph holds no prepacked oneDNN weight (on an Intel
