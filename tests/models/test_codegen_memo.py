@@ -17,6 +17,7 @@ from torch._inductor.codegen.common import KernelTemplate
 
 from specdecpp.models import codegen_memo
 from specdecpp.models.codegen_memo import enabled, memoised_codegen
+from specdecpp.models.static import _own_code
 
 SOURCE = "{% for n in names %}{{ n }} = {{ value|indent_except_first(1) }};\n{% endfor %}"
 EXPRESSIONS = ["m_end - m_start", "n_start + 2*Nr", "Mc_blocks*Mr", "0", "k_end"]
@@ -98,17 +99,20 @@ def test_same_code_with_and_without_the_memos():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 48)).eval()
     x = torch.randn(2, 64)
     options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+    def run(x):
+        return model(x)
+
     codes, outs = {}, {}
     for on in (False, True):
         codegen_memo._TEMPLATES.clear()
         codegen_memo._EXPRESSIONS.clear()
-        torch._dynamo.reset()
+        step = _own_code(run, f"codegen_memo_{'on' if on else 'off'}")  # a code object of its own: a first compile
         with torch.no_grad(), inductor_config.patch(freezing=True, force_disable_caches=True), memoised_codegen(on):
-            compiled = torch.compile(model, fullgraph=True, dynamic=False, options=options)
+            compiled = torch.compile(step, fullgraph=True, dynamic=False, options=options)
             outs[on], codes[on] = run_and_get_code(compiled, x)
         if on:
             used = bool(codegen_memo._TEMPLATES)
-    torch._dynamo.reset()
+    assert len(codes[False]) == len(codes[True]) == 1
     if not used:
         pytest.skip("inductor's C++ GEMM template does not run on this CPU (no template was rendered)")
     assert codegen_memo._EXPRESSIONS  # the template kernel's expressions went through the memo
