@@ -22,20 +22,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_compile import VARIANTS  # noqa: E402
+from bench_compile import runner_for  # noqa: E402
+from bench_fast import SAMPLINGS  # noqa: E402
 
 from specdecpp.models.loading import load_pair  # noqa: E402
-from specdecpp.models.static import StaticRunner, _ModelSteps  # noqa: E402
 from specdecpp_demo.pair import cache_dir  # noqa: E402
 
 
 def warm_up(draft, target, k: int) -> int:
-    from specdecpp.core.sampling import SamplingConfig
     from specdecpp.decoders.chain import SpeculativeDecoder
     from specdecpp.models.static import model_steps
     from specdecpp.stopping.policies import FixedK
 
-    decoder = SpeculativeDecoder(draft, target, FixedK(k), SamplingConfig(temperature=1.0, top_k=50), fast="compile")
+    decoder = SpeculativeDecoder(draft, target, FixedK(k), SAMPLINGS["paper"], fast="compile")
     t0 = time.perf_counter()
     decoder.warm_up(64, 64, progress=True)
     print(f"warm-up, fixed K={k}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -63,10 +62,7 @@ def main() -> int:
         return warm_up(draft, target, args.warm_up)
     model = target if args.model == "target" else draft
     widths = [int(w) for w in args.widths.split(",")]
-    runner = StaticRunner(model, model.config.vocab_size, False, fast="compile", max_len=args.size - max(widths),
-                          buckets=tuple(widths), cover=False)
-    runner.steps = _ModelSteps(warned_wide=True)
-    runner.compile_options = dict(VARIANTS[args.options] or {})
+    runner = runner_for(args.options, model, args.size, widths)
     ids = torch.randint(3, model.config.vocab_size, (64 + max(widths),), generator=torch.Generator().manual_seed(1))
     from torch._dynamo.utils import compile_times, counters
 

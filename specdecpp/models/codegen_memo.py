@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 _TEMPLATES: dict[str, object] = {}  # a jinja template's source -> the template inductor compiled from it
 _EXPRESSIONS: dict[str, object] = {}  # an index expression's text -> the sympy expression inductor parsed
-_LOCK = threading.RLock()  # one patcher at a time: nested or concurrent compiles patch once
+_LOCK = threading.Lock()  # one patcher at a time: nested or concurrent compiles patch once
 _DEPTH = 0
 
 
@@ -48,40 +48,37 @@ def _takes_one_argument(fn) -> bool:
         return False
 
 
+def _by_text(fn, memo: dict):
+    """``fn`` with its result kept in ``memo`` by its argument where that is a string (anything else
+    goes to ``fn`` as it is: a sympy expression, a list of texts)."""
+    def by_text(arg):
+        if not isinstance(arg, str):
+            return fn(arg)
+        found = memo.get(arg)
+        if found is None:
+            found = memo[arg] = fn(arg)
+        return found
+
+    return by_text
+
+
 def _patches() -> list[tuple[object, str, object, object]]:
     """(owner, attribute, original, replacement) for each function this torch has as expected."""
-    out = []
     try:
         import torch._inductor.compile_fx  # noqa: F401 (imports the codegen modules in the order their cycle needs)
         from torch._inductor.codegen import common, cpp_template_kernel
     except ImportError as exc:
         log.debug("no inductor codegen to memoise (%s)", exc)
-        return out
+        return []
+    out = []
     template = getattr(common, "KernelTemplate", None)
     original = inspect.getattr_static(template, "_template_from_string", None) if template is not None else None
     if isinstance(original, staticmethod) and _takes_one_argument(original.__func__):
-        compile_template = original.__func__
-
-        def template_from_string(source):
-            if not isinstance(source, str):
-                return compile_template(source)
-            found = _TEMPLATES.get(source)
-            if found is None:
-                found = _TEMPLATES[source] = compile_template(source)
-            return found
-
-        out.append((template, "_template_from_string", original, staticmethod(template_from_string)))
+        out.append((template, "_template_from_string", original,
+                    staticmethod(_by_text(original.__func__, _TEMPLATES))))
     parse = getattr(cpp_template_kernel, "parse_expr_with_index_symbols", None)
-    if parse is not None and _takes_one_argument(parse):
-        def parse_expr_with_index_symbols(expr):
-            if not isinstance(expr, str):  # a sympy expression is returned as it is, a list item by item (by the original)
-                return parse(expr)
-            found = _EXPRESSIONS.get(expr)
-            if found is None:
-                found = _EXPRESSIONS[expr] = parse(expr)
-            return found
-
-        out.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, parse_expr_with_index_symbols))
+    if parse is not None and _takes_one_argument(parse):  # a list's items come back through the patched name
+        out.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, _by_text(parse, _EXPRESSIONS)))
     return out
 
 
