@@ -26,26 +26,18 @@ import contextlib
 import inspect
 import logging
 import os
-import threading
+
+from .patching import PatchSet, takes_arguments
 
 log = logging.getLogger(__name__)
 
 _TEMPLATES: dict[str, object] = {}  # a jinja template's source -> the template inductor compiled from it
 _EXPRESSIONS: dict[str, object] = {}  # an index expression's text -> the sympy expression inductor parsed
-_LOCK = threading.Lock()  # one patcher at a time: nested or concurrent compiles patch once
-_DEPTH = 0
 
 
 def enabled() -> bool:
     """Whether compiles use the memos (``SPECDECPP_CODEGEN_MEMO=0`` turns them off)."""
     return os.environ.get("SPECDECPP_CODEGEN_MEMO", "1").strip() != "0"
-
-
-def _takes_one_argument(fn) -> bool:
-    try:
-        return len(inspect.signature(fn).parameters) == 1
-    except (TypeError, ValueError):
-        return False
 
 
 def _by_text(fn, memo: dict):
@@ -73,32 +65,24 @@ def _patches() -> list[tuple[object, str, object, object]]:
     out = []
     template = getattr(common, "KernelTemplate", None)
     original = inspect.getattr_static(template, "_template_from_string", None) if template is not None else None
-    if isinstance(original, staticmethod) and _takes_one_argument(original.__func__):
+    if isinstance(original, staticmethod) and takes_arguments(original.__func__, 1):
         out.append((template, "_template_from_string", original,
                     staticmethod(_by_text(original.__func__, _TEMPLATES))))
     parse = getattr(cpp_template_kernel, "parse_expr_with_index_symbols", None)
-    if parse is not None and _takes_one_argument(parse):  # a list's items come back through the patched name
+    if parse is not None and takes_arguments(parse, 1):  # a list's items come back through the patched name
         out.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, _by_text(parse, _EXPRESSIONS)))
     return out
+
+
+_MEMOS = PatchSet(_patches)
 
 
 @contextlib.contextmanager
 def memoised_codegen(on: bool | None = None):
     """Within it, inductor's jinja templates and its C++ template kernel's index expressions are kept
     by their text (module docstring). ``on``: None follows :func:`enabled`; False does nothing."""
-    global _DEPTH
     if not (enabled() if on is None else on):
         yield
         return
-    with _LOCK:
-        patches = _patches() if _DEPTH == 0 else []
-        for owner, name, _, replacement in patches:
-            setattr(owner, name, replacement)
-        _DEPTH += 1
-    try:
+    with _MEMOS.applied():
         yield
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            for owner, name, original, _ in patches:
-                setattr(owner, name, original)

@@ -75,10 +75,11 @@ brought a 135M-parameter Llama's one-token forward from 2.2x the weight-read flo
 copy of the weights (+~330 MB per bucket for a 135M-parameter Llama in bf16); 90-100 s per
 bucket of such a target on a quiet machine (plain: ~55 s), 30-40% less since the first call compiles
 under :func:`~specdecpp.models.codegen_memo.memoised_codegen` (inductor's templates and index expressions
-kept by their text); a later process loads a bucket from
-inductor's FX graph cache (15 s) only where its graph holds no prepacked oneDNN weight (on an Intel
-Xeon one bucket's graph held none; on an AMD Zen 4 every one held some, since freezing prepacks before
-autotuning: "mkldnn tensors unpickleable", and each process compiles every bucket in full); and weights changed in place after a step compiled are not seen by it (the step holds the old
+kept by their text); a later process loads a bucket from inductor's FX graph cache (28 s for
+that target's one-token bucket) since the first call also runs under
+:func:`~specdecpp.models.packed_cache.packed_weights_cacheable`, which keys the oneDNN-packed weights
+by their values (inductor alone skips graphs that hold them, "mkldnn tensors unpickleable"; float32's
+MKL-packed weights still miss); and weights changed in place after a step compiled are not seen by it (the step holds the old
 ones: use a new model object). Dynamo reads ``freezing`` from inductor's config while it traces,
 so the first call runs under ``inductor.config.patch(freezing=...)`` (``torch.compile(options=)``
 reaches inductor only); freezing needs autograd off, and every step runs under ``torch.no_grad``.
@@ -184,6 +185,7 @@ from ..core.attention import CPU_ATTENTION, attention_swap, decode_attention
 from ..core.compat import cache_kwargs
 from ..core.hooks import new_cache
 from .codegen_memo import memoised_codegen
+from .packed_cache import packed_weights_cacheable
 from .runner import HiddenHook, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -497,7 +499,7 @@ def compiled_step(model, step, key: tuple, name: str, steps: _ModelSteps | None 
         t0 = time.perf_counter()
         # dynamo reads ``freezing`` from inductor's config while it traces (options= reaches inductor only)
         with inductor_config.patch(freezing=bool(options.get("freezing", False))), quiet_autotuning(options), \
-                memoised_codegen():
+                memoised_codegen(), packed_weights_cacheable():
             try:
                 out = compiled(*args)
             except Exception as e:  # inductor wraps its errors (InductorError, BackendCompilerFailed)
