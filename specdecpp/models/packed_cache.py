@@ -85,7 +85,13 @@ def _patches() -> list[tuple[object, str, object, object]]:
 
     def reduce_tensor(self, t):
         if getattr(t, "is_mkldnn", False):
-            return (ident, (packed_key(t),))
+            try:
+                key = packed_key(t)
+            except Exception as exc:  # a packed tensor with no dense form: skip the cache, as inductor does
+                log.debug("packed weight %s not keyed by value (%s): inductor skips the cache", tuple(t.shape), exc)
+                original_check(t)
+                raise
+            return (ident, (key,))
         return reduce(self, t)
 
     return [(validator, "check_tensor", check, staticmethod(check_tensor)),

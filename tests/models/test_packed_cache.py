@@ -69,6 +69,18 @@ def test_packed_tensors_pass_the_check_and_reach_the_key_only_inside():
     assert current() == before
 
 
+@needs_mkldnn
+def test_a_packed_tensor_that_cannot_be_digested_skips_the_cache(monkeypatch):
+    from specdecpp.models import packed_cache
+
+    def fails(t):
+        raise RuntimeError("no dense form")
+
+    monkeypatch.setattr(packed_cache, "packed_key", fails)
+    with packed_weights_cacheable(True), pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
+        pickler()._reduce_tensor(packed(0)[1])
+
+
 def test_off_switch_and_restored_after_an_error(monkeypatch):
     before = current()
     with packed_weights_cacheable(False):
