@@ -78,6 +78,18 @@ def training_identity(cfg: DictConfig, dataset_fingerprint: str, draft_ref: str)
     return dict(sorted(identity.items()))
 
 
+def same_setting(key: str, saved, now) -> bool:
+    """Whether a training identity's ``key`` has the same value in a checkpoint (``saved``) and now. The
+    draft may be named by another path to the same local directory (relative or absolute, e.g. under another
+    ``SPECDECPP_CACHE`` spelling): both are resolved where they exist; a hub id is compared as it is."""
+    if saved == now:
+        return True
+    if key != "pair.draft" or not (isinstance(saved, str) and isinstance(now, str)):
+        return False
+    here, there = Path(now), Path(saved)
+    return here.exists() and there.exists() and here.resolve() == there.resolve()
+
+
 def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
     """``last.ckpt`` of the checkpoint callback if a previous run of the same training left one.
 
@@ -95,7 +107,8 @@ def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:
         differ = ["(the checkpoint records no training identity: it was written by an older version)"]
     else:
         differ = [f"{k}: {saved.get(k, '<unset>')!r} there, {identity.get(k, '<unset>')!r} now"
-                  for k in sorted(set(saved) | set(identity)) if saved.get(k, "<unset>") != identity.get(k, "<unset>")]
+                  for k in sorted(set(saved) | set(identity))
+                  if not same_setting(k, saved.get(k, "<unset>"), identity.get(k, "<unset>"))]
     if differ:
         raise ValueError(f"{last} is a checkpoint of a different training run; it differs in: {'; '.join(differ)}. "
                          f"Either choose another out=... for this run, or delete {last.parent} to start over "

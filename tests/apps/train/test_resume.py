@@ -192,3 +192,21 @@ def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pa
         run(train_cfg(overrides("small_data", tiny_dataset, "seed=1")))
     again = run(train_cfg(overrides("small_data")))  # the same command: the same run, resumed (done)
     assert again["global_step"] == 12
+
+
+def test_the_same_draft_by_another_path_is_the_same_setting(tmp_path, monkeypatch):
+    """A checkpoint written with the draft named by a relative path resumes when it is named by the
+    absolute one (or through a link); another directory, another key or a hub id that differs do not."""
+    from train.app import same_setting
+
+    (tmp_path / "cache" / "draft").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    absolute = str(tmp_path / "cache" / "draft")
+    assert same_setting("pair.draft", "cache/draft", absolute)
+    assert same_setting("pair.draft", "link/draft", "cache/draft")
+    assert not same_setting("pair.draft", "other", absolute)
+    assert not same_setting("pair.draft", "org/model-a", "org/model-b")  # hub ids, not on disk
+    assert not same_setting("data.path", "cache/draft", absolute)  # only the draft's path is resolved
+    assert not same_setting("pair.draft", "missing/draft", str(tmp_path / "missing" / "draft"))
