@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from specdecpp.models.identity import same_model
+
 # Keys that must agree between a run and the rows already in its result file.
 RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size", "fast",
             "capture_rounds")
@@ -58,10 +60,25 @@ def repair_tail(path: Path) -> None:
         path.write_text(head + "\n" if head else "")
 
 
+def same_run_value(key: str, written, now) -> bool:
+    """Whether a row's setting ``key`` equals this run's. A pair's models may be named another way
+    (:func:`~specdecpp.models.identity.same_model`: a relative or absolute path to one local directory,
+    as two spellings of ``SPECDECPP_CACHE`` give, or its portable identity); everything else as it is."""
+    if written == now:
+        return True
+    if key != "pair" or not (isinstance(written, dict) and isinstance(now, dict)) or written.keys() != now.keys():
+        return False
+    models = ("draft", "target")
+    return all(written[k] == now[k] for k in written if k not in models) and all(
+        isinstance(written.get(k), str) and isinstance(now.get(k), str) and same_model(written[k], now[k])
+        for k in models if k in written)
+
+
 def check_resumable(path: Path, rows: list[dict], run: dict) -> None:
     """Refuse to append to a file written with other settings (it would mix two experiments)."""
     for row in rows:
-        diff = [k for k in RUN_KEYS if row.get(k, RUN_DEFAULTS.get(k)) != run.get(k, RUN_DEFAULTS.get(k))]
+        diff = [k for k in RUN_KEYS
+                if not same_run_value(k, row.get(k, RUN_DEFAULTS.get(k)), run.get(k, RUN_DEFAULTS.get(k)))]
         if diff:
             k = diff[0]
             raise ValueError(

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.data.dataset import dataset_fingerprint
 from specdecpp.models.fit import config_hidden_size
+from specdecpp.models.identity import same_model
 from specdecpp.models.loading import (
     dtype_name,
     load_config,
@@ -80,14 +81,11 @@ def training_identity(cfg: DictConfig, dataset_fingerprint: str, draft_ref: str)
 
 def same_setting(key: str, saved, now) -> bool:
     """Whether a training identity's ``key`` has the same value in a checkpoint (``saved``) and now. The
-    draft may be named by another path to the same local directory (relative or absolute, e.g. under another
-    ``SPECDECPP_CACHE`` spelling): both are resolved where they exist; a hub id is compared as it is."""
+    draft may be named another way (:func:`specdecpp.models.identity.same_model`: a relative or absolute path
+    to one local directory, as two spellings of ``SPECDECPP_CACHE`` give, or its portable identity)."""
     if saved == now:
         return True
-    if key != "pair.draft" or not (isinstance(saved, str) and isinstance(now, str)):
-        return False
-    here, there = Path(now), Path(saved)
-    return here.exists() and there.exists() and here.resolve() == there.resolve()
+    return key == "pair.draft" and isinstance(saved, str) and isinstance(now, str) and same_model(saved, now)
 
 
 def _resume_checkpoint(callbacks: list, identity: dict) -> str | None:

@@ -618,3 +618,24 @@ def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
     build_report(tmp_path / "res", tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
     assert "free_h0.5" in text and "paper_h0.5" in text
+
+
+def test_a_pair_named_by_other_paths_to_the_same_directories_is_the_same_run(tmp_path, monkeypatch):
+    """Rows written with the pair's models named by relative paths resume a run that names them by absolute
+    ones (two spellings of SPECDECPP_CACHE); another directory, another pair name or other settings do not."""
+    from infer.results import check_resumable, same_run_value
+
+    for role in ("draft", "target", "other"):
+        (tmp_path / "cache" / role).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    written = {"name": "demo", "draft": "cache/draft", "target": "cache/target"}
+    now = {"name": "demo", "draft": str(tmp_path / "cache" / "draft"), "target": str(tmp_path / "cache" / "target")}
+    assert same_run_value("pair", written, now)
+    assert not same_run_value("pair", written, {**now, "target": str(tmp_path / "cache" / "other")})
+    assert not same_run_value("pair", written, {**now, "name": "other"})
+    assert not same_run_value("pair", {**written, "draft": "org/a"}, {**now, "draft": "org/b"})  # hub ids
+    assert not same_run_value("settings", "cache/draft", now["draft"])  # only a pair's models are resolved
+    row = {"method": "fixed_k", "pair": written, "max_new_tokens": 8}
+    check_resumable(tmp_path / "r.jsonl", [row], {**row, "pair": now})  # no error
+    with pytest.raises(ValueError, match="different pair"):
+        check_resumable(tmp_path / "r.jsonl", [row], {**row, "pair": {**now, "draft": "elsewhere"}})
