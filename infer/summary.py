@@ -19,6 +19,7 @@ from specdecpp.analysis.costmodel import (
     predicted_tokens_per_s,
 )
 from specdecpp.analysis.stats import bootstrap_interval, paired_ratio_interval
+from specdecpp.models.identity import model_key
 
 from .methods import METHODS
 from .results import pooled_wall
@@ -49,10 +50,17 @@ GROUP_KEYS = ("pair", "draft", "target", "device", "prompts", "sampling", "batch
 def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Rows compared in one table: same pair, device, prompt set, sampling, batch size (a batched
     method against target-only at the same batch size) and fast path (a fast method against fast
-    target-only; ``fast`` None: eager)."""
-    groups = defaultdict(list)
+    target-only; ``fast`` None: eager). A pair's models are compared as
+    :func:`~specdecpp.models.identity.model_key` names them: two paths to one directory are one model."""
+    groups, models = defaultdict(list), {}
+
+    def model_of(ref):
+        if ref is not None and ref not in models:
+            models[ref] = model_key(ref)
+        return models.get(ref)
+
     for row in rows:
-        key = (row["pair"]["name"], row["pair"]["draft"], row["pair"]["target"], row.get("device", "?"),
+        key = (row["pair"]["name"], *(model_of(row["pair"][k]) for k in ("draft", "target")), row.get("device", "?"),
                row["prompts"]["name"], sampling_label(row["sampling"]), row.get("batch_size", 1), row.get("fast") or "")
         groups[key].append(row)
     return dict(sorted(groups.items()))

@@ -144,6 +144,16 @@ def resolve_model(ref: str) -> str:
     return str(directory)
 
 
+def model_key(ref: str | os.PathLike) -> str:
+    """One text per model for grouping records, as :func:`same_model` compares: the identity where the
+    reference has one, an existing local path resolved, anything else (a hub id) as given."""
+    identity = model_identity(ref)
+    if identity is not None:
+        return identity
+    path = Path(os.path.expanduser(str(ref)))
+    return str(path.resolve()) if path.exists() else str(ref).rstrip("/")
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model references name the same model: by identity where either side has one (a
     stamped directory against its identity, or two copies of one model), local paths compared

@@ -16,6 +16,7 @@ from specdecpp import AcceptanceHead, load_head, load_pair, register_resolver
 from specdecpp.models.identity import (
     IDENTITY_FILE,
     model_identity,
+    model_key,
     parse_identity,
     portable_name,
     same_model,
@@ -99,6 +100,22 @@ def test_identity_parsing_and_portable_names(tmp_path, tiny_pair):
         register_resolver("bad@name", lambda ident: None)
     (tmp_path / IDENTITY_FILE).write_text("not json")
     assert model_identity(tmp_path) is None  # a broken stamp is no identity
+
+
+def test_model_key_names_a_model_once_however_it_is_referred_to(tmp_path, monkeypatch):
+    """model_key groups as same_model compares: relative, absolute, linked and slashed paths to one
+    directory give one key; a stamped directory gives its identity; other directories and hub ids differ."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "n").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    spellings = ["m", "m/", str(tmp_path / "m"), "link", "./m"]
+    assert len({model_key(s) for s in spellings}) == 1
+    assert all(same_model(a, b) for a in spellings for b in spellings)
+    assert model_key("n") != model_key("m") and not same_model("n", "m")
+    assert model_key("org/model") == model_key("org/model/") == "org/model"
+    write_identity(tmp_path / "n", "my-draft@3f2a")
+    assert model_key("n") == model_key("my-draft@3f2a") == "my-draft@3f2a"
 
 
 def test_shipped_heads_record_no_local_path():

@@ -288,3 +288,22 @@ def test_report_pairs_each_door_run_with_the_direct_decoder_of_the_same_policy(t
         "11 of 12 prompts" in text
     assert "over specdecpp h_h0.5 (faster); the same tokens on 12 of 12 prompts" in text
     assert "- hf_custom k3: no direct fixed_k run with these settings" in text
+
+
+def test_rows_naming_one_pair_by_other_paths_share_a_table(tmp_path, monkeypatch):
+    """Rows whose pair names the same directories by a relative and by an absolute path (a resumed file or a
+    method added later under another SPECDECPP_CACHE spelling) land in one group; another target does not."""
+    from infer.summary import group_rows
+
+    for role in ("draft", "target", "other"):
+        (tmp_path / role).mkdir()
+    monkeypatch.chdir(tmp_path)
+
+    def row(method, draft, target):
+        return {"method": method, "pair": {"name": "demo", "draft": draft, "target": target},
+                "prompts": {"name": "p"}, "sampling": {"temperature": 0.0}}
+
+    groups = group_rows([row("target_only", "draft", "target"),
+                         row("fixed_k", str(tmp_path / "draft"), str(tmp_path / "target") + "/"),
+                         row("svip", "draft", "other")])
+    assert sorted(sorted(r["method"] for r in g) for g in groups.values()) == [["fixed_k", "target_only"], ["svip"]]
