@@ -19,8 +19,9 @@ from specdecpp.models.packed_cache import enabled, packed_key, packed_weights_ca
 from specdecpp.models.static import _own_code
 
 pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-needs_mkldnn = pytest.mark.skipif(pack is None or not torch.backends.mkldnn.is_available(),
-                                  reason="this torch packs no weight for oneDNN")
+needs_mkldnn = pytest.mark.skipif(pack is None or not torch.backends.mkldnn.is_available()
+                                  or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                  reason="this torch or CPU packs no bf16 weight for oneDNN")
 
 
 def current():
@@ -104,7 +105,6 @@ def mlp(seed: int) -> torch.nn.Module:
 
 
 @needs_mkldnn
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN packs no bf16 weight here")
 @pytest.mark.slow
 def test_cached_for_the_same_weights_and_not_for_others(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
