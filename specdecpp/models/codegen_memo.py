@@ -22,7 +22,6 @@ it replaces, with the signature it expects, and undone when the compile ends.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -74,15 +73,10 @@ def _patches() -> list[tuple[object, str, object, object]]:
     return out
 
 
-_MEMOS = PatchSet(_patches)
+_MEMOS = PatchSet(_patches, enabled)
 
 
-@contextlib.contextmanager
 def memoised_codegen(on: bool | None = None):
     """Within it, inductor's jinja templates and its C++ template kernel's index expressions are kept
     by their text (module docstring). ``on``: None follows :func:`enabled`; False does nothing."""
-    if not (enabled() if on is None else on):
-        yield
-        return
-    with _MEMOS.applied():
-        yield
+    return _MEMOS.applied(on)

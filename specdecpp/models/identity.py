@@ -159,10 +159,4 @@ def same_model(a: str, b: str) -> bool:
     stamped directory against its identity, or two copies of one model), local paths compared
     resolved (a symlink, ``~`` or a trailing slash names the same directory), other references
     (hub ids) as text."""
-    ia, ib = model_identity(a), model_identity(b)
-    if ia is not None or ib is not None:
-        return ia == ib
-    pa, pb = Path(os.path.expanduser(str(a))), Path(os.path.expanduser(str(b)))
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return str(a).rstrip("/") == str(b).rstrip("/")
+    return model_key(a) == model_key(b)

@@ -34,7 +34,6 @@ expects (both or none), and only while a step's first call compiles (``static.co
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import logging
@@ -98,16 +97,11 @@ def _patches() -> list[tuple[object, str, object, object]]:
             (pickler, "_reduce_tensor", reduce, reduce_tensor)]
 
 
-_PATCHES = PatchSet(_patches)
+_PATCHES = PatchSet(_patches, enabled)
 
 
-@contextlib.contextmanager
 def packed_weights_cacheable(on: bool | None = None):
     """Within it, inductor's FX graph cache keys oneDNN-packed weights by their values instead of
     skipping graphs that hold them (module docstring). ``on``: None follows :func:`enabled`; False
     does nothing."""
-    if not (enabled() if on is None else on):
-        yield
-        return
-    with _PATCHES.applied():
-        yield
+    return _PATCHES.applied(on)

@@ -28,11 +28,16 @@ def takes_arguments(fn, n: int) -> bool:
 class PatchSet:
     """The patches ``make()`` lists, applied while a block of :meth:`applied` runs (module docstring)."""
 
-    def __init__(self, make: Callable[[], list[tuple[object, str, object, object]]]) -> None:
-        self.make, self.depth = make, 0
+    def __init__(self, make: Callable[[], list[tuple[object, str, object, object]]],
+                 enabled: Callable[[], bool]) -> None:
+        self.make, self.enabled, self.depth = make, enabled, 0
 
     @contextlib.contextmanager
-    def applied(self):
+    def applied(self, on: bool | None = None):
+        """The patches applied while the block runs. ``on``: None follows ``enabled()``; False does nothing."""
+        if not (self.enabled() if on is None else on):
+            yield
+            return
         with _LOCK:
             patches = self.make() if self.depth == 0 else []
             for owner, name, _, replacement in patches:
