@@ -164,7 +164,8 @@ class SpeculativeDecoder(FastPlanned):
             return step_graphs(drafter.runner, target, self.policy, k, self.sampling, self.vocab,
                                drafter.eos if drafter.stop_at_eos else set(), seq, fused)
         except CaptureFailed as exc:
-            log.warning("%s; decoding round by round (capture_rounds=False)", exc)
+            # the text, not the exception: a kept log record would keep its traceback's frames, and the runners in them
+            log.warning("%s; decoding round by round (capture_rounds=False)", str(exc))
             self.capture_rounds = False
             return None
 

@@ -150,7 +150,8 @@ says so once per model. What it costs, beyond the one-row runner's: each decodin
 CUDA graphs (``fast="graphs"``): a graph replays kernels on fixed addresses, so the KV buffers of
 a model and size live in a :class:`GraphSet` kept for the process (with each bucket's
 :class:`CapturedStep` and one memory pool), leased by one live runner at a time
-(:func:`lease_graph_set`; a second live runner gets a set of its own). Rollback moves lengths,
+(:func:`lease_graph_set`; a second live runner gets a set of its own, a runner only a reference
+cycle keeps does not count: the lease collects cycles first). Rollback moves lengths,
 compaction and a batch's row moves are in-place index copies, and a growing batch runner leases
 the larger set. A bucket is captured lazily on its first forward (or by ``CallRunners.warm_up``):
 the forward's tensors are copied into the step's static inputs, the eager step runs
@@ -170,6 +171,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import time
@@ -593,7 +595,7 @@ def direct_call(graphs: list, args: tuple, out, name: str):
     try:
         again = call(*args)
     except Exception as exc:  # noqa: BLE001 - any failure: dynamo's path stays
-        log.debug("%s: calling its graph directly failed (%s); calls go through dynamo", name, exc)
+        log.debug("%s: calling its graph directly failed (%s); calls go through dynamo", name, str(exc))
         return None
     if len(again) != len(out) or not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                                          and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(again, out, strict=True)):
@@ -752,7 +754,7 @@ class GraphSet:
         self.graphs: dict = {}
         self.rounds: dict = {}  # a target's set: the captured rounds over it (specdecpp/decoders/captured.py)
         self.pool = None  # torch.cuda.graph_pool_handle(), taken at the first capture
-        self.owner = None  # weakref to the runner that holds the set
+        self.owner = None  # weakref to what holds the set: a batch runner, or a one-row runner's cache
 
     def free(self) -> bool:
         return self.owner is None or self.owner() is None
@@ -783,10 +785,17 @@ class GraphSet:
 
 def lease_graph_set(model, owner, rows: int, size: int, dtype: torch.dtype, device) -> GraphSet:
     """A free :class:`GraphSet` of ``model`` for ``rows`` buffer rows of ``size`` slots (a new one
-    if every such set is held by a live runner), now held by ``owner`` until the runner is garbage
-    (or the set's ``owner`` is set to None)."""
+    if every such set is held by a live runner), now held by ``owner`` until it is garbage (or the
+    set's ``owner`` is set to None; a one-row runner hands it on to its cache, so that a cache a call
+    returned keeps its buffers from the next call). Where every set is held, the cyclic garbage collector
+    runs first: a runner that nothing reachable refers to but a reference cycle still keeps (the
+    frames of a caught exception's traceback, say, which hold the runner whose forward raised) is
+    not live, and a second set would cost its buffers and every capture again."""
     sets = model_steps(model).graph_sets.setdefault((rows, size, dtype), [])
     graph_set = next((s for s in sets if s.free()), None)
+    if graph_set is None and sets:
+        gc.collect()
+        graph_set = next((s for s in sets if s.free()), None)
     if graph_set is None:
         graph_set = GraphSet(model.config, rows, size, dtype, device)
         sets.append(graph_set)
@@ -914,6 +923,8 @@ class StaticRunner(StaticModel):
             self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
             buffers = (self.graph_set.keys, self.graph_set.values)
         self.cache = StaticKV(model.config, size, self.dtype, self.device, buffers)
+        if buffers is not None:  # the set is held while this cache lives: in this runner, or returned by a call
+            self.graph_set.owner = weakref.ref(self.cache)  # (return_caches=True), whose buffers no later call may reuse
 
     @property
     def length(self) -> int:

@@ -154,6 +154,34 @@ def test_each_bucket_captured_once_then_never(graphs_on, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_runner_kept_only_by_a_reference_cycle_frees_its_set(graphs_on, device):
+    """A dropped runner that a reference cycle still keeps in memory (the frames of a caught
+    exception's traceback hold the runner whose forward raised) is not live: the next runner leases
+    its set, buffers and captures, with the automatic collector off, and captures nothing again."""
+    import gc
+
+    graphs_on(device)
+    model = fresh(device)
+    runners = CallRunners("graphs", (model,))
+    steps = model_steps(model)
+    gc.collect()
+    gc.disable()
+    try:
+        first = runners(40, (1, 2))(model, VOCAB, False)
+        first.feed(torch.zeros(2, dtype=torch.long, device=device))
+        held, captures = first.graph_set, steps.captures
+        first.cycle = [first]  # alive until a collection
+        del first
+        assert not held.free()
+        second = runners(40, (1, 2))(model, VOCAB, False)
+        assert second.graph_set is held and len(steps.graph_sets[(1, held.size, second.dtype)]) == 1
+        second.feed(torch.zeros(2, dtype=torch.long, device=device))
+        assert steps.captures == captures
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_warm_up_shows_its_steps(graphs_on, device, capsys):
     """warm_up(progress=True): a bar over every (model, width) step, and with ``rows`` every (model,
     batch, width) step, each counted once it is captured; progress=False prints nothing."""
@@ -225,6 +253,31 @@ def test_decoders_on_fake_graphs_equal_greedy_and_capture_once(graphs_on, name):
             assert decoder.generate(torch.tensor([prompt]), max_new_tokens=n).tokens.tolist() == ref.tolist()
         counts.append((model_steps(target).captures, model_steps(draft).captures))
     assert counts[0][0] > 0 and counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_returned_cache_keeps_its_buffers_from_later_calls(graphs_on, device):
+    """generate(return_caches=True) under fast='graphs': the caches it returns keep their graph sets,
+    so a later call decodes in sets of its own and leaves them as they were; once the output is
+    dropped, the next call leases those sets again (no third set)."""
+    from specdecpp import SamplingConfig
+    from tests.decoders.test_exactness import DECODERS
+    from tests.helpers.tiny import noisy_copy
+
+    graphs_on(device)
+    target = on(device, tiny_lm(32, 32, 2, seed=5, scale=0.4))
+    draft = on(device, noisy_copy(target, 0.3, seed=6))
+    decoder = DECODERS["chain-fixed_k3-fast_graphs"](draft, target, SamplingConfig(temperature=0), {})
+    out = decoder.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=5, return_caches=True)
+    kept = {role: (cache, cache.length, [k.clone() for k in cache.keys]) for role, cache in out.caches.items()}
+    decoder.generate(torch.tensor([[7, 9, 11, 4]], device=device), max_new_tokens=5)
+    for role, (cache, length, keys) in kept.items():
+        assert cache.length == length and all(torch.equal(a, b) for a, b in zip(cache.keys, keys, strict=True)), role
+    sets = [model_steps(m).graph_sets for m in (target, draft)]
+    assert [sum(len(v) for v in g.values()) for g in sets] == [2, 2]
+    del out, kept, cache
+    decoder.generate(torch.tensor([[5, 6]], device=device), max_new_tokens=5)
+    assert [sum(len(v) for v in g.values()) for g in sets] == [2, 2]
 
 
 @pytest.mark.slow
