@@ -394,7 +394,7 @@ def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRu
     """The end of every decoder's ``generate``: the totals and the output."""
     stats.wall_time_s = wall_time_s
     stats.n_generated = seq.n_generated
-    caches = {"draft": draft.cache, "target": target.cache} if return_caches else None
+    caches = {"draft": draft.kept_cache(), "target": target.kept_cache()} if return_caches else None
     return GenerateOutput(tokens=seq.output(), stats=stats, caches=caches)
 
 

@@ -112,6 +112,10 @@ class ModelRunner(HiddenHook):
         """Keep the first ``length`` cached tokens (no-op if fewer are cached)."""
         crop_to(self.cache, length)
 
+    def kept_cache(self):
+        """The cache a call hands out (``return_caches=True``): this runner's own; no later call uses it."""
+        return self.cache
+
 
 def check_plain_layer(layer) -> None:
     """Compaction rewrites a cache layer's ``keys``/``values`` in place, which is right for

@@ -754,7 +754,7 @@ class GraphSet:
         self.graphs: dict = {}
         self.rounds: dict = {}  # a target's set: the captured rounds over it (specdecpp/decoders/captured.py)
         self.pool = None  # torch.cuda.graph_pool_handle(), taken at the first capture
-        self.owner = None  # weakref to what holds the set: a batch runner, or a one-row runner's cache
+        self.owner = None  # weakref to the runner that holds the set
 
     def free(self) -> bool:
         return self.owner is None or self.owner() is None
@@ -786,8 +786,7 @@ class GraphSet:
 def lease_graph_set(model, owner, rows: int, size: int, dtype: torch.dtype, device) -> GraphSet:
     """A free :class:`GraphSet` of ``model`` for ``rows`` buffer rows of ``size`` slots (a new one
     if every such set is held by a live runner), now held by ``owner`` until it is garbage (or the
-    set's ``owner`` is set to None; a one-row runner hands it on to its cache, so that a cache a call
-    returned keeps its buffers from the next call). Where every set is held, the cyclic garbage collector
+    set's ``owner`` is set to None). Where every set is held, the cyclic garbage collector
     runs first: a runner that nothing reachable refers to but a reference cycle still keeps (the
     frames of a caught exception's traceback, say, which hold the runner whose forward raised) is
     not live, and a second set would cost its buffers and every capture again."""
@@ -923,8 +922,6 @@ class StaticRunner(StaticModel):
             self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
             buffers = (self.graph_set.keys, self.graph_set.values)
         self.cache = StaticKV(model.config, size, self.dtype, self.device, buffers)
-        if buffers is not None:  # the set is held while this cache lives: in this runner, or returned by a call
-            self.graph_set.owner = weakref.ref(self.cache)  # (return_caches=True), whose buffers no later call may reuse
 
     @property
     def length(self) -> int:
@@ -1063,6 +1060,17 @@ class StaticRunner(StaticModel):
                 return step(*fixed, ids, positions, slots, causal.index_select(0, slots)[None, None])
 
         return forward
+
+    def kept_cache(self) -> StaticKV:
+        """The cache a call hands out (``return_caches=True``): this runner's own, or under the graph
+        backends a copy of it, since its buffers are a graph set's, which the next call leases."""
+        if self.fast not in GRAPH_BACKENDS:
+            return self.cache
+        cache = self.cache
+        kept = StaticKV(self.model.config, cache.size, self.dtype, self.device,
+                        ([k.clone() for k in cache.keys], [v.clone() for v in cache.values]))
+        kept.length = cache.length
+        return kept
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (no-op if fewer are cached): a position move."""

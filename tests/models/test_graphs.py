@@ -257,9 +257,9 @@ def test_decoders_on_fake_graphs_equal_greedy_and_capture_once(graphs_on, name):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_returned_cache_keeps_its_buffers_from_later_calls(graphs_on, device):
-    """generate(return_caches=True) under fast='graphs': the caches it returns keep their graph sets,
-    so a later call decodes in sets of its own and leaves them as they were; once the output is
-    dropped, the next call leases those sets again (no third set)."""
+    """generate(return_caches=True) under fast='graphs': the caches it returns hold what the call's
+    graph sets held at its end (the valid slots equal an eager call's caches) in buffers of their own,
+    so a later call, which leases the same sets (one per model), leaves them as they were."""
     from specdecpp import SamplingConfig
     from tests.decoders.test_exactness import DECODERS
     from tests.helpers.tiny import noisy_copy
@@ -267,17 +267,26 @@ def test_a_returned_cache_keeps_its_buffers_from_later_calls(graphs_on, device):
     graphs_on(device)
     target = on(device, tiny_lm(32, 32, 2, seed=5, scale=0.4))
     draft = on(device, noisy_copy(target, 0.3, seed=6))
-    decoder = DECODERS["chain-fixed_k3-fast_graphs"](draft, target, SamplingConfig(temperature=0), {})
-    out = decoder.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=5, return_caches=True)
-    kept = {role: (cache, cache.length, [k.clone() for k in cache.keys]) for role, cache in out.caches.items()}
+    greedy, prompt = SamplingConfig(temperature=0), torch.tensor([[1, 2, 3]], device=device)
+    decoder = DECODERS["chain-fixed_k3-fast_graphs"](draft, target, greedy, {})
+    out = decoder.generate(prompt, max_new_tokens=5, return_caches=True)
+    eager = DECODERS["chain-fixed_k3"](draft, target, greedy, {}).generate(prompt, max_new_tokens=5, return_caches=True)
+    assert torch.equal(out.tokens, eager.tokens)
+    sets = {role: model_steps(m).graph_sets for role, m in (("target", target), ("draft", draft))}
+    kept = {}
+    for role, cache in out.caches.items():
+        (graph_set,), = sets[role].values()
+        assert cache.keys[0].data_ptr() != graph_set.keys[0].data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, graph_set.keys + graph_set.values,
+                                                    strict=True))
+        layer = eager.caches[role].layers[0]
+        n = cache.length
+        assert n == layer.keys.shape[-2] and torch.allclose(cache.keys[0][..., :n, :], layer.keys, atol=1e-5), role
+        kept[role] = [k.clone() for k in cache.keys + cache.values]
     decoder.generate(torch.tensor([[7, 9, 11, 4]], device=device), max_new_tokens=5)
-    for role, (cache, length, keys) in kept.items():
-        assert cache.length == length and all(torch.equal(a, b) for a, b in zip(cache.keys, keys, strict=True)), role
-    sets = [model_steps(m).graph_sets for m in (target, draft)]
-    assert [sum(len(v) for v in g.values()) for g in sets] == [2, 2]
-    del out, kept, cache
-    decoder.generate(torch.tensor([[5, 6]], device=device), max_new_tokens=5)
-    assert [sum(len(v) for v in g.values()) for g in sets] == [2, 2]
+    for role, cache in out.caches.items():
+        assert [len(v) for v in sets[role].values()] == [1], role
+        assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, kept[role], strict=True)), role
 
 
 @pytest.mark.slow
