@@ -43,6 +43,7 @@ from .rounds import (
     TokenBuffer,
     check_generate_args,
     check_hooks,
+    check_token_ids,
     device_generator,
     finish,
 )
@@ -336,8 +337,9 @@ class BatchDrafter:
         return block.peeked[b]
 
 
-def check_batch_args(prompts, max_new_tokens, generators, batch_size) -> None:
-    """The argument checks of ``generate_batch``: each prompt as ``generate`` checks it."""
+def check_batch_args(prompts, max_new_tokens, generators, batch_size, models=None) -> None:
+    """The argument checks of ``generate_batch``: each prompt as ``generate`` checks it (its ids
+    against ``models``, the decoder's ``(draft, target)``)."""
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of 1-D LongTensors (one prompt per row), got {type(prompts).__name__}")
     if not prompts:
@@ -348,6 +350,8 @@ def check_batch_args(prompts, max_new_tokens, generators, batch_size) -> None:
                              f"{getattr(p, 'shape', type(p).__name__)} {getattr(p, 'dtype', '')}".rstrip())
         if p.shape[0] == 0:
             raise ValueError(f"prompts[{i}] is empty: give at least one prompt token (e.g. BOS)")
+        if models is not None:
+            check_token_ids(p, models, f"prompts[{i}]")
     check_generate_args(prompts[0].unsqueeze(0), max_new_tokens)
     if generators is not None and (not isinstance(generators, (list, tuple)) or len(generators) != len(prompts)):
         raise ValueError(f"generators must be a list of one torch.Generator per prompt ({len(prompts)}), got "
@@ -474,7 +478,7 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
                    hooks: CallHooks | None = None) -> list[GenerateOutput]:
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
-    check_batch_args(prompts, max_new_tokens, generators, batch_size)
+    check_batch_args(prompts, max_new_tokens, generators, batch_size, (decoder.draft, decoder.target))
     check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")

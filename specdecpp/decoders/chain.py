@@ -100,7 +100,7 @@ class SpeculativeDecoder(FastPlanned):
         """``hooks``: what the caller adds to this call (:class:`~specdecpp.decoders.rounds.CallHooks`:
         logits processing, a stop check, a commit callback; ``specdecpp.hf`` uses them)."""
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
-                                                self.profile, hooks)
+                                                self.profile, hooks, (self.draft, self.target))
         process = hooks or CallHooks()
         tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy,

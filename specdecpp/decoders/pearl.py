@@ -222,7 +222,7 @@ class PEARLDecoder:
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
-        rounds.check_generate_args(prompt_ids, max_new_tokens)
+        rounds.check_generate_args(prompt_ids, max_new_tokens, (self.draft, self.target))
         gamma = self.resolve_gamma()
         # two streams of randomness fixed up front: the draft's samples and the verification's
         seeds = torch.randint(0, 2**62, (2,), generator=generator,

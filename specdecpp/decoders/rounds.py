@@ -292,8 +292,9 @@ class TokenBuffer:
         return self.tokens[: self.n].unsqueeze(0).clone()
 
 
-def check_generate_args(prompt_ids, max_new_tokens) -> None:
-    """The argument checks every decoder's ``generate`` shares."""
+def check_generate_args(prompt_ids, max_new_tokens, models=None) -> None:
+    """The argument checks every decoder's ``generate`` shares. ``models``: the ``(draft, target)``
+    pair, whose input vocabularies every prompt id must lie in (:func:`check_token_ids`)."""
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be a LongTensor of shape [1, L], got "
                          f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
@@ -301,6 +302,36 @@ def check_generate_args(prompt_ids, max_new_tokens) -> None:
         raise ValueError("prompt_ids is empty: give at least one prompt token (e.g. BOS)")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if models is not None:
+        check_token_ids(prompt_ids, models)
+
+
+def input_vocab_size(model) -> int | None:
+    """The token ids ``model`` embeds (its input embedding's rows; None: it does not say)."""
+    layer = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    size = getattr(layer, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else None
+
+
+def check_token_ids(prompt_ids: torch.Tensor, models, name: str = "prompt_ids") -> None:
+    """Every id of ``prompt_ids`` ([1, L], or one batch row [L]) is a token both models of ``models``
+    (draft, target) embed: an integer in [0, V) for the smaller input vocabulary V; otherwise a
+    ValueError naming the first bad id, its position and the vocabulary sizes (rather than an
+    embedding's IndexError)."""
+    if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids (a LongTensor), got dtype {prompt_ids.dtype}")
+    sizes = {role: input_vocab_size(m) for role, m in zip(("draft", "target"), models, strict=True)}
+    sizes = {role: v for role, v in sizes.items() if v is not None}
+    if not sizes:
+        return
+    vocab = min(sizes.values())
+    bad = ((prompt_ids < 0) | (prompt_ids >= vocab)).nonzero()
+    if len(bad):  # one host read per call, before any forward
+        where = tuple(int(i) for i in bad[0])
+        sizes_said = ", ".join(f"{role} {v}" for role, v in sizes.items())
+        raise ValueError(f"{name}[{', '.join(map(str, where))}] = {int(prompt_ids[where])} is not a token id of the "
+                         f"models: ids run 0..{vocab - 1} (vocabulary sizes: {sizes_said}); {len(bad)} id(s) of "
+                         f"{name} are outside it. Tokenize the prompt with the pair's tokenizer")
 
 
 def device_generator(generator: torch.Generator | None, device: torch.device):
@@ -313,11 +344,13 @@ def device_generator(generator: torch.Generator | None, device: torch.device):
 
 def start_generate(prompt_ids, max_new_tokens, eos_token_id, generator: torch.Generator | None,
                    device: torch.device, profile: bool,
-                   hooks: CallHooks | None = None) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
-    """The opening of a one-generator ``generate``: the argument checks, the generator on the
-    models' device, the call's clock (synchronised), the round marks (``sync=profile``) and the
-    prompt's :class:`TokenBuffer` (row 0, with the call's ``hooks``)."""
-    check_generate_args(prompt_ids, max_new_tokens)
+                   hooks: CallHooks | None = None,
+                   models=None) -> tuple[torch.Generator | None, Clock, Clock, TokenBuffer]:
+    """The opening of a one-generator ``generate``: the argument checks (the prompt's ids against
+    ``models``, the decoder's ``(draft, target)``), the generator on the models' device, the call's
+    clock (synchronised), the round marks (``sync=profile``) and the prompt's :class:`TokenBuffer`
+    (row 0, with the call's ``hooks``)."""
+    check_generate_args(prompt_ids, max_new_tokens, models)
     check_hooks(hooks)
     return (device_generator(generator, device), Clock(device), Clock(device, sync=profile),
             TokenBuffer(prompt_ids, max_new_tokens, eos_token_id, device, hooks=hooks))

@@ -322,7 +322,7 @@ class SequoiaDecoder(FastPlanned):
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
                  eos_token_id: int | Iterable[int] | None = None, return_caches: bool = False) -> GenerateOutput:
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
-                                                self.profile)
+                                                self.profile, models=(self.draft, self.target))
         tokens, ((_, draft_buckets), (_, target_buckets)) = self.fast_plan(seq.prompt_len, max_new_tokens)
         draft = self.runners(tokens, draft_buckets)(self.draft, self.vocab, False)
         target = self.runners(tokens, target_buckets)(self.target, self.vocab, False)
