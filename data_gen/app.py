@@ -28,17 +28,26 @@ from specdecpp.data.labels import (
     sample_responses_with_probs,
     shared_vocab,
 )
-from specdecpp.data.prompts import encode_prompt
+from specdecpp.data.prompts import (
+    context_limit,
+    encode_prompt,
+    prompt_digest,
+    source_file_digest,
+    too_long,
+)
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
-from specdecpp.models.static import GRAPH_BACKENDS, check_fast, set_compile_options
+from specdecpp.fast.buckets import GRAPH_BACKENDS, check_fast
+from specdecpp.fast.compiling import set_compile_options
 
 from .plan import (
     Shard,
     build_meta,
     cascade_of,
     check_resumable,
+    check_same_prompts,
     load_split_prompts,
+    long_prompts_of,
     owned_shards,
     plan_shards,
     settings_meta,
@@ -83,14 +92,18 @@ class _Progress:
 
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress,
-                cascade: Cascade | None = None, fast: str | None = None) -> list[dict]:
-    """Rows of one shard, in prompt order. Responses are sampled with ``batch_size`` rows
-    continuously batched (a finished row's place goes to the next prompt, shortest prompts first),
-    keeping the target's p_i, on the fast path's static batch runner with ``fast``; then labelled
-    ``batch_size`` at a time (one draft forward), grouped by length to limit padding."""
-    encoded = [encode_prompt(tokenizer, p.prompt) for p in shard.prompts]
+                cascade: Cascade | None = None, fast: str | None = None,
+                skip: frozenset[str] = frozenset()) -> list[dict]:
+    """Rows of one shard, in prompt order, none for the prompts in ``skip``. Responses are sampled
+    with ``batch_size`` rows continuously batched (a finished row's place goes to the next prompt,
+    shortest prompts first), keeping the target's p_i, on the fast path's static batch runner with
+    ``fast``; then labelled ``batch_size`` at a time (one draft forward), grouped by length to limit padding."""
+    prompts = [p for p in shard.prompts if p.id not in skip]
+    if not prompts:
+        return []
+    encoded = [encode_prompt(tokenizer, p.prompt) for p in prompts]
     eos = eos_token_ids(tokenizer, target)
-    gens = [prompt_generator(seed, p.id, target.device) for p in shard.prompts]
+    gens = [prompt_generator(seed, p.id, target.device) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     sampled, kept = sample_responses_with_probs(
         target, [encoded[i] for i in order], sampling, max_new_tokens, [gens[i] for i in order], eos_token_id=eos,
@@ -106,7 +119,7 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
                                  target_probs=None if target_probs is None else [target_probs[i] for i in batch],
                                  cascade=cascade)
         for i, lab in zip(batch, labels, strict=True):
-            prompt = shard.prompts[i]
+            prompt = prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
                        "target_ids": responses[i], "draft_ids": lab.draft_ids.tolist(),
                        "p_acc": lab.p_acc.tolist(), "draft_entropy": lab.draft_entropy.tolist()}
@@ -151,8 +164,20 @@ def _check_settings(cfg: DictConfig) -> None:
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    long_prompts_of(cfg)
     fast = cfg.get("fast")
     check_fast("data_gen", fast, resolve_device(cfg.pair.get("device", "auto")) if fast in GRAPH_BACKENDS else None)
+
+
+def _long_prompts(cfg: DictConfig, todo: list[Shard], draft, target, tokenizer) -> dict[str, int]:
+    """The prompts of ``todo`` too long for the pair's context with ``max_new_tokens`` more tokens
+    (id -> prompt tokens): refused under ``long_prompts=error``, returned to skip under ``skip``."""
+    limit, source = context_limit(draft=getattr(draft, "config", None), target=target.config)
+    if limit is None:
+        return {}
+    lengths = {p.id: len(encode_prompt(tokenizer, p.prompt)) for s in todo for p in s.prompts}
+    return too_long(lengths, int(cfg.max_new_tokens), limit, source, long_prompts_of(cfg),
+                    where=f"data_gen prompts {cfg.prompts.get('path') or cfg.prompts.source!r}")
 
 
 def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[Shard],
@@ -162,6 +187,7 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
     draft, target, tokenizer = load_pair(cfg.pair.draft, cfg.pair.target, device=cfg.pair.device,
                                          dtype=cfg.pair.dtype)
     vocab = shared_vocab(draft, target)
+    skip = _long_prompts(cfg, todo, draft, target, tokenizer)  # refused (or skipped) before any model runs
     meta = build_meta(cfg, draft, target, vocab)
     if existing is None:
         write_meta(out, meta)
@@ -176,8 +202,9 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
         rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
                            max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
                            vocab=vocab, progress=progress, cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None,
-                           fast=cfg.get("fast"))
-        save_shard(out, shard.split, shard.index, rows)
+                           fast=cfg.get("fast"), skip=frozenset(skip))
+        save_shard(out, shard.split, shard.index, rows, prompts=[[p.id, prompt_digest(p)] for p in shard.prompts],
+                   skipped={p.id: skip[p.id] for p in shard.prompts if p.id in skip})
     progress.bar.close()
     return progress.prompts, progress.tokens, time.perf_counter() - progress.start
 
@@ -196,6 +223,7 @@ def run(cfg: DictConfig) -> DataGenResult:
     existing = _check_out_dir(out)
     if existing is not None:
         check_resumable(str(out), existing, settings_meta(cfg))
+        check_same_prompts(str(out), shards, existing, source_file_digest(cfg.prompts.source, cfg.prompts.get("path")))
     if existing is not None and existing.get("complete"):
         log.info("%s is already complete (%s rows); nothing to do", out, existing.get("rows"))
         return DataGenResult(out, complete=True, rows=existing.get("rows", {}))

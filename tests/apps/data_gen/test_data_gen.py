@@ -16,10 +16,10 @@ import torch
 import data_gen.app
 from data_gen import run
 from specdecpp.core.sampling import SamplingConfig
-from specdecpp.data.dataset import DatasetError, load_labelled
-from specdecpp.data.prompts import encode_prompt
+from specdecpp.data.dataset import PROMPTS_FILE, DatasetError, load_labelled, shard_done
+from specdecpp.data.prompts import Prompt, encode_prompt, prompt_digest
 from specdecpp.models.loading import load_model
-from tests.helpers.data_gen import make_cfg, recompute_row
+from tests.helpers.data_gen import PROMPTS, make_cfg, recompute_row
 from tests.helpers.paths import REPO
 
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
@@ -336,3 +336,111 @@ def test_self_draft_labels_are_one_and_greedy_matches_transformers(tiny_pair, pr
         assert row["target_ids"] == reference[0, len(row["prompt_ids"]):].tolist()
 
 
+
+
+def rewrite_prompt(path, pid, text):
+    """Edit one prompt of a JSONL file in place, keeping its id (issue 64, row 1)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        if row["id"] == pid:
+            old, row["prompt"] = row["prompt"], text
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return old
+
+
+def test_resume_refuses_prompts_edited_in_place(tiny_pair, prompts_file, tmp_path):
+    """Issue 64 row 1: a resume (shard.index=1 after shard.index=0, or a rerun of a finished run)
+    after a prompt's text was edited under the same id is refused, naming the id and both digests;
+    with the original text back it resumes and finishes, and a finished run is then left alone."""
+    path = tmp_path / "prompts.jsonl"
+    shutil.copy(prompts_file, path)
+    out = tmp_path / "data"
+    run(make_cfg(tiny_pair, path, out, "shard.index=0", "shard.count=2"))  # train/0 (t0, t1) and train/2 (t4)
+    original = rewrite_prompt(path, "t1", "Explain how a hash map works.")
+    before, after = (prompt_digest(Prompt("t1", text)) for text in (original, "Explain how a hash map works."))
+    fix = rf"choose another out= directory \(or delete '{out}' to relabel everything\)"
+    with pytest.raises(ValueError, match=rf"already holds labels for prompt 't1' made from another text: its digest "
+                                         rf"there is {before}, the prompts now give {after}.*{fix}"):
+        run(make_cfg(tiny_pair, path, out, "shard.index=1", "shard.count=2"))
+    assert not shard_done(out, "train", 1)  # refused before labelling anything
+    rewrite_prompt(path, "t3", "def sub(a, b):")  # not labelled yet (train/1): free to change
+    rewrite_prompt(path, "t1", original)
+    result = run(make_cfg(tiny_pair, path, out, "shard.index=1", "shard.count=2"))
+    assert result.complete and result.n_prompts == 4
+    rows = {r["id"]: r["prompt"] for ds in load_labelled(out)[0].values() for r in ds}
+    assert rows["t1"] == original and rows["t3"] == "def sub(a, b):" and len(rows) == 7
+    assert json.loads((out / PROMPTS_FILE).read_text())["splits"]["train"][1] == ["t1", before]
+
+    rewrite_prompt(path, "d0", "A brand new prompt.")  # the finished run is not "nothing to do" any more
+    with pytest.raises(ValueError, match=rf"prompt 'd0' made from another text.*{fix}"):
+        run(make_cfg(tiny_pair, path, out))
+    path.write_text(path.read_text().replace("A brand new prompt.", PROMPTS[5][2]))
+    assert run(make_cfg(tiny_pair, path, out)).n_prompts == 0
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")  # the same texts, reordered
+    with pytest.raises(ValueError, match=r"split 'train' holds 5 labelled prompt\(s\), but the prompts of this run put "
+                                         r"5 there, the first difference at position 0 \('t0' there, 't1' now\): "
+                                         r"prompts were added, removed or reordered"):
+        run(make_cfg(tiny_pair, path, out))
+
+
+def test_outputs_written_before_prompt_digests_are_checked_from_their_rows(tiny_pair, prompts_file, baseline, tmp_path):
+    """Shards and datasets made before digests were recorded (no "prompts" in the .done markers, no
+    prompt_digests.json) are checked against the prompt texts their rows store: the same prompts
+    resume, an edited one is refused."""
+    path = tmp_path / "prompts.jsonl"
+    shutil.copy(prompts_file, path)
+    out = tmp_path / "old"
+    run(make_cfg(tiny_pair, path, out, "shard.index=0", "shard.count=2"))
+    for marker in (out / "shards").rglob("*.done"):
+        legacy = json.loads(marker.read_text())
+        del legacy["prompts"]
+        marker.write_text(json.dumps(legacy))
+    original = rewrite_prompt(path, "t4", "Name a colour.")
+    with pytest.raises(ValueError, match="already holds labels for prompt 't4' made from another text"):
+        run(make_cfg(tiny_pair, path, out, "shard.index=1", "shard.count=2"))
+    rewrite_prompt(path, "t4", original)
+    assert run(make_cfg(tiny_pair, path, out, "shard.index=1", "shard.count=2")).complete
+    (out / PROMPTS_FILE).unlink()
+    assert run(make_cfg(tiny_pair, path, out)).n_prompts == 0
+    rewrite_prompt(path, "t0", "Write a short poem about the moon.")
+    with pytest.raises(ValueError, match="already holds labels for prompt 't0' made from another text"):
+        run(make_cfg(tiny_pair, path, out))
+
+
+def long_prompts_file(tmp_path, tokenizer):
+    """The fixture's train prompts plus one of more than the tiny pair's 512 positions (issue 64 row 4)."""
+    path = tmp_path / "long.jsonl"
+    text = "Summarise this: " + "the sea is wide and deep " * 120
+    rows = [{"id": i, "prompt": p} for i, s, p in PROMPTS if s == "train"][:3] + [{"id": "huge", "prompt": text}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, len(encode_prompt(tokenizer, text))
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_model_runs(tiny_pair, tmp_path, monkeypatch):
+    """Issue 64 row 4: a prompt whose tokens plus max_new_tokens pass max_position_embeddings is
+    refused, naming its id, its length and the limit, before any sampling; long_prompts=skip leaves
+    it out with a warning naming it, and records it in the meta."""
+    path, n = long_prompts_file(tmp_path, tiny_pair.tokenizer)
+    assert n + 8 > 512
+    monkeypatch.setattr(data_gen.app, "sample_responses_with_probs",
+                        lambda *a, **k: pytest.fail("sampled before the length check"))
+    out = tmp_path / "long"
+    with pytest.raises(ValueError, match=rf"prompt 'huge' is {n} tokens long \(chat template applied\); with "
+                                         rf"max_new_tokens=8 it needs {n + 8} positions, more than the pair's context "
+                                         r"of 512 \(max_position_embeddings of the draft\).*long_prompts=skip"):
+        run(make_cfg(tiny_pair, path, out, "splits=null"))
+    assert not out.exists()
+    with pytest.raises(ValueError, match="long_prompts must be one of error, skip, got 'drop'"):
+        run(make_cfg(tiny_pair, path, out, "splits=null", "long_prompts=drop"))
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match=rf"skipping 1 prompt\(s\) longer than the pair's context of 512 .*'huge' "
+                                         rf"\({n} tokens\)"):
+        result = run(make_cfg(tiny_pair, path, out, "splits=null", "long_prompts=skip"))
+    assert result.complete and result.rows == {"train": 3}
+    splits, meta = load_labelled(out)
+    assert "huge" not in splits["train"]["id"] and meta["skipped_prompts"] == {"huge": n}
+    assert meta["long_prompts"] == "skip"
+    assert run(make_cfg(tiny_pair, path, out, "splits=null", "long_prompts=skip")).n_prompts == 0
+    with pytest.raises(ValueError, match=r"other settings \(long_prompts: existing .skip. vs now .error.\)"):
+        run(make_cfg(tiny_pair, path, out, "splits=null"))

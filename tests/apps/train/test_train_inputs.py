@@ -4,6 +4,8 @@ another pair; each named before anything is written."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 
@@ -124,4 +126,19 @@ def test_joining_datasets_of_another_pair_or_with_leaked_prompts_is_refused(tiny
     with pytest.raises(ValueError, match=message):
         run(train_cfg([*base_overrides(tiny_pair, a, tmp_path), "data.path=[]" if case == "empty" else
                        f"data.path=[{a},{b}]"]))
+    assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_same_dataset_named_twice_in_data_path_is_refused(tiny_pair, tmp_path):
+    """Issue 64 row 2: ``data.path=[A,A]`` (or another spelling of A, or a copy of A) would count every
+    row twice; it is refused naming both entries, before anything is written."""
+    vocab = tiny_pair.vocab
+    a = save_dataset(tmp_path / "a", {"train": random_rows(6, vocab, 1), "dev": random_rows(4, vocab, 2)},
+                     tiny_pair.draft, 32, vocab)
+    copy = shutil.copytree(a, tmp_path / "copy")
+    for other, why in ((a, "are one directory"), (tmp_path / "x" / ".." / "a", "are one directory"),
+                       (copy, "hold the same rows")):
+        with pytest.raises(ValueError, match=rf"data.path names the same dataset twice: entries 1 \('{a}'\) and 2 "
+                                             rf"\('{re.escape(str(other))}'\) {why}, so every row would count twice"):
+            run(train_cfg([*base_overrides(tiny_pair, a, tmp_path), f"data.path=[{a},{other}]"]))
     assert not (tmp_path / "head").exists() and not (tmp_path / "cache").exists()
