@@ -21,14 +21,30 @@ from specdecpp import StopPolicy
 from specdecpp.analysis.quality import target_quality
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.core.timing import machine_description
-from specdecpp.data.prompts import Prompt, encode_prompt, load_prompts
+from specdecpp.data.prompts import (
+    LONG_PROMPTS,
+    Prompt,
+    context_limit,
+    encode_prompt,
+    load_prompts,
+    prompt_digest,
+    too_long,
+)
 from specdecpp.data.tasks import code_execution_allowed, score_output
+from specdecpp.fast.buckets import GRAPH_BACKENDS, check_fast
+from specdecpp.fast.compiling import set_compile_options
 from specdecpp.models.loading import dtype_name, eos_token_ids, load_pair, resolve_device
 from specdecpp.models.reduced_vocab import output_vocab_size
-from specdecpp.models.static import GRAPH_BACKENDS, check_fast, set_compile_options
 
 from .methods import CascadeMethod, MethodSpec, build_runner, resolve_method, takes_fast
-from .results import ResultWriter, check_resumable, pooled_wall, prompt_seed, read_rows
+from .results import (
+    ResultWriter,
+    check_resumable,
+    check_same_prompts,
+    pooled_wall,
+    prompt_seed,
+    read_rows,
+)
 from .tags import result_path
 
 log = logging.getLogger(__name__)
@@ -52,6 +68,7 @@ class Job:
     allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
     fast: str | None = None  # the fast path's backend (None: eager; docs/engine.md "The fast path")
     capture_rounds: bool | str = True  # graph backends, chain methods: whole rounds captured (True), not (False), or fused
+    long_prompts: str = "error"  # a prompt too long for the pair's context: refused (error) or left out (skip)
 
 
 def fill_pair_from_head(cfg, head_path=None) -> None:
@@ -116,8 +133,12 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
         **({"capture_rounds": capture_rounds} if capture_rounds is not True else {}),  # likewise
     }
     path = result_path(cfg.out, spec.tag, sampling, seed, batch_size, batch_fill, fast, capture_rounds)
+    long_prompts = cfg.get("long_prompts", "error")
+    if long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"long_prompts must be one of {', '.join(LONG_PROMPTS)}, got {long_prompts!r}")
     rows = read_rows(path)
     check_resumable(path, rows, run_keys)
+    check_same_prompts(path, rows, prompts)
     done = {row["prompt_id"] for row in rows}
     return Job(spec=spec, sampling=sampling, path=path, run_keys=run_keys,
                todo=[q for q in prompts if q.id not in done], n_done=len(done),
@@ -125,7 +146,7 @@ def prepare(cfg, spec: MethodSpec | None = None, head_path=None) -> Job:
                max_new_tokens=max_new_tokens, warmup_tokens=int(cfg.get("warmup_tokens", 0)),
                progress=bool(cfg.get("progress", True)), profile=bool(cfg.get("profile", False)),
                batch_size=batch_size, batch_fill=batch_fill, allow_code_execution=allow_code_execution, fast=fast,
-               capture_rounds=capture_rounds)
+               capture_rounds=capture_rounds, long_prompts=long_prompts)
 
 
 def job_fast(cfg, spec: MethodSpec) -> str | None:
@@ -205,7 +226,8 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
-        **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_len": prompt_len,
+        **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_digest": prompt_digest(prompt),
+        "prompt_len": prompt_len,
         "device": str(device), "machine": machine_of(device), "dtype": dtype_name(dtype), "timed": timed,
         "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
         "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
@@ -233,6 +255,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
         for q in job.todo:
             order.setdefault(q.id, q)
     encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
+    encoded = skip_long_prompts(jobs, encoded, draft, target)  # refused (or left out) before any model runs
     for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
         if job.fast and job.todo and hasattr(runner, "warm_up"):
             seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens,
@@ -303,6 +326,21 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                     writer.append({**row, "batch_id": batch_id, "batch_wall_time_s": wall})
                 bar.update(len(mine))
     return [summarize(job) for job in jobs]
+
+
+def skip_long_prompts(jobs: list[Job], encoded: dict, draft, target) -> dict:
+    """Check every job's prompts against the pair's context (:func:`specdecpp.data.prompts.too_long`:
+    prompt tokens plus ``max_new_tokens`` within ``max_position_embeddings``, which also caps the fast
+    path's static caches): a long one is an error, or under ``long_prompts=skip`` it is dropped from
+    the job's prompts (no row) with a warning. Returns ``encoded`` without prompts no job decodes."""
+    limit, source = context_limit(draft=getattr(draft, "config", None), target=target.config)
+    for job in jobs:
+        lengths = {q.id: encoded[q.id].shape[1] for q in job.todo}
+        long = too_long(lengths, job.max_new_tokens, limit, source, job.long_prompts,
+                        where=f"infer prompts {job.run_keys['prompts']['name']!r}")
+        job.todo = [q for q in job.todo if q.id not in long]
+    kept = {q.id for job in jobs for q in job.todo}
+    return {pid: ids for pid, ids in encoded.items() if pid in kept}
 
 
 def summarize(job: Job) -> dict:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
+from specdecpp.data.prompts import prompt_digest
 from specdecpp.models.identity import same_model
+
+log = logging.getLogger(__name__)
 
 # Keys that must agree between a run and the rows already in its result file.
 RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size", "fast",
@@ -85,6 +89,28 @@ def check_resumable(path: Path, rows: list[dict], run: dict) -> None:
                 f"result file {path} holds rows with different {', '.join(diff)} "
                 f"(file: {row.get(k)!r}, this run: {run.get(k)!r}); choose another out= directory "
                 f"or pair.name, or move that file away; it was left untouched")
+
+
+def check_same_prompts(path: Path, rows: list[dict], prompts) -> None:
+    """Refuse to resume a result file whose rows were decoded from other prompt texts than this run
+    gives the same ids (rows record ``prompt_digest``, :func:`specdecpp.data.prompts.prompt_digest`).
+    Rows written before the digest was recorded are trusted, with one warning."""
+    now = {q.id: prompt_digest(q) for q in prompts}
+    unchecked = 0
+    for row in rows:
+        pid, written = row.get("prompt_id"), row.get("prompt_digest")
+        if pid not in now:
+            continue
+        if written is None:
+            unchecked += 1
+        elif written != now[pid]:
+            raise ValueError(f"result file {path} holds a row for prompt {pid!r} decoded from another text: its digest "
+                             f"there is {written}, the prompts now give {now[pid]} (the prompts changed since that row "
+                             "was written). Restore the original prompts to resume, or start a fresh result file: "
+                             "choose another out= directory or move that file away; it was left untouched")
+    if unchecked:
+        log.warning("%s: %d row(s) were written before prompt digests were recorded; trusting that their prompts "
+                    "are unchanged (move the file away to decode them again)", path, unchecked)
 
 
 def pooled_wall(rows: list[dict]) -> float:

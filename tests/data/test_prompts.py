@@ -135,6 +135,42 @@ def test_jsonl_skips_malformed_lines_with_one_counting_warning(tmp_path):
                        Prompt("7", "Numeric id.")]
 
 
+def test_jsonl_skips_a_line_that_is_not_utf8_naming_file_and_line(tmp_path):
+    """Issue 64 row 3: one line of invalid UTF-8 is skipped with the warning docs/prompts.md
+    promises (file and line named); the other lines are kept. A UTF-8 BOM is not an error."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "First."}).encode() + b"\n"
+                     + b'{"id": "b", "prompt": "caf\xe9 au lait"}\n'  # Latin-1, not UTF-8
+                     + json.dumps({"id": "c", "prompt": "Caf\u00e9 cr\u00e8me."}).encode() + b"\n")
+    with pytest.warns(UserWarning) as record:
+        prompts = load_prompts("jsonl", path=path)
+    messages = [str(w.message) for w in record if "p.jsonl" in str(w.message)]
+    assert len(messages) == 1
+    assert f"prompts file {str(path)!r}: skipped 0 malformed line(s), 1 line(s) that are not valid UTF-8 " \
+           "(line 2) and 0 blank line(s)" in messages[0]
+    assert prompts == [Prompt("a", "First."), Prompt("c", "Caf\u00e9 cr\u00e8me.")]
+
+
+def test_prompt_digest_and_the_context_check(tmp_path):
+    """The digest resumes compare (id and text), and the long-prompt check of data_gen and infer."""
+    from specdecpp.data.prompts import context_limit, prompt_digest, too_long
+
+    assert prompt_digest(Prompt("a", "x")) == prompt_digest(Prompt("a", "x", answer="1"))
+    assert len({prompt_digest(Prompt("a", "x")), prompt_digest(Prompt("a", "y")), prompt_digest(Prompt("b", "x"))}) == 3
+    limit, source = context_limit(draft=type("C", (), {"max_position_embeddings": 8192})(),
+                                  target=type("C", (), {"max_position_embeddings": 4096})())
+    assert (limit, source) == (4096, "max_position_embeddings of the target")
+    assert context_limit(target=object()) == (None, "")
+    assert too_long({"p": 10_004, "q": 20}, 128, None, "") == {}  # no limit known
+    with pytest.raises(ValueError, match=r"prompts: prompt 'p' is 10004 tokens long \(chat template applied\); with "
+                                         r"max_new_tokens=128 it needs 10132 positions, more than the pair's context "
+                                         r"of 4096 \(max_position_embeddings of the target\)\. .*long_prompts=skip"):
+        too_long({"q": 20, "p": 10_004}, 128, limit, source)
+    with pytest.warns(UserWarning, match=r"skipping 1 prompt\(s\) .*'p' \(10004 tokens\)"):
+        assert too_long({"q": 20, "p": 10_004}, 128, limit, source, "skip") == {"p": 10_004}
+    assert too_long({"q": 3968}, 128, limit, source) == {}  # exactly fits
+
+
 def test_jsonl_clean_file_gives_no_warning(tmp_path, recwarn):
     path = write_lines(tmp_path / "p.jsonl", [json.dumps({"id": f"q{i}", "prompt": f"Prompt {i}"})
                                               for i in range(4)])

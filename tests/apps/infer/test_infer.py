@@ -639,3 +639,53 @@ def test_a_pair_named_by_other_paths_to_the_same_directories_is_the_same_run(tmp
     check_resumable(tmp_path / "r.jsonl", [row], {**row, "pair": now})  # no error
     with pytest.raises(ValueError, match="different pair"):
         check_resumable(tmp_path / "r.jsonl", [row], {**row, "pair": {**now, "draft": "elsewhere"}})
+
+
+def test_resume_refuses_a_result_file_of_edited_prompts(setup, tmp_path, caplog):
+    """Issue 64 row 1, infer's side: rows record their prompt's digest; a resume after a prompt's
+    text was edited under the same id is refused naming the id and both digests, the file left
+    untouched. Rows written before digests were recorded are trusted, with a warning."""
+    from specdecpp.data.prompts import Prompt, prompt_digest
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(setup.prompts.read_text())
+    common = [*setup.base, f"prompts.path={prompts}", "method=fixed_k", "method.k=2", "warmup_tokens=0",
+              f"out={tmp_path}/out"]
+    path = Path(app.run(make_cfg(*common, "prompts.limit=1"))["path"])
+    before = path.read_text()
+    assert read_rows(path)[0]["prompt_digest"] == prompt_digest(Prompt("sea", "Write a short poem about the sea."))
+    prompts.write_text(prompts.read_text().replace("about the sea", "about the moon"))
+    old, new = (prompt_digest(Prompt("sea", f"Write a short poem about the {w}.")) for w in ("sea", "moon"))
+    with pytest.raises(ValueError, match=rf"holds a row for prompt 'sea' decoded from another text: its digest there "
+                                         rf"is {old}, the prompts now give {new}.*choose another out= directory"):
+        app.prepare(make_cfg(*common))
+    assert path.read_text() == before
+    legacy = {k: v for k, v in read_rows(path)[0].items() if k != "prompt_digest"}  # as written before digests
+    path.write_text(json.dumps(legacy) + "\n")
+    with caplog.at_level("WARNING", logger="infer.results"):
+        job = app.prepare(make_cfg(*common))
+    assert [q.id for q in job.todo] == ["math"] and "1 row(s) were written before prompt digests" in caplog.text
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_decoding(setup, tmp_path, monkeypatch):
+    """Issue 64 row 4, infer's side: a prompt whose tokens plus max_new_tokens pass the pair's
+    max_position_embeddings (512 here) is refused naming its id, length and the limit before any
+    prompt is decoded; long_prompts=skip decodes the others and warns, naming it."""
+    from specdecpp.data.prompts import encode_prompt
+
+    text = "Summarise this: " + "the sea is wide and deep " * 120
+    n = len(encode_prompt(setup.pair.tokenizer, text))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(setup.prompts.read_text() + json.dumps({"id": "huge", "prompt": text}) + "\n")
+    common = [*setup.base, f"prompts.path={prompts}", "method=target_only", "warmup_tokens=0", f"out={tmp_path}/out"]
+    with pytest.raises(ValueError, match=rf"infer prompts 'jsonl': prompt 'huge' is {n} tokens long \(chat template "
+                                         rf"applied\); with max_new_tokens={MAX_NEW} it needs {n + MAX_NEW} positions, "
+                                         r"more than the pair's context of 512 \(max_position_embeddings of the "
+                                         r"draft\).*long_prompts=skip"):
+        app.run(make_cfg(*common))
+    assert not list((tmp_path / "out").rglob("*.jsonl")) or not read_result_dir(tmp_path / "out")
+    with pytest.raises(ValueError, match="long_prompts must be one of error, skip, got 'drop'"):
+        app.prepare(make_cfg(*common, "long_prompts=drop"))
+    with pytest.warns(UserWarning, match=rf"skipping 1 prompt\(s\) .*'huge' \({n} tokens\) \(long_prompts=skip\)"):
+        summary = app.run(make_cfg(*common, "long_prompts=skip"))
+    assert [r["prompt_id"] for r in read_rows(Path(summary["path"]))] == ["sea", "math"]
