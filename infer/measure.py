@@ -58,7 +58,7 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     its own backend, so eager and fast are timed in one loop), the cache rolled back after each
     (untimed); every (model, n) in turn in each step (``specdecpp.core.timing.time_forwards``), so
     machine load affects all alike."""
-    from specdecpp.models.static import CallRunners
+    from specdecpp.fast.calls import CallRunners
 
     widths = widths or {}
     calls, resets = {}, {}
@@ -91,7 +91,8 @@ def batch_times(draft, target, context: list[int], sizes: list[int], widths: lis
     row, the cache rolled back and compacted after each (untimed); every (model, B, n) in turn in
     each step (``specdecpp.core.timing.time_forwards``), so machine load affects all alike."""
     from specdecpp.decoders.batch import BatchRunner
-    from specdecpp.models.static import CallRunners, fit_buckets
+    from specdecpp.fast.buckets import fit_buckets
+    from specdecpp.fast.calls import CallRunners
 
     tail_len = max(widths) + 1
     if len(context) <= tail_len:

@@ -45,10 +45,10 @@ PARTS = ("feed", "step", "mask")  # a whole feed; inside it the model's forward 
 
 
 class FeedMeters:
-    """A decoder's runner factory (its ``runners``: ``specdecpp.models.static.CallRunners``) whose
+    """A decoder's runner factory (its ``runners``: ``specdecpp.fast.calls.CallRunners``) whose
     runners time their work from outside, on ``clock``: every ``feed``, and inside a static
     runner's feed its forward step (compiled or eager) and its mask (built, or a chain's taken from the
-    store of :meth:`~specdecpp.models.static.StaticRunner.chain_inputs`). A runner's first feed
+    store of :meth:`~specdecpp.fast.runners.StaticRunner.chain_inputs`). A runner's first feed
     of a call is the ``prefill`` (the prompt, and for the target the first round's verification
     with it), every later one a ``round`` feed. ``seconds[(role, phase, part)]`` sums them over
     calls; ``role`` is ``roles[id(model)]`` ("draft", "target"). Everything else is passed through,
@@ -101,7 +101,7 @@ class TimedRunner:
     def __init__(self, runner, role: str, meters: FeedMeters) -> None:
         self.runner, self.role, self.meters, self.phase = runner, role, meters, "prefill"
         self._feed = self._timed(runner.feed, "feed")
-        if hasattr(runner, "_step") and hasattr(runner, "_mask"):  # specdecpp.models.static.StaticRunner
+        if hasattr(runner, "_step") and hasattr(runner, "_mask"):  # specdecpp.fast.runners.StaticRunner
             step, steps = runner._step, {}
 
             def timed_step(width: int):

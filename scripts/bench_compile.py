@@ -6,12 +6,12 @@
 
 One process: the demo pair as ``make demo-pair`` materialises it (``--draft``/``--target`` for another), one model (``--model``), a cached
 context of ``--context`` tokens in a static cache of ``--size`` slots. Every variant gets a
-:class:`~specdecpp.models.static.StaticRunner` of its own, compiled with its inductor settings
+:class:`~specdecpp.fast.runners.StaticRunner` of its own, compiled with its inductor settings
 (``VARIANTS``: ``freezing``, ``cpp_wrapper``, ``max_autotune`` with the CPP GEMM template,
 ``coordinate_descent_tuning``, what ``mode="max-autotune-no-cudagraphs"`` sets, and combinations),
 besides the eager :class:`~specdecpp.models.runner.ModelRunner` and the uncompiled static runner.
 ``--with-guards``: each compiled variant is timed a second time with every dynamo guard evaluated
-(``error_on_recompile`` set and reset around each call, 3 us; the steps otherwise skip them, specdecpp.models.static,
+(``error_on_recompile`` set and reset around each call, 3 us; the steps otherwise skip them, specdecpp.fast.compiling,
 "Guards"). Printed per variant: the compile time of each width (cold unless inductor's cache already holds
 it: give a fresh ``TORCHINDUCTOR_CACHE_DIR`` for cold figures), the growth of the resident memory,
 whether a second call recompiled (``error_on_recompile``), the largest logit difference to the
@@ -46,9 +46,11 @@ from bench_fast import weight_bytes  # noqa: E402
 
 from specdecpp.analysis.stats import bootstrap_interval  # noqa: E402
 from specdecpp.core.timing import machine_description, time_forwards  # noqa: E402
+from specdecpp.fast.compiling import TUNED_COMPILE_OPTIONS  # noqa: E402
+from specdecpp.fast.runners import StaticRunner  # noqa: E402
+from specdecpp.fast.step import ModelSteps  # noqa: E402
 from specdecpp.models.loading import load_pair  # noqa: E402
 from specdecpp.models.runner import ModelRunner  # noqa: E402
-from specdecpp.models.static import TUNED_COMPILE_OPTIONS, StaticRunner, _ModelSteps  # noqa: E402
 from specdecpp_demo.pair import cache_dir  # noqa: E402
 
 DEMO = cache_dir()  # the materialised demo pair ($SPECDECPP_CACHE/demo; make demo-pair)
@@ -90,7 +92,7 @@ def runner_for(variant: str, model, size: int, widths: list[int]):
     fast = "static" if variant == "static" else "compile"
     runner = StaticRunner(model, vocab, False, fast=fast, max_len=size - max(widths), buckets=tuple(widths),
                           cover=False)  # each width timed in its own bucket
-    runner.steps = _ModelSteps(warned_wide=True)  # compiled steps of this variant only (the prefill is wide)
+    runner.steps = ModelSteps(warned_wide=True)  # compiled steps of this variant only (the prefill is wide)
     runner.compile_options = dict(VARIANTS[variant] or {})
     return runner
 
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
                 resets[(variant, w)] = lambda r=runner, n=length: r.rollback(n)
                 if args.with_guards and variant not in ("eager", "static"):
                     def guarded(r=runner, t=tail[:w], w=w):
-                        # static.compiled_step evaluates every guard under error_on_recompile; set directly (3 us),
+                        # compiling.compiled_step evaluates every guard under error_on_recompile; set directly (3 us),
                         # not through config.patch (about 0.3 ms a call)
                         torch._dynamo.config.error_on_recompile = True
                         try:

@@ -112,8 +112,9 @@ from specdecpp import (
 from specdecpp.analysis.stats import bootstrap_interval, pooled_ratio
 from specdecpp.core.timing import Clock, machine_description, time_forward
 from specdecpp.data.labels import sample_responses
+from specdecpp.fast.calls import CallRunners
+from specdecpp.fast.step import model_steps
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
-from specdecpp.models.static import CallRunners, model_steps
 
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
 WIDTHS = (1, 2, 4, 8)
@@ -316,7 +317,7 @@ def time_round_graphs(target, device: torch.device, repeats: int, blocks: int = 
     warps, draws and the rule), given with a 95% interval over the blocks (paired bootstrap of the
     mean difference); a decoding round's time beyond the round graph's is the host's."""
     from specdecpp.decoders.captured import round_graphs
-    from specdecpp.models import static
+    from specdecpp.fast import graphs as fast_graphs
 
     def block(graph, replay, start: int) -> float:
         """ms per replay of ``repeats`` replays of ``replay`` back to back."""
@@ -340,7 +341,7 @@ def time_round_graphs(target, device: torch.device, repeats: int, blocks: int = 
         start = int(graph.n)
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         with torch.no_grad():
-            forwards_replay, _ = static.capture_graph(graph.forwards, pool)
+            forwards_replay, _ = fast_graphs.capture_graph(graph.forwards, pool)
         replays = {"round": graph.replay, "forwards": forwards_replay}
         timed = {"round": [], "forwards": []}
         for replay in replays.values():  # once each, untimed

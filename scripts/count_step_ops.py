@@ -9,7 +9,7 @@ A ``fast="graphs"`` forward replays the eager static step's kernels one after an
 small model's forward is then bound by their number, not by its weights: on an H100 the demo
 target's graphs forward took 3.4 ms for weights that read in 0.09 ms (docs/results/gpu.md). This
 counts, on any device (a CPU will do), the ATen operations one feed of the static runner dispatches
-(``fast="static"``: the same step that ``"graphs"`` captures, ``specdecpp.models.static.static_step``,
+(``fast="static"``: the same step that ``"graphs"`` captures, ``specdecpp.fast.step.static_step``,
 and its staging), through a ``TorchDispatchMode``. It splits them into those that only make a new
 view of a tensor (no kernel) and those that launch work. On CUDA each operation that launches work
 is one kernel or a few: a GEMM may launch a split-K pair, and attention runs flash or
@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdecpp.models.static import StaticRunner, fit_buckets
+from specdecpp.fast.buckets import fit_buckets
+from specdecpp.fast.runners import StaticRunner
 
 # operations that return a view or alias of their input: no kernel is launched
 VIEWS = frozenset({"view", "t", "_unsafe_view", "slice", "transpose", "unsqueeze", "squeeze", "expand", "select",

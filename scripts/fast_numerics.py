@@ -4,7 +4,7 @@
     python scripts/fast_numerics.py --prompts 4 --variants eager,static,default,freezing
 
 For each held-out prompt (the bundled test split, chat template) and each bf16 (``--dtype``) variant (the eager
-:class:`~specdecpp.models.runner.ModelRunner`; the :class:`~specdecpp.models.static.StaticRunner`
+:class:`~specdecpp.models.runner.ModelRunner`; the :class:`~specdecpp.fast.runners.StaticRunner`
 uncompiled, ``static``; compiled with the inductor settings of ``bench_compile.VARIANTS``), and the
 same target in float32 (eager, the reference):
 
@@ -41,8 +41,9 @@ from bench_compile import DEMO, VARIANTS  # noqa: E402
 
 from specdecpp.core.timing import machine_description  # noqa: E402
 from specdecpp.data.prompts import encode_prompt, load_prompts  # noqa: E402
+from specdecpp.fast.calls import CallRunners  # noqa: E402
+from specdecpp.fast.step import ModelSteps  # noqa: E402
 from specdecpp.models.loading import eos_token_ids, load_model, load_pair  # noqa: E402
-from specdecpp.models.static import CallRunners, _ModelSteps  # noqa: E402
 
 
 class Variant:
@@ -52,7 +53,7 @@ class Variant:
     def __init__(self, name: str, model) -> None:
         self.name, self.model = name, model
         self.fast = None if name in ("eager", "float32") else "static" if name == "static" else "compile"
-        self.options, self.steps = dict(VARIANTS.get(name) or {}), _ModelSteps(warned_wide=True)
+        self.options, self.steps = dict(VARIANTS.get(name) or {}), ModelSteps(warned_wide=True)
 
     def runner(self, tokens: int, want_hidden: bool = False):
         make = CallRunners(self.fast, [self.model])(tokens, (1,))

@@ -47,16 +47,16 @@ from bench_fast import SAMPLINGS, load, methods, prompts  # noqa: E402
 from infer.meters import FeedMeters  # noqa: E402
 from specdecpp.core.timing import Clock, machine_description  # noqa: E402
 from specdecpp.decoders.chain import SpeculativeDecoder  # noqa: E402
-from specdecpp.models import static  # noqa: E402
+from specdecpp.fast import runners  # noqa: E402
 from specdecpp.models.loading import dtype_name, eos_token_ids  # noqa: E402
 
 
 class StepTape:
-    """Replaces ``specdecpp.models.static.static_step`` (the static runner's eager step): records
+    """Replaces ``specdecpp.fast.runners.static_step`` (the static runner's eager step): records
     each step's outputs, or hands them back in order with an optional cache flush before each."""
 
     def __init__(self, flush_mb: int) -> None:
-        self.real = static.static_step
+        self.real = runners.static_step
         self.outputs: list[tuple] = []
         self.mode, self.pos, self.flush_s = "record", 0, 0.0
         self.flush = np.ones(max(flush_mb, 1) * 2**18, np.float32)
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--methods: unknown {unknown}; choose from {list(available)} (head needs --head)")
     tape = StepTape(args.flush_mb)
-    static.static_step = tape
+    runners.static_step = tape
     try:
         result = {"machine": machine_description(device), "pair": pair, "dtype": dtype_name(target.dtype),
                   "sampling": args.sampling, "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                                        "cold_over_warm": cold / warm, "calls": calls}
             print(f"{name}: {warm:.3f} ms/round warm, {cold:.3f} cold ({rounds} rounds)", flush=True)
     finally:
-        static.static_step = tape.real
+        runners.static_step = tape.real
     if args.cold_ops:
         result["cold_ops"] = cold_ops(args.flush_mb)
     print(table(result))

@@ -39,7 +39,7 @@ def plain_compile_options():
     """Compiled tests use torch.compile's plain settings on a CPU: the tuned default (freezing +
     max_autotune) costs 3-4x the compile time and skips inductor's FX graph cache, which the suite
     cannot afford on CI's 2 cores. tests/models/test_compile_options.py compiles with the tuned ones."""
-    from specdecpp.models.static import COMPILE_OPTIONS, set_compile_options
+    from specdecpp.fast.compiling import COMPILE_OPTIONS, set_compile_options
 
     before = {k: dict(v) for k, v in COMPILE_OPTIONS.items()}
     set_compile_options("plain")

@@ -31,7 +31,7 @@ from specdecpp_demo.pair import cache_dir  # noqa: E402
 
 def warm_up(draft, target, k: int) -> int:
     from specdecpp.decoders.chain import SpeculativeDecoder
-    from specdecpp.models.static import model_steps
+    from specdecpp.fast.step import model_steps
     from specdecpp.stopping.policies import FixedK
 
     decoder = SpeculativeDecoder(draft, target, FixedK(k), SAMPLINGS["paper"], fast="compile")

@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_fast import demo_configs, random_model  # noqa: E402
 
-from specdecpp.models import packed_cache  # noqa: E402
+from specdecpp.fast import torch_internals as packed_cache  # noqa: E402
+from specdecpp.fast.compiling import TUNED_COMPILE_OPTIONS  # noqa: E402
+from specdecpp.fast.runners import StaticRunner  # noqa: E402
 from specdecpp.models.runner import ModelRunner  # noqa: E402
-from specdecpp.models.static import TUNED_COMPILE_OPTIONS, StaticRunner  # noqa: E402
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from scipy.stats import bootstrap
 
-import specdecpp.models.static as static
+import specdecpp.fast.runners as static
 from specdecpp.core.timing import machine_description, time_forwards
 from specdecpp.models.loading import load_pair
 from specdecpp.models.reduced_vocab import output_vocab_size

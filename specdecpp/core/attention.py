@@ -49,7 +49,7 @@ def decoding(method):
     return run
 
 
-# The static runners' attention on a CPU (specdecpp.models.static): registered with transformers'
+# The static runners' attention on a CPU (specdecpp.fast): registered with transformers'
 # AttentionInterface under this name, and put in place of "sdpa" only around their forwards.
 CPU_ATTENTION = "specdecpp_cpu"
 _UNSUPPORTED = ("softcap", "s_aux", "sinks")  # attention features this function leaves to sdpa
@@ -93,65 +93,21 @@ def _cpu_attention_registered() -> bool:
     return True
 
 
-STORED = "_attn_implementation_internal"  # where transformers keeps ``config._attn_implementation`` (4.36 through 5.x)
-
-
-class _SwapStored:
-    """:func:`static_attention`'s swap written straight into a config's instance ``__dict__``: a
-    dictionary read and, on sdpa, two writes, where the config's attribute protocol costs some sixty
-    Python calls a forward in transformers 5 (its heterogeneous-config ``__getattribute__``,
-    huggingface_hub's validating ``__setattr__``, the setter's walk over sub-configs). Between two
-    forwards on a CPU every such call pays for code the forward evicted from the caches
-    (docs/engine.md, "The loop on a CPU: cold caches"). One instance per forward (a nested forward
-    enters one of its own)."""
-
-    __slots__ = ("state", "swapped")
-
-    def __init__(self, state: dict) -> None:
-        self.state, self.swapped = state, False
-
-    def __enter__(self) -> None:
-        if self.state.get(STORED) == "sdpa":
-            self.state[STORED] = CPU_ATTENTION
-            self.swapped = True
-
-    def __exit__(self, *exc) -> None:
-        if self.swapped:
-            self.state[STORED] = "sdpa"
-
-
-def _stored_directly(config) -> bool:
-    """Whether ``config._attn_implementation`` reads its instance dict's :data:`STORED` entry and
-    nothing else depends on it (no sub-configs, whose setter the swap would skip): checked by
-    writing a probe there and reading it back through the attribute, then restoring it."""
-    state = getattr(config, "__dict__", None)
-    if state is None or STORED not in state or getattr(config, "sub_configs", None):
-        return False
-    saved = state[STORED]
-    try:
-        state[STORED] = "specdecpp-probe"
-        return getattr(config, "_attn_implementation", None) == "specdecpp-probe"
-    finally:
-        state[STORED] = saved
-
-
 def attention_swap(config, device):
     """What a static runner enters around each forward (decided once, when it is built): a
-    callable returning a context manager with :func:`static_attention`'s effect. Off a CPU, or
-    where this transformers has no attention interface, :class:`contextlib.nullcontext`; where the
-    config keeps its attention in its instance dict (:func:`_stored_directly`), :class:`_SwapStored`;
-    else :func:`static_attention` itself, through the config's attribute protocol. Whether the model
-    is on sdpa is read on every entry, so a model switched to another attention later is left alone."""
+    callable returning a context manager with :func:`static_attention`'s effect, or
+    :class:`contextlib.nullcontext` off a CPU or where this transformers has no attention interface.
+    Whether the model is on sdpa is read on every entry, so a model switched to another attention
+    later is left alone. (The fast path may swap it cheaper: ``specdecpp.fast.torch_internals``,
+    ``config_dict``.)"""
     if torch.device(device).type != "cpu" or not _cpu_attention_registered():
         return contextlib.nullcontext
-    if _stored_directly(config):
-        return functools.partial(_SwapStored, config.__dict__)
     return functools.partial(static_attention, config, device)
 
 
 @contextlib.contextmanager
 def static_attention(config, device):
-    """Around a static runner's forward (specdecpp.models.static): on a CPU, a model on transformers'
+    """Around a static runner's forward (specdecpp.fast): on a CPU, a model on transformers'
     sdpa attention runs :func:`cpu_attention` instead, and gets sdpa back after (the eager runner,
     and anything else holding the model, never sees the change). A compiled step traced inside it
     keeps the choice (dynamo guards on it, and every call is inside it again). Elsewhere a no-op."""

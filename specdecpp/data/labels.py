@@ -33,9 +33,10 @@ from ..core.sampling import SamplingConfig, entropy, sample, warp
 from ..core.verify import acceptance_ratio
 from ..decoders.batch import BatchRunner
 from ..decoders.cascade import Cascade
+from ..fast.buckets import check_fast
+from ..fast.calls import CallRunners
 from ..models.loading import token_set
 from ..models.reduced_vocab import ScoredIds, output_vocab_size
-from ..models.static import CallRunners, check_fast
 
 
 @dataclass

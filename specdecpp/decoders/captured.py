@@ -53,7 +53,7 @@ counts in its ``capture_seconds``. Not measured on a GPU yet, hence not the defa
 (docs/gpu.md, "What the next lent GPU should run").
 
 A round graph is captured once per process for a (draft buffers, target buffers, K, width,
-sampling) and kept on the target's :class:`~specdecpp.models.static.GraphSet` with a token buffer and
+sampling) and kept on the target's :class:`~specdecpp.fast.graphs.GraphSet` with a token buffer and
 the uniforms of its own (a call's :class:`~specdecpp.decoders.rounds.TokenBuffer` is bound to that
 buffer); what a capture costs is counted in ``model_steps(target).capture_seconds`` under
 ``("round", K, width, size)``.
@@ -68,8 +68,10 @@ import torch
 
 from ..core.sampling import INVALID_PROBS, SamplingConfig, argmax, draw_with, rows_valid, warp
 from ..core.verify import acceptance_ratio, residual
-from ..models import static
-from ..models.static import GRAPH_BACKENDS, StaticRunner, fit_buckets, model_steps
+from ..fast import graphs as fast_graphs
+from ..fast.buckets import GRAPH_BACKENDS, fit_buckets
+from ..fast.runners import StaticRunner
+from ..fast.step import model_steps, own_code
 from ..stopping.policies import FixedK, StopPolicy, TargetOnly
 from .rounds import CallHooks, TokenBuffer
 
@@ -189,8 +191,8 @@ class RoundParts:
 
 def compile_glue(fn, name: str):
     """``fn`` compiled by inductor (fullgraph, fixed shapes) under a code object of its own (dynamo
-    counts its variants per code object: static._own_code)."""
-    return torch.compile(static._own_code(fn, name), fullgraph=True, dynamic=False)
+    counts its variants per code object: ``fast.step.own_code``)."""
+    return torch.compile(own_code(fn, name), fullgraph=True, dynamic=False)
 
 
 def draw_row(sampling: SamplingConfig):
@@ -267,7 +269,7 @@ class RoundGraph(RoundParts):
         t0 = time.perf_counter()
         self.n.fill_(seq.n)
         with torch.no_grad():
-            self.replay, (self.out,) = static.capture_graph(self._round, pool)
+            self.replay, (self.out,) = fast_graphs.capture_graph(self._round, pool)
         return time.perf_counter() - t0
 
     def run(self, seq: TokenBuffer, count: int, generator: torch.Generator | None) -> tuple[int, int, int, list[int]]:
@@ -326,11 +328,11 @@ class StepGraphs(RoundParts):
         with torch.no_grad():
             self.n.fill_(seq.n)  # (bind set prompt_len)
             for i in range(self.k):
-                replay, (out,) = static.capture_graph(functools.partial(self._candidate_step, i), pool)
+                replay, (out,) = fast_graphs.capture_graph(functools.partial(self._candidate_step, i), pool)
                 self.steps.append((replay, out))
             for k in range(1, self.k + 1):
                 q = None if self.q is None else self.q[:k]
-                replay, (out,) = static.capture_graph(functools.partial(self._verdict_step, k, q), pool)
+                replay, (out,) = fast_graphs.capture_graph(functools.partial(self._verdict_step, k, q), pool)
                 self.verdicts[k] = (replay, out)
         return time.perf_counter() - t0
 

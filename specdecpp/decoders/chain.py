@@ -10,8 +10,9 @@ import torch
 
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
+from ..fast.buckets import DRAFT_BUCKETS, check_fast, fit_buckets
+from ..fast.calls import CallRunners
 from ..models.reduced_vocab import output_vocab_size
-from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
 from .captured import CaptureFailed, replayable, round_graph, round_plan, step_graphs

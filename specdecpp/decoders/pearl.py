@@ -45,9 +45,10 @@ import torch
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
 from ..core.timing import Clock
+from ..fast.buckets import DRAFT_BUCKETS, check_fast, fit_buckets
+from ..fast.calls import CallRunners
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import time_cached_forwards
-from ..models.static import DRAFT_BUCKETS, CallRunners, check_fast, fit_buckets
 from ..stopping.policies import StopPolicy, check_count
 from . import rounds
 from .rounds import GenerateOutput, RunStats, finish

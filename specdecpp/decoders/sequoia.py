@@ -35,9 +35,10 @@ from ..core.attention import decoding
 from ..core.sampling import SamplingConfig, argmax, draw_token, warp
 from ..core.timing import Clock
 from ..core.verify import residual
+from ..fast.buckets import check_fast
+from ..fast.calls import CallRunners
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
-from ..models.static import CallRunners, check_fast
 from .rounds import (
     FastPlanned,
     GenerateOutput,

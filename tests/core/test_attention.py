@@ -19,6 +19,7 @@ from specdecpp import (
 )
 from specdecpp.core import attention
 from specdecpp.core.attention import SDPA_ENV, decode_attention
+from specdecpp.fast import torch_internals
 from tests.helpers.paths import REPO
 from tests.helpers.tiny import tiny_lm
 
@@ -189,8 +190,8 @@ def test_static_runners_use_the_cpu_attention_only_inside_their_forwards():
     sdpa again after it: the eager runner of the same model never runs it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from specdecpp.fast.runners import StaticRunner
     from specdecpp.models.runner import ModelRunner
-    from specdecpp.models.static import StaticRunner
 
     model = tiny_lm(64, 32, 2, seed=3, scale=0.5)
     assert model.config._attn_implementation == "sdpa"
@@ -212,29 +213,38 @@ def test_static_runners_use_the_cpu_attention_only_inside_their_forwards():
         assert model.config._attn_implementation == "sdpa"
 
 
-def test_the_swap_a_runner_enters_writes_the_config_dict_and_restores_it():
-    """``attention_swap`` (what a static runner enters around each forward) on a Llama config: the
-    instance-dict swap, read back through the config's own attribute; nested entries, an error inside
-    and a model on another attention leave the config as it was; off a CPU nothing is swapped."""
+def test_the_swap_a_runner_enters_writes_the_config_dict_and_restores_it(monkeypatch):
+    """``attention_swap`` (what a static runner enters around each forward) on a Llama config, made
+    cheaper by ``torch_internals.swap_by_dict`` (``config_dict``, on by default): the instance-dict
+    swap, read back through the config's own attribute; nested entries, an error inside and a model
+    on another attention leave the config as it was; off a CPU nothing is swapped; with the piece
+    off, the public setter (:func:`static_attention`)."""
+    monkeypatch.delenv(torch_internals.ENV, raising=False)
     model = tiny_lm(64, 32, 2, seed=3, scale=0.5)
     config = model.config
-    swap = attention.attention_swap(config, "cpu")
-    assert swap.func is attention._SwapStored  # this transformers keeps the choice in the instance dict
-    with swap():
-        assert config._attn_implementation == attention.CPU_ATTENTION
-        with swap():  # a forward inside another runner's forward
+    public = attention.attention_swap(config, "cpu")
+    assert public.func is attention.static_attention
+    swap = torch_internals.swap_by_dict(public, config)
+    assert swap.func is torch_internals.SwapStored  # this transformers keeps the choice in the instance dict
+    for entered in (swap, public):
+        with entered():
             assert config._attn_implementation == attention.CPU_ATTENTION
-        assert config._attn_implementation == attention.CPU_ATTENTION
-    assert config._attn_implementation == "sdpa"
-    with pytest.raises(KeyError), swap():
-        raise KeyError("inside the forward")
-    assert config._attn_implementation == "sdpa"
-    config._attn_implementation = "eager"  # switched after the runner was built: left alone
-    with swap():
+            with entered():  # a forward inside another runner's forward
+                assert config._attn_implementation == attention.CPU_ATTENTION
+            assert config._attn_implementation == attention.CPU_ATTENTION
+        assert config._attn_implementation == "sdpa"
+        with pytest.raises(KeyError), entered():
+            raise KeyError("inside the forward")
+        assert config._attn_implementation == "sdpa"
+        config._attn_implementation = "eager"  # switched after the runner was built: left alone
+        with entered():
+            assert config._attn_implementation == "eager"
         assert config._attn_implementation == "eager"
-    assert config._attn_implementation == "eager"
-    config._attn_implementation = "sdpa"
+        config._attn_implementation = "sdpa"
     assert attention.attention_swap(config, "cuda") is contextlib.nullcontext
+    assert torch_internals.swap_by_dict(contextlib.nullcontext, config) is contextlib.nullcontext
+    monkeypatch.setenv(torch_internals.ENV, "-config_dict")
+    assert torch_internals.swap_by_dict(public, config) is public
 
 
 def test_a_config_with_sub_configs_swaps_through_its_attribute():
@@ -250,10 +260,10 @@ def test_a_config_with_sub_configs_swaps_through_its_attribute():
     config.text_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
-    swap = attention.attention_swap(config, "cpu")
+    swap = torch_internals.swap_by_dict(attention.attention_swap(config, "cpu"), config)
     assert swap.func is attention.static_attention
     with swap():
         assert config._attn_implementation == config.text_config._attn_implementation == attention.CPU_ATTENTION
     assert config._attn_implementation == config.text_config._attn_implementation == "sdpa"
-    del config.__dict__[attention.STORED]  # a transformers that stores it elsewhere
-    assert not attention._stored_directly(config)
+    del config.__dict__[torch_internals.STORED]  # a transformers that stores it elsewhere
+    assert not torch_internals.stored_directly(config)

@@ -29,7 +29,7 @@ from specdecpp import (
     TargetOnly,
 )
 from specdecpp.decoders.rounds import CallHooks
-from specdecpp.models.static import model_steps
+from specdecpp.fast.step import model_steps
 from specdecpp.stopping.policies import StopPolicy
 from tests.decoders.test_exactness import PROMPT, _pair6, assert_cache_is_fresh_prefill
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid

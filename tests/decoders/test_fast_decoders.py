@@ -1,4 +1,4 @@
-"""The fast path under the decoders (``fast=``, specdecpp.models.static): the one check of the
+"""The fast path under the decoders (``fast=``, specdecpp.fast): the one check of the
 argument in every constructor, what is refused (PEARL compiled, graphs on a CPU), cascades and
 batches on the static cache, the per-call sizing that lets calls share compiled steps, Sequoia's
 buckets, and (slow) a compiled decoder that compiles each bucket once across calls and decoders,
@@ -23,7 +23,9 @@ from specdecpp import (
     TokenTree,
 )
 from specdecpp.decoders.sequoia import tree_buckets
-from specdecpp.models.static import MIN_MAX_LEN, CallRunners, call_max_len, model_steps
+from specdecpp.fast.buckets import MIN_MAX_LEN, call_max_len
+from specdecpp.fast.calls import CallRunners
+from specdecpp.fast.step import model_steps
 from tests.helpers.tiny import noisy_copy, tiny_lm
 from tests.models.test_static_runner import record_compiles
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from specdecpp.models import static
+from specdecpp.fast import buckets, compiling, graphs
 
 SHAPE_FROM_VALUES = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
                      "nonzero_static", "argwhere"}
@@ -90,8 +90,8 @@ def _garbage(t: torch.Tensor) -> None:
         t.fill_(-7)
 
 
-def tape_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
-    """``static.capture_graph``'s CPU stand-in with a CUDA graph's rules (module docstring)."""
+def tape_capture(run, pool, warmup: int = graphs.GRAPH_WARMUP):
+    """``specdecpp.fast.graphs.capture_graph``'s CPU stand-in with a CUDA graph's rules (module docstring)."""
     for _ in range(warmup):  # warm-ups execute, as on CUDA (on a side stream there)
         run()
     tape = Tape()
@@ -112,7 +112,7 @@ def tape_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
     return replay, outputs
 
 
-def rerun_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
+def rerun_capture(run, pool, warmup: int = graphs.GRAPH_WARMUP):
     """A looser stand-in for compiled steps: every replay reruns ``run`` and rewrites the captured
     outputs in place, as a CUDA graph's replay does (so a runner that handed out uncloned outputs fails)."""
     for _ in range(warmup):
@@ -130,7 +130,7 @@ def rerun_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
 COMPILED_CALLS = [0]  # calls of compiled steps while the fake is installed (install())
 
 
-def fake_capture(run, pool, warmup: int = static.GRAPH_WARMUP):
+def fake_capture(run, pool, warmup: int = graphs.GRAPH_WARMUP):
     """The tape where ``run`` is eager; where its warm-ups called a compiled step (fast='compile-graphs'),
     which torch.compile refuses to run under a dispatch mode, the rerun."""
     before = COMPILED_CALLS[0]
@@ -156,11 +156,11 @@ def install(monkeypatch) -> None:
     from specdecpp.core import sampling
     from specdecpp.decoders import captured
 
-    monkeypatch.setattr(static, "GRAPHS_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(static, "capture_graph", fake_capture)
+    monkeypatch.setattr(buckets, "GRAPHS_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(graphs, "capture_graph", fake_capture)
     for module in (captured, sampling):
         monkeypatch.setattr(module, "argmax", device_argmax)
-    compile_step = static.compiled_step
+    compile_step = compiling.compiled_step
 
     def counted(*args, **kwargs):
         fn = compile_step(*args, **kwargs)
@@ -171,4 +171,4 @@ def install(monkeypatch) -> None:
 
         return call
 
-    monkeypatch.setattr(static, "compiled_step", counted)
+    monkeypatch.setattr(compiling, "compiled_step", counted)

@@ -1,4 +1,4 @@
-"""specdecpp.models.codegen_memo: inductor's jinja templates and its C++ template kernel's index
+"""specdecpp.fast.torch_internals, ``codegen_memo`` (off by default): inductor's jinja templates and its C++ template kernel's index
 expressions kept by their text while a step compiles. The memoised functions return what the
 originals return (the same rendering, equal sympy expressions), each text is compiled or parsed
 once, the originals are back after the block, and (slow) a graph compiled with the C++ GEMM
@@ -15,9 +15,9 @@ import torch._inductor.compile_fx  # noqa: F401 (imports the codegen modules in 
 from torch._inductor.codegen import cpp_template_kernel
 from torch._inductor.codegen.common import KernelTemplate
 
-from specdecpp.models import codegen_memo
-from specdecpp.models.codegen_memo import enabled, memoised_codegen
-from specdecpp.models.static import _own_code
+from specdecpp.fast import torch_internals
+from specdecpp.fast.step import own_code
+from specdecpp.fast.torch_internals import ENV, enabled, memoised_codegen
 
 SOURCE = "{% for n in names %}{{ n }} = {{ value|indent_except_first(1) }};\n{% endfor %}"
 EXPRESSIONS = ["m_end - m_start", "n_start + 2*Nr", "Mc_blocks*Mr", "0", "k_end"]
@@ -59,16 +59,20 @@ def test_expressions_parsed_once_and_equal():
     assert current() == before
 
 
-def test_off_switch(monkeypatch):
+def test_off_by_default_and_on_by_opting_in(monkeypatch):
     before = current()
     with memoised_codegen(False):
         assert current() == before
-    monkeypatch.setenv("SPECDECPP_CODEGEN_MEMO", "0")
-    assert not enabled()
+    monkeypatch.delenv(ENV, raising=False)
+    assert not enabled("codegen_memo")
     with memoised_codegen():
         assert current() == before
-    monkeypatch.setenv("SPECDECPP_CODEGEN_MEMO", "1")
-    assert enabled()
+    for value in ("codegen_memo", "all", "packed_cache,codegen_memo"):
+        monkeypatch.setenv(ENV, value)
+        assert enabled("codegen_memo")
+        with memoised_codegen():
+            assert current() != before
+        assert current() == before
 
 
 def test_restored_after_an_error():
@@ -104,17 +108,17 @@ def test_same_code_with_and_without_the_memos():
 
     codes, outs = {}, {}
     for on in (False, True):
-        codegen_memo._TEMPLATES.clear()
-        codegen_memo._EXPRESSIONS.clear()
-        step = _own_code(run, f"codegen_memo_{'on' if on else 'off'}")  # a code object of its own: a first compile
+        torch_internals._TEMPLATES.clear()
+        torch_internals._EXPRESSIONS.clear()
+        step = own_code(run, f"codegen_memo_{'on' if on else 'off'}")  # a code object of its own: a first compile
         with torch.no_grad(), inductor_config.patch(freezing=True, force_disable_caches=True), memoised_codegen(on):
             compiled = torch.compile(step, fullgraph=True, dynamic=False, options=options)
             outs[on], codes[on] = run_and_get_code(compiled, x)
         if on:
-            used = bool(codegen_memo._TEMPLATES)
+            used = bool(torch_internals._TEMPLATES)
     assert len(codes[False]) == len(codes[True]) == 1
     if not used:
         pytest.skip("inductor's C++ GEMM template does not run on this CPU (no template was rendered)")
-    assert codegen_memo._EXPRESSIONS  # the template kernel's expressions went through the memo
+    assert torch_internals._EXPRESSIONS  # the template kernel's expressions went through the memo
     assert normalised(codes[True]) == normalised(codes[False])
     assert torch.equal(outs[True], outs[False])

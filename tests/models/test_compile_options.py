@@ -1,4 +1,4 @@
-"""fast="compile"'s inductor settings (specdecpp.models.static.COMPILE_OPTIONS): chosen by name or
+"""fast="compile"'s inductor settings (specdecpp.fast.compiling.COMPILE_OPTIONS): chosen by name or
 as a mapping, handed to ``torch.compile`` with ``freezing`` in force while the first call traces;
 and (slow) the tuned CPU settings on tiny float32 Llamas: the one-row and the batch runner agree
 with the eager runners through random feeds, never recompile, and hold the weights they were
@@ -15,22 +15,20 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
-from specdecpp.models import static
-from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import (
+from specdecpp.fast import compiling, torch_internals
+from specdecpp.fast.calls import CallRunners
+from specdecpp.fast.compiling import (
     COMPILE_OPTIONS,
     NO_GEMM_CHOICE,
     TUNED_COMPILE_OPTIONS,
-    CallRunners,
-    StaticRunner,
-    _ModelSteps,
     compiled_step,
-    model_steps,
     narrow_options,
     set_compile_options,
-    static_step,
     with_aten_gemms,
 )
+from specdecpp.fast.runners import StaticRunner
+from specdecpp.fast.step import ModelSteps, model_steps, static_step
+from specdecpp.models.runner import ModelRunner
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
 from tests.models.test_static_runner import DEVICES, MAX_LEN, VOCAB, close, on, run_both
@@ -58,7 +56,7 @@ def test_options_by_name_or_mapping(restore_options):
 
 def options_of(compile_kwargs: dict):
     """The inductor options a torch.compile call was given: ``options=``, or those of the project's
-    inductor backend (static._compile)."""
+    inductor backend (torch_internals.keeping_backend)."""
     backend = compile_kwargs.get("backend")
     return compile_kwargs.get("options") if backend is None else backend.options
 
@@ -83,7 +81,7 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     set_compile_options(choice)
-    steps = _ModelSteps()
+    steps = ModelSteps()
     step = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (1, 64), "static_step_w1_s64", steps)
     assert step(1, 2) == (1, 2) and steps.compiled[(1, 64)](3) == (3,)  # the second call: the compiled fn itself
     assert (1, 64) in steps.compile_seconds and seen["name"] == "static_step_w1_s64"
@@ -99,10 +97,10 @@ def test_compiled_step_compiles_with_the_options_in_force(monkeypatch, restore_o
         step(4)
     assert seen["guards_skipped"] == [False, True, False]
     assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False  # the stance is put back
-    monkeypatch.setattr("specdecpp.models.static.CAN_SKIP_GUARDS", False)  # a torch before 2.6: every guard
+    monkeypatch.setattr(compiling, "CAN_SKIP_GUARDS", False)  # a torch before 2.6: every guard
     step(5)
     assert seen["guards_skipped"] == [False, True, False, False]
-    mine = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (2, 64), "w2", _ModelSteps(),
+    mine = compiled_step(tiny_lm(VOCAB, 32, 2, seed=1), static_step, (2, 64), "w2", ModelSteps(),
                          options={"max_autotune": True})  # a runner's own options win over the default
     mine()
     assert seen["options"] == {"max_autotune": True} and seen["freezing_in_calls"][-1] is False
@@ -151,12 +149,12 @@ def test_bucket_rows_choose_the_backends_and_a_gemm_without_a_kernel_compiles_ag
     monkeypatch.setattr(torch, "compile", fake_compile)
     set_compile_options("tuned")
     model = tiny_lm(VOCAB, 32, 2, seed=1)
-    steps = _ModelSteps()
+    steps = ModelSteps()
     for key in ((4, 64), (8, 64), (2, 64, 2), (2, 64, 4)):
         compiled_step(model, static_step, key, f"step_{key}", steps)()
     assert calls == ["CPP", "CPP,ATEN", "CPP", "CPP,ATEN"]
     calls.clear()
-    with caplog.at_level("WARNING", logger="specdecpp.models.static"):
+    with caplog.at_level("WARNING", logger="specdecpp.fast"):
         step = compiled_step(model, static_step, (1, 128), "static_step_w1_s128", steps)
         assert step("float64") == ("float64",) and steps.compiled[(1, 128)]("float64") == ("float64",)
     assert calls == ["CPP", "CPP,ATEN"]  # one fallback compile, kept for later calls
@@ -169,7 +167,7 @@ def test_bucket_rows_choose_the_backends_and_a_gemm_without_a_kernel_compiles_ag
 
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.raises(RuntimeError, match="something else"):
-        compiled_step(model, static_step, (2, 128), "w2", _ModelSteps())()
+        compiled_step(model, static_step, (2, 128), "w2", ModelSteps())()
 
 
 @pytest.mark.slow
@@ -250,7 +248,7 @@ def test_a_float64_model_compiles_through_the_aten_fallback(restore_options, cap
     model = tiny_lm(VOCAB, 32, 2, seed=3).double()
     runner = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=(1,), fast="compile")
     ref = ModelRunner(model, VOCAB, want_hidden=False)
-    with caplog.at_level("WARNING", logger="specdecpp.models.static"), ref, torch.no_grad():
+    with caplog.at_level("WARNING", logger="specdecpp.fast"), ref, torch.no_grad():
         runner.feed(torch.tensor([3])), ref.feed(torch.tensor([3]))
         for token in (6, 9):
             torch.testing.assert_close(runner.feed(torch.tensor([token]))[0], ref.feed(torch.tensor([token]))[0],
@@ -263,7 +261,7 @@ def test_a_float64_model_compiles_through_the_aten_fallback(restore_options, cap
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_compiled_step_is_called_without_dynamo_and_writes_each_runners_own_cache(restore_options, monkeypatch,
                                                                                     device):
-    """After its compile a step calls inductor's graph directly (static.direct_call: no dynamo frame
+    """After its compile a step calls inductor's graph directly (torch_internals.direct_call: no dynamo frame
     evaluation, no stance), matched to each call's own tensors: two runners sharing the compiled
     bucket each read and write their own cache and agree with the eager static runner through random
     feeds; a call under another global state (autograd on) goes through dynamo, which refuses it."""
@@ -303,14 +301,14 @@ def test_a_compiled_step_is_called_without_dynamo_and_writes_each_runners_own_ca
     args = (runners[0].decoder, runners[0].head, runners[0].cache_arg, runners[0].cache,
             torch.tensor([5], device=device), positions, slots, mask)
     assert torch.is_grad_enabled()
-    if static.CAN_SKIP_GUARDS:
+    if compiling.CAN_SKIP_GUARDS:
         with runners[0].attention(), pytest.raises(RuntimeError, match="skip_guard_eval_unsafe"):
             runners[0].plain_step(1)(*args)
         assert stances  # through dynamo
 
 
 def test_direct_call_falls_back_to_dynamo_where_the_graph_is_not_the_steps_one_to_one():
-    """static.direct_call gives None (dynamo keeps calling) for a recompiled step, for a graph input
+    """torch_internals.direct_call gives None (dynamo keeps calling) for a recompiled step, for a graph input
     it cannot place, and for a graph whose direct call returns other outputs; else a call that hands
     each of the call's own tensors to its place."""
     cache = type("Cache", (), {})()
@@ -324,14 +322,14 @@ def test_direct_call_falls_back_to_dynamo_where_the_graph_is_not_the_steps_one_t
 
     out = tuple(graph(cache.keys[0], ids, weight, cache.values[0]))
     example = [cache.keys[0], ids, weight, cache.values[0]]
-    call = static.direct_call([(graph, example)], args, out, "step")
+    call = torch_internals.direct_call([(graph, example)], args, out, "step")
     assert call is not None and call.state.check()
     other = type("Cache", (), {})()
     other.keys, other.values = [torch.full((2,), 10.0)], [torch.zeros(2)]
     logits, hidden = call(None, None, "past_key_values", other, torch.tensor([7]), positions, slots, mask)
     assert torch.equal(logits, torch.full((2,), 13.0)) and torch.equal(hidden, torch.tensor([7.0]))
     assert other.slots is slots  # the side effect dynamo would replay
-    assert static.direct_call([(graph, example)] * 2, args, out, "step") is None  # recompiled
-    assert static.direct_call([(graph, [*example, torch.zeros(1)])], args, out, "step") is not None  # a constant more
-    assert static.direct_call([(graph, [cache.keys[0], ids, weight, weight])], args, out, "step") is None  # values missing
-    assert static.direct_call([(lambda *a: [torch.zeros(2), torch.zeros(1)], example)], args, out, "step") is None
+    assert torch_internals.direct_call([(graph, example)] * 2, args, out, "step") is None  # recompiled
+    assert torch_internals.direct_call([(graph, [*example, torch.zeros(1)])], args, out, "step") is not None  # a constant more
+    assert torch_internals.direct_call([(graph, [cache.keys[0], ids, weight, weight])], args, out, "step") is None  # values missing
+    assert torch_internals.direct_call([(lambda *a: [torch.zeros(2), torch.zeros(1)], example)], args, out, "step") is None

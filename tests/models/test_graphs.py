@@ -1,4 +1,4 @@
-"""fast='graphs' (specdecpp.models.static: CUDA graphs per bucket over leased KV buffers). On CUDA
+"""fast='graphs' (specdecpp.fast.graphs: CUDA graphs per bucket over leased KV buffers). On CUDA
 (marked ``gpu``) the real capture; on the CPU the same bookkeeping with :func:`capture_graph`
 replaced by a fake that keeps a CUDA graph's rules (tests/helpers/graph_tape.py: a replay re-executes
 the operations recorded at capture on the same tensors and rewrites the captured outputs in place,
@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from specdecpp.decoders.batch import BatchRunner
-from specdecpp.models import static
+from specdecpp.fast import buckets
+from specdecpp.fast.batch_runner import StaticBatchRunner
+from specdecpp.fast.calls import CallRunners
+from specdecpp.fast.graphs import stage_inputs
+from specdecpp.fast.runners import StaticRunner
+from specdecpp.fast.step import model_steps
 from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import (
-    CallRunners,
-    StaticBatchRunner,
-    StaticRunner,
-    model_steps,
-    stage_inputs,
-)
 from tests.helpers import graph_tape
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
@@ -53,7 +51,7 @@ def test_graphs_refused_on_cpu():
                   lambda: CallRunners("graphs", (model,))(64)(model, VOCAB, False)):
         with pytest.raises(ValueError, match="fast='graphs' needs CUDA; the models are on cpu"):
             build()
-    assert static.check_fast("infer", "graphs") == "graphs"  # the device not known yet: checked when models load
+    assert buckets.check_fast("infer", "graphs") == "graphs"  # the device not known yet: checked when models load
 
 
 def test_the_cpu_fake_keeps_a_cuda_graphs_rules():

@@ -1,4 +1,4 @@
-"""specdecpp.models.packed_cache: inductor's FX graph cache keys oneDNN-packed weights by their values.
+"""specdecpp.fast.torch_internals, ``packed_cache`` (off by default): inductor's FX graph cache keys oneDNN-packed weights by their values.
 A packed weight's key is its shape, dtype and the digest of its values (recomputed here from the weight
 before packing); inside the block the cache's check lets packed tensors through, outside it skips the
 graph as inductor does; the originals are back after the block, also after an error; and (slow) a graph
@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch._inductor import codecache
 
-from specdecpp.models.packed_cache import enabled, packed_key, packed_weights_cacheable
-from specdecpp.models.static import _own_code
+from specdecpp.fast import torch_internals
+from specdecpp.fast.step import own_code
+from specdecpp.fast.torch_internals import ENV, enabled, packed_key, packed_weights_cacheable
 
 pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 needs_mkldnn = pytest.mark.skipif(pack is None or not torch.backends.mkldnn.is_available()
@@ -72,26 +73,26 @@ def test_packed_tensors_pass_the_check_and_reach_the_key_only_inside():
 
 @needs_mkldnn
 def test_a_packed_tensor_that_cannot_be_digested_skips_the_cache(monkeypatch):
-    from specdecpp.models import packed_cache
-
     def fails(t):
         raise RuntimeError("no dense form")
 
-    monkeypatch.setattr(packed_cache, "packed_key", fails)
+    monkeypatch.setattr(torch_internals, "packed_key", fails)
     with packed_weights_cacheable(True), pytest.raises(codecache.BypassFxGraphCache, match="mkldnn"):
         pickler()._reduce_tensor(packed(0)[1])
 
 
-def test_off_switch_and_restored_after_an_error(monkeypatch):
+def test_off_by_default_opted_in_and_restored_after_an_error(monkeypatch):
     before = current()
     with packed_weights_cacheable(False):
         assert current() == before
-    monkeypatch.setenv("SPECDECPP_PACKED_CACHE", "0")
-    assert not enabled()
+    monkeypatch.delenv(ENV, raising=False)
+    assert not enabled("packed_cache")  # off by default
     with packed_weights_cacheable():
         assert current() == before
-    monkeypatch.setenv("SPECDECPP_PACKED_CACHE", "1")
-    assert enabled()
+    monkeypatch.setenv(ENV, "packed_cache")
+    assert enabled("packed_cache")
+    with packed_weights_cacheable():
+        assert current() != before
     with pytest.raises(RuntimeError, match="inside"), packed_weights_cacheable(True):
         assert current() != before
         raise RuntimeError("inside")
@@ -121,7 +122,7 @@ def test_cached_for_the_same_weights_and_not_for_others(tmp_path, monkeypatch):
             return model(x)
 
         before = dict(counters["inductor"])
-        step = _own_code(run, "packed_cache")  # one name: a graph's key holds its names
+        step = own_code(run, "packed_cache")  # one name: a graph's key holds its names
         with torch.no_grad(), inductor_config.patch(freezing=True, fx_graph_cache=True), packed_weights_cacheable(on):
             out = torch.compile(step, fullgraph=True, dynamic=False, options=options)(x)
         return out, {k: counters["inductor"][k] - before.get(k, 0)

@@ -1,4 +1,4 @@
-"""The static batch runner (specdecpp.models.static.StaticBatchRunner) against the eager BatchRunner
+"""The static batch runner (specdecpp.fast.batch_runner.StaticBatchRunner) against the eager BatchRunner
 over transformers' DynamicCache, on tiny float32 Llamas: random sequences of ragged feeds,
 rollbacks, compactions, rows leaving (select) and joining (add_rows) give the same logits and hidden
 states in every row's real columns, and the same per-row caches; slots above each row's length and
@@ -16,7 +16,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdecpp.decoders.batch import BatchRunner
-from specdecpp.models.static import CallRunners, RowWindow, StaticBatchRunner, model_steps
+from specdecpp.fast.batch_runner import StaticBatchRunner
+from specdecpp.fast.calls import CallRunners
+from specdecpp.fast.kv import RowWindow
+from specdecpp.fast.step import model_steps
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
     DEVICES,
@@ -201,7 +204,7 @@ def test_errors_and_the_wide_forward_warning(cpu_model, caplog):
         runner.rollback([1, -1, 0])
     with pytest.raises(ValueError, match="select: keep must name distinct rows in \\[0, 3\\)"):
         runner.select([0, 0])
-    with caplog.at_level(logging.WARNING, logger="specdecpp.models.static"):
+    with caplog.at_level(logging.WARNING, logger="specdecpp.fast"):
         runner.feed([tokens(1, "cpu"), tokens(3, "cpu"), tokens(0, "cpu")])  # 3 rows > 2, 3 tokens > 2
         runner.feed([tokens(1, "cpu"), tokens(3, "cpu"), tokens(1, "cpu")])
     said = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""The static runner (specdecpp.models.static) against the eager ModelRunner over transformers'
+"""The static runner (specdecpp.fast) against the eager ModelRunner over transformers'
 DynamicCache, on tiny float32 Llamas: random sequences of feeds (chains and token trees, inside
 and above the buckets), rollbacks and compactions give the same logits and hidden states; slots
 above the length never matter; a greedy loop equals the model's own greedy ``generate``; the
@@ -14,9 +14,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specdecpp.models import static
+from specdecpp.fast import compiling
+from specdecpp.fast.calls import CallRunners, new_runner
+from specdecpp.fast.kv import StaticKV
+from specdecpp.fast.runners import StaticRunner
+from specdecpp.fast.step import model_steps
 from specdecpp.models.runner import ModelRunner
-from specdecpp.models.static import CallRunners, StaticKV, StaticRunner, model_steps, new_runner
 from tests.helpers.tiny import tiny_lm
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -41,7 +44,7 @@ def close(device: str, mine: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def record_compiles(monkeypatch) -> list:
-    """Stand in for inductor (``static.compiled_step``): a bucket "compiles" to the eager step, is
+    """Stand in for inductor (``specdecpp.fast.compiling.compiled_step``): a bucket "compiles" to the eager step, is
     timed at 1e9 s (never worth renting out) and its key is appended to the list returned."""
     compiled = []
 
@@ -52,7 +55,7 @@ def record_compiles(monkeypatch) -> list:
             steps.compiled[key], steps.compile_seconds[key] = step, 1e9
         return steps.compiled[key]
 
-    monkeypatch.setattr(static, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(compiling, "compiled_step", fake_compiled_step)
     return compiled
 
 
@@ -256,7 +259,7 @@ def test_a_chains_inputs_are_made_once_per_model_and_give_the_same_logits(device
 def test_wider_than_the_largest_bucket_is_exact_and_said_once(caplog):
     model = tiny_lm(VOCAB, 32, 2, seed=9, scale=0.6)  # a fresh model: the warning is once per model
     ids = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(2))
-    with caplog.at_level(logging.WARNING, logger="specdecpp.models.static"):
+    with caplog.at_level(logging.WARNING, logger="specdecpp.fast"):
         for _ in range(2):
             ref = ModelRunner(model, VOCAB, want_hidden=False)
             static = StaticRunner(model, VOCAB, want_hidden=False, max_len=32, buckets=(1, 2, 4))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from specdecpp.models import static
+from specdecpp.fast import runners
 from tests.helpers.paths import REPO
 from tests.scripts.test_bench_fast import write_configs
 
@@ -21,11 +21,11 @@ def test_loop_alone_on_tiny_random_models(tmp_path, capsys):
 
     write_configs(tmp_path)
     out = tmp_path / "loop.json"
-    real = static.static_step
+    real = runners.static_step
     assert loop_alone.main(["--configs", str(tmp_path), "--dtype", "float32", "--methods", "fixed_k2", "svip",
                             "--prompts", "2", "--max-new-tokens", "8", "--prompt-len", "8", "--repeats", "1",
                             "--flush-mb", "1", "--metered", "--out", str(out)]) == 0
-    assert static.static_step is real  # the runner's step is given back
+    assert runners.static_step is real  # the runner's step is given back
     printed = capsys.readouterr().out
     assert "| fixed_k2 |" in printed and "| svip |" in printed
     result = json.loads(out.read_text())
@@ -61,7 +61,7 @@ def test_a_replay_that_strays_from_the_record_is_refused(tmp_path):
             return out if self.mode == "record" else (out[0].flip(-1), out[1])
 
     for tape, fails in ((loop_alone.StepTape(1), False), (Straying(1), True)):
-        real, static.static_step = static.static_step, tape
+        real, runners.static_step = runners.static_step, tape
         try:
             if fails:
                 with pytest.raises(RuntimeError, match="did not retrace"):
@@ -70,4 +70,4 @@ def test_a_replay_that_strays_from_the_record_is_refused(tmp_path):
                 call = loop_alone.replay_call(decoder, tape, prompt, args, None, 0)
                 assert call["rounds"] > 0 and call["warm"] > 0 and call["cold"] > 0
         finally:
-            static.static_step = real
+            runners.static_step = real

@@ -147,11 +147,11 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
     timed batched forward goes through it), B = 1 and each size given, widths up to 8."""
     from infer import costs as cli
     from specdecpp.analysis.costmodel import load_costs
-    from specdecpp.models import static
+    from specdecpp.fast.batch_runner import StaticBatchRunner
 
     fed = []
-    feed = static.StaticBatchRunner.feed
-    monkeypatch.setattr(static.StaticBatchRunner, "feed", lambda self, *a, **k: fed.append(self.rows) or feed(self, *a, **k))
+    feed = StaticBatchRunner.feed
+    monkeypatch.setattr(StaticBatchRunner, "feed", lambda self, *a, **k: fed.append(self.rows) or feed(self, *a, **k))
     path = tmp_path / "costs.json"
     cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
               "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
@@ -168,7 +168,7 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
 def test_compile_options_from_the_config(value, want):
     """infer's ``compile_options`` sets the inductor options fast=compile compiles with on a CPU
     (the suite's own plain default restored after); a bad value names the key."""
-    from specdecpp.models.static import COMPILE_OPTIONS, TUNED_COMPILE_OPTIONS
+    from specdecpp.fast.compiling import COMPILE_OPTIONS, TUNED_COMPILE_OPTIONS
 
     before = dict(COMPILE_OPTIONS["cpu"])
     try:
