@@ -3,6 +3,7 @@ data named), and consolidation leaves out a split without rows."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -66,3 +67,26 @@ def test_consolidate_leaves_out_a_split_without_rows(tmp_path):
     splits, meta = load_labelled(tmp_path)
     assert list(splits) == ["train"] and splits["train"][0]["p_acc"] == [1.0, 0.25]
     assert meta["rows"] == {"train": 1, "dev": 0} and meta["complete"]
+
+
+def test_a_shard_whose_prompts_were_all_skipped_is_a_marker_alone(tmp_path):
+    """long_prompts=skip can leave a shard without rows: its marker records the prompts and the
+    skipped ones, consolidation joins the other shards and records the skipped prompts."""
+    from specdecpp.data.dataset import (
+        PROMPTS_FILE,
+        consolidate,
+        save_shard,
+        shard_done,
+        shard_prompts,
+    )
+
+    row = {"id": "a", "prompt": "hi", "prompt_ids": [1, 2], "target_ids": [3, 4], "draft_ids": [3, 5],
+           "p_acc": [1.0, 0.25], "draft_entropy": [0.5, 0.7]}
+    save_shard(tmp_path, "train", 0, [row])
+    save_shard(tmp_path, "train", 1, [], prompts=[["long", "0123abcd"]], skipped={"long": 9000})
+    assert shard_done(tmp_path, "train", 1) and shard_prompts(tmp_path, "train", 1) == ([["long", "0123abcd"]],
+                                                                                      {"long": 9000})
+    consolidate(tmp_path, {"train": 2}, {"draft": "d"})
+    splits, meta = load_labelled(tmp_path)
+    assert splits["train"]["id"] == ["a"] and meta["skipped_prompts"] == {"long": 9000}
+    assert [pid for pid, _ in json.loads((tmp_path / PROMPTS_FILE).read_text())["splits"]["train"]] == ["a", "long"]
