@@ -256,15 +256,16 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     costs = Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    from specdecpp.stopping.head import load_head
+
+    head_names = head_labels(heads)  # each head loads (and a broken one is named) before the data and the draft
+    lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
     rows, meta, raw = dataset_rows(data_dir, split, limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
-    head_names = head_labels(heads)
     for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context) if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
-    from specdecpp.stopping.head import load_head
-    lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
     pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))

@@ -138,34 +138,56 @@ class AcceptanceHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> AcceptanceHead:
-        """Load a head saved with :meth:`save_pretrained` from a local directory (or a hub repo id)."""
-        from safetensors.torch import load_file
-
+        """Load a head saved with :meth:`save_pretrained` from a local directory (or a hub repo id).
+        A missing or mistyped key of ``config.json``, or a cut or corrupt ``model.safetensors``, is a
+        ValueError naming the head, the file and the key or the problem (:func:`read_head_config`)."""
         directory = Path(path)
         if not directory.exists():
             directory = _hub_snapshot(str(path))
-        cfg_file, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        if not cfg_file.is_file() or not weights.is_file():
-            raise FileNotFoundError(f"acceptance head {str(path)!r} must contain {CONFIG_NAME} and {WEIGHTS_NAME}")
-        config = json.loads(cfg_file.read_text())
-        if config.get("model_type") not in (None, "specdecpp_acceptance_head"):
-            raise ValueError(f"{cfg_file} is not an acceptance head config (model_type={config.get('model_type')!r})")
-        kind = config.get("kind", "resnet")  # heads saved before head kinds existed are the paper's
+        return cls._load(directory, path, read_head_config(directory, path), map_location)
+
+    @classmethod
+    def _load(cls, directory: Path, ref, config: dict, map_location) -> AcceptanceHead:
+        """The head in ``directory`` (given as ``ref``) from its checked ``config`` (:func:`read_head_config`)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        where = _head_name(ref, directory)
+        kind, hidden_size, depth = config["kind"], config["hidden_size"], config["depth"]
         if kind != cls.kind:
-            raise ValueError(f"acceptance head {str(path)!r} is of kind {kind!r}, not {cls.kind!r} "
+            raise ValueError(f"{where} is of kind {kind!r}, not {cls.kind!r} "
                              f"({cls.__name__}): load it with specdecpp.load_head, which returns the right kind")
-        with torch.random.fork_rng(devices=[]):  # the random init is overwritten: loading leaves the global RNG as it was
-            head = cls(int(config["hidden_size"]), int(config["depth"]), draft=config.get("draft"),
-                       **cls._init_kwargs(config))
+        cfg_file, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        try:
+            kwargs = cls._init_kwargs(config)
+            with torch.random.fork_rng(devices=[]):  # the random init is overwritten: loading leaves the global RNG as it was
+                head = cls(hidden_size, depth, draft=config.get("draft"), **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {cfg_file} does not describe a {cls.kind!r} head ({exc}); "
+                             f"{_RESAVE}") from exc
         head.meta = {k: v for k, v in config.items()
-                     if k not in ("model_type", "kind", "hidden_size", "depth", "draft", *cls._init_kwargs(config))}
-        state = load_file(str(weights), device=str(map_location))
+                     if k not in ("model_type", "kind", "hidden_size", "depth", "draft", *kwargs)}
+        if not weights.is_file():
+            raise FileNotFoundError(f"{where} has {CONFIG_NAME} but no {WEIGHTS_NAME} in {directory}; "
+                                    f"copy the head's weights there or {_RESAVE}")
+        try:
+            state = load_file(str(weights), device=str(map_location))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{where}: {weights} ({weights.stat().st_size} bytes) cannot be read as safetensors "
+                             f"({type(exc).__name__}: {exc}); the file is cut short or corrupt: copy it again "
+                             f"from where the head was saved, or {_RESAVE}") from exc
+        shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        resized = [f"{k} is {tuple(v.shape)}, not {shapes[k]}" for k, v in state.items()
+                   if k in shapes and tuple(v.shape) != shapes[k]]
+        if resized:  # tensors of other sizes than config.json's give
+            raise ValueError(f"{where}: the weights in {weights} do not fit {cfg_file} (hidden_size={hidden_size}, "
+                             f"depth={depth}): {'; '.join(resized[:3])}{'; ...' if len(resized) > 3 else ''}; "
+                             f"{_RESAVE}")
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"acceptance head weights in {weights} do not match config "
-                             f"(depth={head.depth}): missing {missing}, unexpected {unexpected}")
+            raise ValueError(f"{where}: the weights in {weights} do not match {cfg_file} "
+                             f"(depth={head.depth}): missing {missing}, unexpected {unexpected}; {_RESAVE}")
         return head.eval()
-
 
     def _config(self) -> dict:
         """Kind-specific constructor settings saved in config.json."""
@@ -368,23 +390,69 @@ def build_head(kind: str, hidden_size: int, depth: int, draft: str | None = None
     return head_class(kind)(hidden_size, depth, draft=draft, **kwargs)
 
 
+_RESAVE = "re-save the head with save_pretrained, or train it again (python -m train +experiment=...)"
+
+
+def _head_name(ref, directory: Path) -> str:
+    """How errors name a head: as it was given, and where a hub id was fetched to."""
+    return f"acceptance head {str(ref)!r}" + (f" (fetched to {directory})" if Path(ref) != directory else "")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_head_config(directory: str | os.PathLike, ref: str | os.PathLike | None = None) -> dict:
+    """A saved head's ``config.json``, checked: valid JSON, an object, ``hidden_size`` a positive
+    integer, ``depth`` an integer >= 0 and ``kind`` one of :data:`HEAD_KINDS` (absent: ``resnet``, the
+    heads saved before head kinds existed). The one reader of a head's config (``from_pretrained``,
+    ``load_head``, ``head_kind``): every problem is a ValueError naming the head (``ref``, as the user
+    gave it), the file and the key. Returns the config with ``kind`` filled in."""
+    directory = Path(directory)
+    where = _head_name(directory if ref is None else ref, directory)
+    cfg_file = directory / CONFIG_NAME
+    if directory.is_file():
+        raise FileNotFoundError(f"{where} is a file, not a head directory (one holding {CONFIG_NAME} and "
+                                f"{WEIGHTS_NAME}); pass the directory the head was saved to")
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{where} has no {CONFIG_NAME} in {directory}: a head directory holds "
+                                f"{CONFIG_NAME} and {WEIGHTS_NAME}; {_RESAVE}")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: {cfg_file} is not valid JSON ({exc}); {_RESAVE}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: {cfg_file} holds a JSON {type(config).__name__}, not an object with "
+                         f"hidden_size, depth and kind; {_RESAVE}")
+    if config.get("model_type") not in (None, "specdecpp_acceptance_head"):
+        raise ValueError(f"{where}: {cfg_file} is not an acceptance head config "
+                         f"(model_type={config.get('model_type')!r}); pass the directory train saved the head to")
+    config = {**config, "kind": config.get("kind", "resnet")}
+    for key, ok, want in (("hidden_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+                          ("depth", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                          ("kind", lambda v: v in HEAD_KINDS, f"one of {list(HEAD_KINDS)}")):
+        if key not in config:
+            raise ValueError(f"{where}: {cfg_file} has no {key!r} (a head's config records hidden_size, depth "
+                             f"and kind); add it, or {_RESAVE}")
+        if not ok(config[key]):
+            raise ValueError(f"{where}: {cfg_file} has {key!r}: {json.dumps(config[key])}, which must be {want}; "
+                             f"fix it, or {_RESAVE}")
+    return config
+
+
 def head_kind(path: str | os.PathLike) -> str:
     """The kind recorded in a saved head's config.json (``resnet`` when none is recorded)."""
-    cfg_file = Path(path) / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"acceptance head {str(path)!r} has no {CONFIG_NAME}")
-    return json.loads(cfg_file.read_text()).get("kind", "resnet")
+    return read_head_config(path)["kind"]
 
 
 def load_head(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> AcceptanceHead:
-    """Load a saved head of either kind (its ``config.json`` says which)."""
+    """Load a saved head of either kind (its ``config.json`` says which): the one loader that
+    ``python -m infer``, ``infer.potential`` and ``specdecpp.hf.generate`` go through."""
     directory = Path(path)
     if not directory.exists():
         directory = _hub_snapshot(str(path))
-    kind = head_kind(directory) if (directory / CONFIG_NAME).is_file() else "resnet"
-    if kind not in HEAD_KINDS:
-        raise ValueError(f"acceptance head {str(path)!r} has unknown kind {kind!r} (known: {list(HEAD_KINDS)})")
-    return head_class(kind).from_pretrained(directory, map_location=map_location)
+    config = read_head_config(directory, path)
+    return head_class(config["kind"])._load(directory, path, config, map_location)
 
 
 def _model_name(model) -> str:
