@@ -31,7 +31,7 @@ Decode time, ON by default for now (to be measured against the default path, scr
 set again; e.g. ``=codegen_memo,packed_cache`` (the defaults plus both compile-time pieces),
 ``=all``, ``=none``, ``=-direct_call``. Each patch checks that what it replaces exists with the
 signature it expects and leaves torch as it is otherwise (said at DEBUG level);
-tests/fast/test_torch_internals.py fails when one of them has moved on the installed torch.
+tests/models/test_torch_internals.py fails when one of them has moved on the installed torch.
 """
 
 from __future__ import annotations
@@ -249,8 +249,8 @@ def _kept_graphs(base: type) -> type:
             super().__init__(None, options or None, False)
             self.options, self.graphs = options or None, graphs
 
-        def __call__(self, model_, inputs_):
-            fn = super().__call__(model_, inputs_)
+        def __call__(self, model_, inputs_, **kwargs):
+            fn = super().__call__(model_, inputs_, **kwargs)
             self.graphs.append((fn, list(inputs_)))
             return fn
 
