@@ -16,7 +16,9 @@ only the capabilities to change user and the child drops to ``nobody`` before it
 so the process cap applies (it never applies to root) and root-owned files stay closed. Where
 bwrap is missing or cannot create namespaces (a container without user namespaces), the kind is
 ``rlimits``: the same child without namespaces, which is not a sandbox (:meth:`Sandbox.describe`
-says so). docs/infer.md, "Running model-written code", states what each blocks and what not.
+says so; :func:`specdecpp.data.tasks.run_check` runs model-written code there only when the user
+allows unconfined execution). docs/infer.md, "Running model-written code", states what each
+blocks and what not.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ KINDS = ("bwrap", "rlimits")
 NOBODY = 65534  # the unprivileged user the child becomes when bwrap is started by root
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 INPUT, WORK = "/input", "/work"  # inside bwrap: the read-only inputs and the working directory
+TMPFS = ("/tmp", WORK)  # inside bwrap: the private, size-capped tmpfs mounts
 OUTPUT_TAIL = 65536  # bytes of the child's stdout and stderr read back
 # Runs first in the child, before any of the script: set the limits (JSON: resource name -> value,
 # never above a hard limit already there), become ``nobody`` where asked (bwrap started by root),
@@ -153,6 +156,10 @@ class Sandbox:
         self.bwrap = shutil.which("bwrap")
         if self.bwrap is None:
             return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+        covering = [d for d in self.read_only if any(_within(t, d) for t in TMPFS)]
+        if covering:  # bound read-only over the private tmpfs, it would leave the child no writable /tmp
+            return (f"bwrap cannot confine a child here (the read-only directory {covering[0]} holds the "
+                    f"sandbox's private {' and '.join(TMPFS)})")
         check = "import os, sys\nfor d in sys.argv[2:]: os.listdir(d)\nprint('ok')\n"
         probe = self._run("bwrap", check, {}, 20.0, args=self.read_only)
         if probe.returncode == 0 and probe.stdout.strip() == "ok":
@@ -220,16 +227,18 @@ class Sandbox:
             elif os.path.isdir(d):
                 argv += ["--ro-bind", d, d]
         argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        # the private tmpfs first: a later mount hides what is under it, so a Python installation
+        # under /tmp (a venv there) is bound on top of the private /tmp, never below it
+        for tmpfs in TMPFS:
+            argv += ["--perms", "1777", "--size", str(self.limits.tmpfs), "--tmpfs", tmpfs]
         extra = [d for d in self.read_only if not any(_within(d, s) for s in SYSTEM_DIRS)]
         extra = [d for d in extra if not any(_within(d, e) and d != e for e in extra)]
         # the parents bwrap creates would copy the host's modes (/root is 0700): nobody must pass them
-        parents = sorted({str(p) for d in extra for p in Path(d).parents if str(p) != "/"})
+        parents = sorted({str(p) for d in extra for p in Path(d).parents if str(p) not in ("/", *TMPFS)})
         for p in parents:
             argv += ["--perms", "0755", "--dir", p]
         for d in extra:
             argv += ["--ro-bind", d, d]
-        for tmpfs in ("/tmp", WORK):
-            argv += ["--perms", "1777", "--size", str(self.limits.tmpfs), "--tmpfs", tmpfs]
         argv += ["--ro-bind", str(root / "input"), INPUT, "--chdir", WORK]
         return argv
 

