@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,6 @@ from specdecpp.analysis.costmodel import Costs, load_costs
 from specdecpp.data.tasks import ALLOW_ENV
 
 from .plots import pareto_plot, quality_plot, throughput_plot
-from .results import read_result_dir
 from .summary import R2_WARNING, summarize_results
 
 COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq. 2.3 speedup",
@@ -170,7 +170,11 @@ def fit_line(group: dict) -> str:
                 "(N_draft, N_target) vary independently, e.g. target_only beside fixed_k runs.")
     line = (f"Cost model (Eq. 2.1, least squares over {fit['n_rows']} engine rows): "
             f"t_draft = {fit['t_draft'] * 1e3:.3f} ms, t_target = {fit['t_target'] * 1e3:.3f} ms, "
-            f"R^2 = {fit['r2']:.3f}; t_draft / t_target = {fit['t_draft'] / fit['t_target']:.3f}.")
+            f"R^2 = {fit['r2']:.3f}")
+    if group.get("fit_problem"):  # specdecpp.analysis.costmodel.CostFit.problem
+        return line + (f".\n\n> **Flagged, not used: {group['fit_problem']}.** The Eq. 2.3 columns are empty "
+                       "where they would use these costs.")
+    line += f"; t_draft / t_target = {fit['t_draft'] / fit['t_target']:.3f}."
     if group.get("fit_warning"):
         line += (f"\n\n> **Warning: R^2 = {fit['r2']:.2f} < {R2_WARNING}.** Constant per-forward costs do not "
                  "explain the measured times (on a CPU a verification of several tokens costs more than one), "
@@ -186,6 +190,61 @@ def legend_line(group: dict) -> str:
                *([(e["vs_eager"]["ci95"], e["vs_eager"].get("ci_n", 0))] if e.get("vs_eager") else []),
                *((v["ci95"], v.get("ci_n", 0)) for v in [e.get("vs_direct")] if v)])
     return LEGEND + (f" {FEW_NOTE}" if few else "")
+
+
+# What a row needs to be counted in a table (infer.summary reads these keys of every row).
+ROW_KEYS = ("method", "settings", "pair", "prompts", "sampling", "n_generated", "n_draft", "n_target",
+            "n_discarded", "accept_lengths")
+
+
+def parse_line(line: str, last: bool) -> tuple[dict | None, str | None]:
+    """One line of a result file: ``(row, None)``, or ``(None, why)`` where it is no row the report can count."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, ("cut short (the file's last line, with no newline: a run stopped mid-write; `python -m infer` "
+                      "with the same settings redoes that prompt)" if last else f"not valid JSON ({exc})")
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not a result row"
+    missing = [k for k in ROW_KEYS if k not in row]
+    return (None, f"a result row without {', '.join(missing)}") if missing else (row, None)
+
+
+def read_report_rows(results_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """Every row of every ``*.jsonl`` file under ``results_dir`` (or that one file), with ``_file``
+    added, and the lines left out: ``{"file", "line", "problem"}`` for each cut or malformed line
+    (:func:`parse_line`). The report counts what it can and says what it skipped; ``python -m
+    infer`` reads its own file strictly (``infer.results.read_rows``)."""
+    root = Path(results_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"results directory {str(root)!r} does not exist; run `python -m infer` first")
+    files = [root] if root.is_file() else sorted(root.rglob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl result files under {str(root)!r}")
+    rows, skipped = [], []
+    for f in files:
+        lines = f.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            row, problem = parse_line(line, last=i == len(lines) - 1)
+            if problem:
+                skipped.append({"file": str(f), "line": i + 1, "problem": problem})
+            else:
+                rows.append({**row, "_file": str(f)})
+    return rows, skipped
+
+
+def skipped_lines(skipped: list[dict], markdown: bool = True) -> str:
+    """The notice of the result lines the report left out (each file and line), or '': a quoted
+    markdown block for report.md, plain text (``markdown=False``) for the warning."""
+    if not skipped:
+        return ""
+    n = len(skipped)
+    quote, bold = ("> ", "**") if markdown else ("", "")
+    return (f"{quote}{bold}Skipped {n} result line{'s' if n > 1 else ''}{bold}, not counted in any table (each is "
+            f"one prompt fewer in its table):\n" + "\n".join(
+                f"{quote}- `{s['file']}` line {s['line']}: {s['problem']}" for s in skipped))
 
 
 def _slug(*parts: str) -> str:
@@ -245,11 +304,17 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
                  costs: str | Path | Sequence[str | Path] | None = None) -> dict:
     """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries.
     ``costs``: one costs.json or several, one per fast path (:func:`report_costs`)."""
-    rows = read_result_dir(Path(results_dir))
+    rows, skipped = read_report_rows(results_dir)
+    if skipped:
+        warnings.warn(skipped_lines(skipped, markdown=False), stacklevel=2)
+    if not rows:
+        raise ValueError(f"no readable result rows under {str(results_dir)!r}; " + skipped_lines(skipped, False))
     groups = summarize_results(rows, report_costs(costs))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections, images = [f"# Inference report: {results_dir}\n"], []
+    if skipped:
+        sections.append(skipped_lines(skipped) + "\n")
     for g in groups:
         slug = _slug(g["pair"], g["prompts"], g["sampling"], g["device"], *([f"fast-{g['fast']}"] if g["fast"] else []))
         pngs = [pareto_plot(g, out / f"pareto_{slug}.png"), throughput_plot(g, out / f"throughput_{slug}.png")]
@@ -281,7 +346,7 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
     (out / "report.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")
     return {"report": out / "report.md", "summary": out / "summary.json", "images": images,
-            "groups": groups, "text": report}
+            "groups": groups, "text": report, "skipped": skipped}
 
 
 def main(argv: list[str] | None = None) -> None:

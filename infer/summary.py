@@ -370,8 +370,10 @@ def machines(rows: list[dict]) -> dict[str, int]:
 
 def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
     fit = fit_group(rows)
+    problem = fit.problem if fit else None  # a cost that is not positive: shown, flagged, not used
+    usable = None if problem else fit
     by_run = runs(rows)
-    entries = sorted((_entry(r, fit) for r in by_run.values()), key=_order)
+    entries = sorted((_entry(r, usable) for r in by_run.values()), key=_order)
     base = target_only_entry(entries)
     base_rows = by_run.get(_run_key(base)) if base else None
     batched = rows[0].get("batch_size", 1) > 1
@@ -393,8 +395,8 @@ def summarize_group(rows: list[dict], costs: Costs | None = None) -> dict:
             e["speedup_width_predicted"] = base_width / latency if latency else None
     add_best_baseline_ratios(entries, by_run)
     add_door_ratios(entries, by_run)
-    return {"fit": fit.to_dict() if fit else None, "entries": entries,
-            "fit_warning": bool(fit and not fit.r2 >= R2_WARNING),
+    return {"fit": fit.to_dict() if fit else None, "entries": entries, "fit_problem": problem,
+            "fit_warning": bool(usable and not usable.r2 >= R2_WARNING),
             "greedy": rows[0]["sampling"]["temperature"] == 0,
             "baseline": baseline_of(base, rows[0].get("fast") or None), "costs": costs_summary(costs),
             "machines": machines(rows)}

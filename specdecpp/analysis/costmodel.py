@@ -60,6 +60,22 @@ class CostFit:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def problem(self) -> str | None:
+        """Why these costs cannot price Eq. 2.3, or None: a fitted cost that is not positive (or not
+        finite) is no cost of a forward but the least-squares answer to counts that do not tell the
+        two costs apart, e.g. fixed-K rows alone, whose N_draft and N_target rise together. The
+        report flags it and predicts nothing from it; ``load_costs`` skips it."""
+        bad = [f"{name} = {value * 1e3:.3f} ms" for name, value in (("t_draft", self.t_draft), ("t_target", self.t_target))
+               if not (math.isfinite(value) and value > 0)]
+        if not bad:
+            return None
+        return (f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not positive, which no forward costs: the "
+                f"{self.n_rows} timed rows do not pin the two costs down (their N_draft and N_target rise together, as "
+                "fixed-K rows alone do, or their walls are too noisy); add target-only rows (method=target_only) to "
+                "the table, or measure the costs with "
+                "`python -m infer.costs --costs-out FILE` and pass --costs FILE")
+
 
 def fit_cost_model(n_draft: Sequence[float], n_target: Sequence[float],
                    wall_time_s: Sequence[float]) -> CostFit:
@@ -238,9 +254,11 @@ def load_costs(path: str | Path) -> Costs:
     if isinstance(data, list) and data and all(isinstance(g, dict) and "fit" in g for g in data):
         data = {"groups": data}  # infer.report's summary.json is a list of groups
     if isinstance(data, dict) and "t_draft" not in data and "groups" in data:
-        fits = [g["fit"] for g in data["groups"] if g.get("fit")]
+        fitted = [g for g in data["groups"] if g.get("fit")]
+        fits = [g["fit"] for g in fitted if not g.get("fit_problem")]  # a flagged fit (CostFit.problem) prices nothing
         if not fits:
-            raise ValueError(f"costs file {str(path)!r}: the report has no fitted cost model")
+            flagged = f"; its fits are flagged: {fitted[0]['fit_problem']}" if fitted else ""
+            raise ValueError(f"costs file {str(path)!r}: the report has no fitted cost model with positive costs{flagged}")
         data = {**fits[0], "measured_by": f"Eq. 2.1 fit in {path}"}
     if not isinstance(data, dict):
         raise ValueError(f"costs file {str(path)!r}: expected a JSON object with t_draft and t_target")
