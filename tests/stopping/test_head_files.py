@@ -2,7 +2,7 @@
 whose model.safetensors is cut short, is one ValueError from the one loader
 (``specdecpp.stopping.head.read_head_config`` and ``load_head``), naming the head directory, the
 file and the key or the problem (they were a bare KeyError, ``int()``'s ValueError and safetensors'
-"incomplete metadata"). The entries that load heads through it: tests/apps/infer/test_head_files.py,
+"incomplete metadata"). The entries that load heads through it: tests/apps/infer/test_infer_head_files.py,
 tests/hf/test_hf_head_files.py."""
 
 from __future__ import annotations
