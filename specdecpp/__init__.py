@@ -1,5 +1,6 @@
 """specdecpp: learned stop predictors (SpecDec++) for speculative decoding, and its baselines."""
 
+from . import _moved  # noqa: F401  round 3's module paths (specdecpp.head, ...), deprecated: docs/api.md
 from .core.sampling import SamplingConfig, warp
 from .core.verify import verify
 from .decoders.cascade import Cascade
