@@ -19,6 +19,7 @@ from specdecpp.analysis.costmodel import Costs, load_costs
 from specdecpp.data.tasks import ALLOW_ENV
 
 from .plots import pareto_plot, quality_plot, throughput_plot
+from .results import read_result_dir
 from .summary import R2_WARNING, summarize_results
 
 COLUMNS = ("method", "settings", "prompts", "tokens/s", "speedup", "95% CI", "Eq. 2.3 speedup",
@@ -192,49 +193,6 @@ def legend_line(group: dict) -> str:
     return LEGEND + (f" {FEW_NOTE}" if few else "")
 
 
-# What a row needs to be counted in a table (infer.summary reads these keys of every row).
-ROW_KEYS = ("method", "settings", "pair", "prompts", "sampling", "n_generated", "n_draft", "n_target",
-            "n_discarded", "accept_lengths")
-
-
-def parse_line(line: str, last: bool) -> tuple[dict | None, str | None]:
-    """One line of a result file: ``(row, None)``, or ``(None, why)`` where it is no row the report can count."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, ("cut short (the file's last line, with no newline: a run stopped mid-write; `python -m infer` "
-                      "with the same settings redoes that prompt)" if last else f"not valid JSON ({exc})")
-    if not isinstance(row, dict):
-        return None, f"a JSON {type(row).__name__}, not a result row"
-    missing = [k for k in ROW_KEYS if k not in row]
-    return (None, f"a result row without {', '.join(missing)}") if missing else (row, None)
-
-
-def read_report_rows(results_dir: str | Path) -> tuple[list[dict], list[dict]]:
-    """Every row of every ``*.jsonl`` file under ``results_dir`` (or that one file), with ``_file``
-    added, and the lines left out: ``{"file", "line", "problem"}`` for each cut or malformed line
-    (:func:`parse_line`). The report counts what it can and says what it skipped; ``python -m
-    infer`` reads its own file strictly (``infer.results.read_rows``)."""
-    root = Path(results_dir)
-    if not root.exists():
-        raise FileNotFoundError(f"results directory {str(root)!r} does not exist; run `python -m infer` first")
-    files = [root] if root.is_file() else sorted(root.rglob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no *.jsonl result files under {str(root)!r}")
-    rows, skipped = [], []
-    for f in files:
-        lines = f.read_text().split("\n")
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            row, problem = parse_line(line, last=i == len(lines) - 1)
-            if problem:
-                skipped.append({"file": str(f), "line": i + 1, "problem": problem})
-            else:
-                rows.append({**row, "_file": str(f)})
-    return rows, skipped
-
-
 def skipped_lines(skipped: list[dict], markdown: bool = True) -> str:
     """The notice of the result lines the report left out (each file and line), or '': a quoted
     markdown block for report.md, plain text (``markdown=False``) for the warning."""
@@ -304,7 +262,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
                  costs: str | Path | Sequence[str | Path] | None = None) -> dict:
     """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries.
     ``costs``: one costs.json or several, one per fast path (:func:`report_costs`)."""
-    rows, skipped = read_report_rows(results_dir)
+    skipped: list[dict] = []
+    rows = read_result_dir(results_dir, skipped)
     if skipped:
         warnings.warn(skipped_lines(skipped, markdown=False), stacklevel=2)
     if not rows:

@@ -134,8 +134,29 @@ class ResultWriter:
             os.fsync(f.fileno())
 
 
-def read_result_dir(root: Path) -> list[dict]:
-    """Every row of every ``*.jsonl`` file under ``root`` (recursively), with ``_file`` added."""
+# What a row needs to be counted in a table (infer.summary reads these keys of every row).
+ROW_KEYS = ("method", "settings", "pair", "prompts", "sampling", "n_generated", "n_draft", "n_target",
+            "n_discarded", "accept_lengths")
+
+
+def parse_line(line: str, last: bool) -> tuple[dict | None, str | None]:
+    """One line of a result file: ``(row, None)``, or ``(None, why)`` where it is no row the report can count."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, ("cut short (the file's last line, with no newline: a run stopped mid-write; `python -m infer` "
+                      "with the same settings redoes that prompt)" if last else f"not valid JSON ({exc})")
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not a result row"
+    missing = [k for k in ROW_KEYS if k not in row]
+    return (None, f"a result row without {', '.join(missing)}") if missing else (row, None)
+
+
+def read_result_dir(root: str | Path, skipped: list[dict] | None = None) -> list[dict]:
+    """Every row of every ``*.jsonl`` file under ``root`` (recursively; or that one file), with
+    ``_file`` added. Strict by default (:func:`read_rows`: what ``python -m infer`` resumes from);
+    given a ``skipped`` list (the report), a cut or malformed line is left out and recorded there as
+    ``{"file", "line", "problem"}`` (:func:`parse_line`)."""
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(f"results directory {str(root)!r} does not exist; run `python -m infer` first")
@@ -144,7 +165,16 @@ def read_result_dir(root: Path) -> list[dict]:
         raise FileNotFoundError(f"no *.jsonl result files under {str(root)!r}")
     rows = []
     for f in files:
-        for row in read_rows(f):
-            row["_file"] = str(f)
-            rows.append(row)
+        if skipped is None:
+            rows += [{**row, "_file": str(f)} for row in read_rows(f)]
+            continue
+        lines = f.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            row, problem = parse_line(line, last=i == len(lines) - 1)
+            if problem:
+                skipped.append({"file": str(f), "line": i + 1, "problem": problem})
+            else:
+                rows.append({**row, "_file": str(f)})
     return rows
