@@ -240,6 +240,17 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
     }
 
 
+def record(job: Job, writer: ResultWriter, prompt: Prompt, ids: torch.Tensor, out: tuple, timed: bool, target,
+           tokenizer, batch: dict | None = None) -> None:
+    """Score one decode (``out``: a runner's ``(output_ids, stats, extra)``) untimed and append its
+    row: the one path every row takes (``batch``: a batched call's keys)."""
+    output_ids, stats, extra = out
+    quality = target_quality(target, ids, output_ids, job.sampling, output_vocab_size(target))
+    quality.update(task_score(job, prompt, output_ids, tokenizer))
+    row = make_row(job, prompt, ids.shape[1], output_ids, stats, extra, timed, target.device, target.dtype, quality)
+    writer.append({**row, **(batch or {})})
+
+
 def execute(jobs: list[Job], models) -> list[dict]:
     """Decode every prompt still to do of every job, prompt by prompt: every job's method on a
     prompt before the next prompt, so a drift in machine load touches every method alike (the
@@ -278,12 +289,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
             for job, runner, writer, ids_todo in zip(jobs, runners, writers, todo, strict=True):
                 if pid not in ids_todo:
                     continue
-                output_ids, stats, extra = runner.generate(ids, job.max_new_tokens,
-                                                           prompt_seed(job.run_keys["seed"], pid), eos)
-                quality = target_quality(target, ids, output_ids, job.sampling, output_vocab_size(target))
-                quality.update(task_score(job, order[pid], output_ids, tokenizer))
-                writer.append(make_row(job, order[pid], ids.shape[1], output_ids, stats, extra, runner.timed,
-                                       target.device, target.dtype, quality))
+                out = runner.generate(ids, job.max_new_tokens, prompt_seed(job.run_keys["seed"], pid), eos)
+                record(job, writer, order[pid], ids, out, runner.timed, target, tokenizer)
                 bar.update(1)
     return [summarize(job) for job in jobs]
 
@@ -318,12 +325,9 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                 outs, wall = runner.generate_batch([encoded[pid] for pid in mine], job.max_new_tokens, seeds, eos,
                                                    job.batch_size, fill=job.batch_fill)
                 batch_id = f"{mine[0]}+{len(mine)}"
-                for pid, (output_ids, stats, extra) in zip(mine, outs, strict=True):
-                    quality = target_quality(target, encoded[pid], output_ids, job.sampling, output_vocab_size(target))
-                    row = make_row(job, order[pid], encoded[pid].shape[1], output_ids, stats, extra, runner.timed,
-                                   target.device, target.dtype,
-                                   {**quality, **task_score(job, order[pid], output_ids, tokenizer)})
-                    writer.append({**row, "batch_id": batch_id, "batch_wall_time_s": wall})
+                for pid, out in zip(mine, outs, strict=True):
+                    record(job, writer, order[pid], encoded[pid], out, runner.timed, target, tokenizer,
+                           {"batch_id": batch_id, "batch_wall_time_s": wall})
                 bar.update(len(mine))
     return [summarize(job) for job in jobs]
 
