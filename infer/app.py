@@ -268,7 +268,7 @@ def execute(jobs: list[Job], models) -> list[dict]:
     encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
     encoded = skip_long_prompts(jobs, encoded, draft, target)  # refused (or left out) before any model runs
     for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
-        if job.fast and job.todo and hasattr(runner, "warm_up"):
+        if job.fast and job.todo:
             seconds = runner.warm_up(max(encoded[q.id].shape[1] for q in job.todo), job.max_new_tokens,
                                      job.batch_size if job.batch_size > 1 else None, progress=job.progress)
             log.info("%s %s: fast=%s warmed up (compiled) in %.1f s, untimed", job.spec.name, job.spec.tag, job.fast,
@@ -308,7 +308,7 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
     (the call's wall time, which its rows share: throughput = tokens / the calls' time) and
     ``batch_rounds`` (the call's rounds as ``[rows, longest K, draft forwards]``, for the batched Eq. 2.1)."""
     for job, runner in zip(jobs, runners, strict=True):
-        if not hasattr(runner, "generate_batch"):
+        if not runner.batched:
             raise ValueError(f"batch_size={job.batch_size}: method={job.spec.name} has no batched runner")
     ids = list(encoded)
     todo = [{q.id for q in job.todo} for job in jobs]

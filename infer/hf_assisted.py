@@ -48,6 +48,7 @@ from specdecpp.models.loading import token_set
 from specdecpp.stopping.policies import check_count, check_threshold
 
 from .meters import ForwardMeter
+from .runner import MethodRunner
 
 # Logits processors a checkpoint's generation_config.json could switch on (transformers fills
 # every unset key from it): set to their no-op values, so HF samples from the same warped
@@ -140,8 +141,7 @@ class HFAssisted:
         return HFAssistedRunner(draft, target, sampling, **self.settings(), profile=profile)
 
 
-class HFAssistedRunner:
-    timed = True
+class HFAssistedRunner(MethodRunner):
 
     def __init__(self, draft, target, sampling: SamplingConfig, mode: str, num_assistant_tokens: int,
                  confidence_threshold: float = 0.0, profile: bool = False) -> None:

@@ -26,6 +26,7 @@ from specdecpp.core.timing import Clock
 
 from .hf_assisted import generation_settings
 from .meters import ForwardMeter
+from .runner import MethodRunner
 
 if TYPE_CHECKING:
     from .methods import MethodSpec
@@ -63,8 +64,7 @@ class HFCustom:
         return HFCustomRunner(draft, target, sampling, self.policy.method, self.allowed, profile=profile)
 
 
-class HFCustomRunner:
-    timed = True
+class HFCustomRunner(MethodRunner):
 
     def __init__(self, draft, target, sampling: SamplingConfig, policy: StopPolicy, allowed: dict | None = None,
                  profile: bool = False) -> None:

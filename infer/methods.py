@@ -54,6 +54,7 @@ from specdecpp.models.fit import check_head_fit, config_hidden_size
 from .acceptance import load_acceptance
 from .hf_assisted import HF_MODES
 from .meters import FeedMeters, ForwardMeter
+from .runner import MethodRunner
 from .tags import method_tag
 
 METHODS = ("target_only", "fixed_k", "svip", "specdecpp", "pearl", "sequoia", "hf_assisted", "hf_custom", "oracle",
@@ -287,7 +288,7 @@ class CascadeMethod:
                                                cascade=self.cascade, fast=fast), profile)
 
 
-class EngineRunner:
+class EngineRunner(MethodRunner):
     """Our engine (specdecpp.SpeculativeDecoder) with one stop policy. The forward meters
     synchronise CUDA per forward only with ``profile`` (else ``forward_time_s`` is None on CUDA).
     On the fast path, whose steps bypass the models' hooks, ``forward_time_s`` is the time inside
@@ -295,7 +296,7 @@ class EngineRunner:
     step count as the loop's, as transformers' own mask building counts as the forward's eagerly);
     where rounds were replayed as CUDA graphs (``replayed_rounds`` in the row), None."""
 
-    timed = True
+    batched = True
 
     def __init__(self, decoder: SpeculativeDecoder, profile: bool = False) -> None:
         self.decoder = decoder
@@ -347,6 +348,8 @@ class SequoiaRunner(EngineRunner):
     """specdecpp.SequoiaDecoder, timed as our engine; the row gets the tree's size and the tokens
     per target call."""
 
+    batched = False  # a tree decoder decodes one prompt at a time
+
     def generate(self, prompt_ids, max_new_tokens, seed, eos_token_id):
         output_ids, s, extra = super().generate(prompt_ids, max_new_tokens, seed, eos_token_id)
         widths = {str(w): s.draft_widths.count(w) for w in sorted(set(s.draft_widths))}
@@ -356,11 +359,9 @@ class SequoiaRunner(EngineRunner):
         return output_ids, s, extra
 
 
-class PEARLRunner:
+class PEARLRunner(MethodRunner):
     """specdecpp.PEARLDecoder. Its two models run at once, so the forward hooks' sum is no share of
     the wall time (``forward_time_s`` is None); the row gets PEARL's own counts instead."""
-
-    timed = True
 
     def __init__(self, decoder: PEARLDecoder) -> None:
         self.decoder = decoder

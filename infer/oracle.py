@@ -11,6 +11,8 @@ from specdecpp.analysis.potential import greedy_oracle
 from specdecpp.core.sampling import SamplingConfig
 from specdecpp.models.reduced_vocab import output_vocab_size
 
+from .runner import MethodRunner
+
 
 @torch.no_grad()
 def draft_greedy_predictions(draft, tokens: torch.Tensor, prompt_len: int, vocab: int) -> list[int]:
@@ -35,7 +37,7 @@ class Oracle:
         return OracleRunner(draft, target, sampling)
 
 
-class OracleRunner:
+class OracleRunner(MethodRunner):
     timed = False  # counts only: the report predicts its throughput with Eq. 2.3
 
     def __init__(self, draft, target, sampling: SamplingConfig) -> None:
