@@ -15,6 +15,7 @@ import pytest
 
 from specdecpp.data import tasks
 from specdecpp.data.prompts import Prompt, load_prompts
+from specdecpp.data.sandbox import Sandbox
 
 CORRECT = textwrap.dedent('''\
     Here is the function:
@@ -28,10 +29,23 @@ CORRECT = textwrap.dedent('''\
 WRONG = CORRECT.replace("number - int(number)", "int(number)")
 
 
+def confines() -> bool:
+    """Whether a check can be confined here (bubblewrap works): ``SPECDECPP_ALLOW_CODE_EXECUTION=1``
+    then runs model-written code; elsewhere only ``=unconfined`` does (tests/data/test_sandbox.py)."""
+    return Sandbox().kind == "bwrap"
+
+
+def needs_confinement() -> None:
+    sandbox = Sandbox()
+    if sandbox.kind != "bwrap":
+        pytest.skip(f"no sandbox confines a check here ({sandbox.bwrap_problem}): =1 refuses to run code")
+
+
 @pytest.fixture
 def allow_code(monkeypatch):
-    """Model-written code may run (it is off by default)."""
-    monkeypatch.setenv(tasks.ALLOW_ENV, "1")
+    """Model-written code may run (it is off by default): confined where bubblewrap works, else
+    under resource limits only (these tests check the scoring, test_sandbox.py the confinement)."""
+    monkeypatch.setenv(tasks.ALLOW_ENV, "1" if confines() else "unconfined")
 
 
 @pytest.fixture
@@ -130,7 +144,8 @@ def test_model_written_code_does_not_run_unless_allowed(forbid_code, tmp_path, m
     assert not canary.exists()
     assert "SPECDECPP_ALLOW_CODE_EXECUTION=1" in tasks.NOT_RUN and "allow_code_execution=true" in tasks.NOT_RUN
     assert tasks.score_output("gsm8k", "q", "7", "so 7")["task_score"] == 1.0
-    # allowed by the config key or by the environment, code runs
+    # allowed by the config key or by the environment, code runs (confined)
+    needs_confinement()
     assert tasks.score_output("humaneval", "HumanEval/2", None, CORRECT, allow_code_execution=True)["task_score"] == 1.0
     monkeypatch.setenv(tasks.ALLOW_ENV, "yes")
     with pytest.raises(ValueError, match="SPECDECPP_ALLOW_CODE_EXECUTION='yes'"):
@@ -202,6 +217,8 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
 
     from infer import app
     from infer.report import build_report
+
+    needs_confinement()  # allow_code_execution=true runs HumanEval's checks confined only
     from infer.results import read_rows
     from tests.helpers.infer import make_cfg
 
