@@ -36,9 +36,9 @@ from specdecpp.data.prompts import (
     too_long,
 )
 from specdecpp.decoders.cascade import Cascade
-from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
 from specdecpp.fast.buckets import GRAPH_BACKENDS, check_fast
 from specdecpp.fast.compiling import set_compile_options
+from specdecpp.models.loading import eos_token_ids, load_pair, resolve_device
 
 from .plan import (
     Shard,
