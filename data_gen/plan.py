@@ -149,7 +149,7 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
     return {
         **settings_meta(cfg),
         "dtype": dtype_name(target.dtype),
-        "fast": cfg.get("fast"),  # the target's sampling forwards (specdecpp.models.static)
+        "fast": cfg.get("fast"),  # the target's sampling forwards (specdecpp.fast)
         # the draw behind every sampled token (a resume with another draw would mix two random streams);
         # not in settings_meta, so a complete dataset made before it was recorded still loads
         "sampler": SAMPLER,

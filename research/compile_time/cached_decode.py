@@ -4,7 +4,7 @@
     export SPECDECPP_CACHE=.cache PYTHONPATH=. TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
     python research/compile_time/cached_decode.py --out a.json                           # compiles, saves
     python research/compile_time/cached_decode.py --out b.json                           # loads
-    SPECDECPP_PACKED_CACHE=0 python research/compile_time/cached_decode.py --out c.json  # compiles again
+    SPECDECPP_TORCH_INTERNALS=none python research/compile_time/cached_decode.py --out c.json  # compiles again
     python research/compile_time/cached_decode.py --compare a.json b.json c.json
 
 The demo pair (bf16, 1 thread), ``SpeculativeDecoder`` with ``FixedK(3)`` and ``fast="compile"``: its

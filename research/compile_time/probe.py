@@ -2,7 +2,7 @@
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) SPECDECPP_CACHE=.cache PYTHONPATH=. \
         python research/compile_time/probe.py --widths 1 --options tuned [--profile out.prof]
-    SPECDECPP_CODEGEN_MEMO=0 ...    # the same without specdecpp.models.codegen_memo
+    SPECDECPP_TORCH_INTERNALS=none ...    # the same without the codegen_memo piece (specdecpp.fast.torch_internals)
 
 Compiles the demo target's (or draft's) one bucket per width under the given inductor options, as
 scripts/bench_compile.py does, and prints each width's compile time, inductor's FX graph cache counters

@@ -116,7 +116,7 @@ def sample_responses(target, prompts: Sequence[Sequence[int]], sampling: Samplin
     leaves the batch and its KV cache, and the next prompts take the free places (their prompt
     is prefilled, then joined to the batch cache): the batched decoder's own KV bookkeeping,
     :class:`specdecpp.decoders.batch.BatchRunner`, or with ``fast`` ("static" or "compile") the
-    fast path's :class:`specdecpp.models.static.StaticBatchRunner` (one-token forwards padded to a
+    fast path's :class:`specdecpp.fast.StaticBatchRunner` (one-token forwards padded to a
     batch bucket; "compile" compiles each bucket once per process). ``on_tokens(n)`` is called
     after each step with the number of tokens just sampled (for progress bars).
     """

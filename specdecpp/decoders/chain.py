@@ -54,7 +54,7 @@ class SpeculativeDecoder(FastPlanned):
 
         ``fast``: None (default) runs both models eagerly over transformers' cache; ``"static"`` over
         the project's static KV cache, ``"compile"`` with that cache's forwards compiled per width
-        bucket (``specdecpp.models.static``, docs/engine.md "The fast path"). Sampling, the rule,
+        bucket (``specdecpp.fast``, docs/engine.md "The fast path"). Sampling, the rule,
         the commit and the policy run outside the compiled forwards either way, so the output is
         the same; in ``generate_batch`` too (a static cache of per-row lengths, forwards padded to
         (batch, width) buckets). ``"graphs"`` / ``"compile-graphs"`` (CUDA): each bucket's forward a
@@ -191,7 +191,7 @@ class SpeculativeDecoder(FastPlanned):
 
         ``hooks``: as in :meth:`generate`; each hook is told the prompt's index as its row.
 
-        With ``fast`` both models run on :class:`~specdecpp.models.static.StaticBatchRunner` (rows
+        With ``fast`` both models run on :class:`~specdecpp.fast.StaticBatchRunner` (rows
         of their own lengths in a static cache, forwards padded to (batch, width) buckets, each
         compiled once under ``"compile"``; ``warm_up(prompt_len, max_new_tokens, batch_size)``
         compiles them before timing)."""

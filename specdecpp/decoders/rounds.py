@@ -137,7 +137,7 @@ class Drafter:
     def __init__(self, model, vocab: int, policy: StopPolicy | None, sampling: SamplingConfig,
                  eos: set[int], clock: Clock, keep_logits: bool = False, runners=ModelRunner) -> None:
         """``runners``: builds the draft's runner as ``runners(model, vocab, want_hidden)``, the
-        eager :class:`ModelRunner` by default (the fast path's: a ``specdecpp.models.static.CallRunners`` call)."""
+        eager :class:`ModelRunner` by default (the fast path's: a ``specdecpp.fast.CallRunners`` call)."""
         self.policy = policy if policy is not None else _NeverStop()
         self.keep_logits = keep_logits
         self.sampling, self.eos, self.clock = sampling, eos, clock
@@ -433,7 +433,7 @@ def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRu
 
 class FastPlanned:
     """A decoder whose ``fast_plan(prompt_len, max_new_tokens)`` says the tokens a call holds and
-    each model's buckets, over its ``runners`` (:class:`~specdecpp.models.static.CallRunners`);
+    each model's buckets, over its ``runners`` (:class:`~specdecpp.fast.CallRunners`);
     ``drafts``: whether its draft runs any forward (not under target-only decoding)."""
 
     drafts = True

@@ -107,7 +107,7 @@ DECODERS = {
     "sequoia-star4": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, -1, -1], s, **kw),  # 4 > top-k 3: uniform fallback
     "sequoia-two_level": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s, **kw),
 }
-# The fast path (specdecpp.models.static): each decoder again on the static KV cache (``-fast_static``)
+# The fast path (specdecpp.fast): each decoder again on the static KV cache (``-fast_static``)
 # and, slow (each width compiles once per process, seconds each), with its forwards compiled
 # (``-fast_compile``; PEARL refuses it). Batches run on the static batch runner (static cache of
 # per-row lengths, (batch, width) buckets). ``-fast_graphs`` (CUDA graphs; PEARL refuses it) runs on
