@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ draft, target, tok = load_pair(draft=draft_dir, target=target_dir, dtype=dtype)
 prompts = load_prompts("bundled", split="test", limit=int(n_prompts))
 cfg = SamplingConfig(temperature=0) if sampling == "greedy" else SamplingConfig(temperature=1.0, top_k=50)
 decoders = {"target_only": SpeculativeDecoder(draft, target, TargetOnly(), cfg, fast=fast),
-            "fixed_k3": SpeculativeDecoder(draft, target, FixedK(3), cfg, fast=fast),
+            "fixed_k1": SpeculativeDecoder(draft, target, FixedK(1), cfg, fast=fast),
+            "fixed_k2": SpeculativeDecoder(draft, target, FixedK(2), cfg, fast=fast),
             "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg, fast=fast),
             "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg, fast=fast)}
 if fast is not None:  # compile (or capture) every bucket before the first timed call
@@ -70,12 +72,13 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, checkout: Path, args) -> None:
+    def __init__(self, checkout: Path, args, env: list[str] = ()) -> None:
+        extra = dict(kv.split("=", 1) for kv in env)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(Path(args.draft).resolve()), str(Path(args.target).resolve()),
              str(Path(args.head).resolve()), args.dtype, str(args.prompts), str(args.max_new_tokens), args.sampling,
              args.fast or "none"],
-            cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **extra})
         first = self.proc.stdout.readline()
         if not first:
             raise SystemExit(f"the worker in {checkout} exited before it was ready (its error is above)")
@@ -102,13 +105,21 @@ def main(argv=None) -> int:
     parser.add_argument("--fast", choices=("static", "compile", "graphs", "compile-graphs"),
                         help="decode on this fast path in both checkouts (default eager); each worker compiles its "
                         "buckets before the first timed call")
+    parser.add_argument("--env-old", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the old checkout's worker only (repeatable), e.g. "
+                        "SPECDECPP_TORCH_INTERNALS=-direct_call with the same checkout twice")
+    parser.add_argument("--env-new", action="append", default=[], metavar="KEY=VALUE",
+                        help="the same for the new checkout's worker")
     args = parser.parse_args(argv)
+    for kv in args.env_old + args.env_new:
+        if "=" not in kv:
+            parser.error(f"--env-old/--env-new {kv!r}: give KEY=VALUE")
     for name in ("old", "new"):
         if not (getattr(args, name) / "specdecpp" / "__init__.py").is_file():
             parser.error(f"{name} {str(getattr(args, name))!r} is not a checkout of this project (no specdecpp/)")
     from specdecpp.analysis.stats import paired_ratio_interval
 
-    workers = {"old": Worker(args.old, args), "new": Worker(args.new, args)}
+    workers = {"old": Worker(args.old, args, args.env_old), "new": Worker(args.new, args, args.env_new)}
     failed = False
     print(f"{'method':10} {'same tokens':>12} {'old tok/s':>10} {'new tok/s':>10}  new/old [95% CI]")
     for method in workers["new"].methods:
