@@ -201,7 +201,8 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
     for shard in todo:
         rows = label_shard(shard, draft, target, tokenizer, sampling, seed=int(cfg.seed),
                            max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
-                           vocab=vocab, progress=progress, cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None,
+                           vocab=vocab, progress=progress,
+                           cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None,
                            fast=cfg.get("fast"), skip=frozenset(skip))
         save_shard(out, shard.split, shard.index, rows, prompts=[[p.id, prompt_digest(p)] for p in shard.prompts],
                    skipped={p.id: skip[p.id] for p in shard.prompts if p.id in skip})

@@ -40,7 +40,8 @@ def plot_labels(splits: DatasetDict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p_acc, entropy = (np.concatenate([_flat(d, column) for d in splits.values()]) for column in ("p_acc", "draft_entropy"))
+    p_acc, entropy = (np.concatenate([_flat(d, column) for d in splits.values()])
+                      for column in ("p_acc", "draft_entropy"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     left.hist(p_acc, bins=20, range=(0, 1))
     left.set(xlabel="p_acc = min(1, p/q)", ylabel="draft tokens", title="labels")

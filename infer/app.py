@@ -67,7 +67,8 @@ class Job:
     batch_fill: bool = False
     allow_code_execution: bool = False  # run HumanEval outputs' code to score them (confined; specdecpp.data.tasks)
     fast: str | None = None  # the fast path's backend (None: eager; docs/engine.md "The fast path")
-    capture_rounds: bool | str = True  # graph backends, chain methods: whole rounds captured (True), not (False), or fused
+    # graph backends, chain methods: whole rounds captured (True), not (False), or fused
+    capture_rounds: bool | str = True
     long_prompts: str = "error"  # a prompt too long for the pair's context: refused (error) or left out (skip)
 
 
@@ -220,7 +221,8 @@ def machine_of(device: torch.device) -> str:
 def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
              timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
     """One result row, with the machine it was decoded on (the report names it). ``lossy``: the
-    method's output does not follow the target's distribution (a cascade); ``quality`` (specdecpp.analysis.quality.target_quality and the task score, untimed) is
+    method's output does not follow the target's distribution (a cascade); ``quality``
+    (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
@@ -265,7 +267,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
     for job in jobs:
         for q in job.todo:
             order.setdefault(q.id, q)
-    encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device) for pid, q in order.items()}
+    encoded = {pid: torch.tensor([encode_prompt(tokenizer, q.prompt)], device=target.device)
+               for pid, q in order.items()}
     encoded = skip_long_prompts(jobs, encoded, draft, target)  # refused (or left out) before any model runs
     for job, runner in zip(jobs, runners, strict=True):  # the fast path: one cache size, every bucket compiled
         if job.fast and job.todo:

@@ -74,11 +74,12 @@ def table(result: dict) -> str:
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
     for b, curve in sorted((result.get("target_by_batch_s") or {}).items()):
-        lines.append(f"batch {b}: draft step {result['draft_by_batch_s'][b] * 1e3:.1f} ms; target, n tokens per row (ms): "
+        lines.append(f"batch {b}: draft step {result['draft_by_batch_s'][b] * 1e3:.1f} ms; "
+                     "target, n tokens per row (ms): "
                      + ", ".join(f"n={n}: {t * 1e3:.1f}" for n, t in sorted(curve.items())))
     if result.get("dtype"):
-        lines.insert(len(rows) + 2, f"precision: {result['dtype']}" + (f", fast path: {result['fast']}" if result.get("fast")
-                                                                        else ""))
+        lines.insert(len(rows) + 2, f"precision: {result['dtype']}"
+                     + (f", fast path: {result['fast']}" if result.get("fast") else ""))
     for name, c in result.get("compare_dtypes", {}).items():
         lines.append(f"same loop, {name}: draft step {c['draft_step_s'] * 1e3:.1f} ms, target step "
                      f"{c['target_step_s'] * 1e3:.1f} ms, cost ratio {c['cost_ratio']:.3f}; target by width (ms): "
@@ -108,11 +109,12 @@ def main(argv: list[str] | None = None) -> None:
                         "infer.report and scripts/bench_batch.py), e.g. 4 16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", help="precision of both models (default: the pair config's; the demo's is fast: "
-                        "bf16 on CUDA and on CPUs with native bf16, else float32) | auto | float32 | bfloat16 | float16")
+                        "bf16 on CUDA and on CPUs with native bf16, else float32) "
+                        "| auto | float32 | bfloat16 | float16")
     parser.add_argument("--compare-dtype", nargs="*", default=[], metavar="DTYPE",
                         help="also time the pair at these precisions in the same loop (e.g. float32)")
-    parser.add_argument("--fast", choices=["static", "compile", "graphs", "compile-graphs"], help="time the forwards on the fast path "
-                        "(default: eager)")
+    parser.add_argument("--fast", choices=["static", "compile", "graphs", "compile-graphs"],
+                        help="time the forwards on the fast path (default: eager)")
     parser.add_argument("--out", type=Path, help="write everything measured as JSON here")
     parser.add_argument("--costs-out", type=Path, help="write the pair's costs.json here "
                         "(for python -m infer.potential --costs and python -m infer.report --costs)")

@@ -123,7 +123,8 @@ class HFAssisted:
     """The method ``hf_assisted`` (conf/method/hf_assisted.yaml): its settings, checked here before
     any model loads, and :meth:`runner` once they are loaded."""
 
-    def __init__(self, mode: str = "constant", num_assistant_tokens: int = 20, confidence_threshold: float = 0.4) -> None:
+    def __init__(self, mode: str = "constant", num_assistant_tokens: int = 20,
+                 confidence_threshold: float = 0.4) -> None:
         if mode not in HF_MODES:
             raise ValueError(f"HFAssisted: mode must be one of {', '.join(HF_MODES)}, got {mode!r}")
         self.mode = mode

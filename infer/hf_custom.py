@@ -5,7 +5,8 @@ draft_model=draft, stop_policy=policy, ...)``: the stop policy built exactly as 
 builds it for the direct decoder (:func:`infer.methods.door_policy_config`), the sampling and
 the EOS set passed as ``generate``'s own arguments (no ``generation_config`` object: one or the
 other, see infer/hf_assisted.py), the checkpoint's extra logits processors switched off as for
-``hf_assisted`` (so ``generate`` builds none but the sampling warpers). Run beside the direct decoder with the same policy, interleaved, it shows what
+``hf_assisted`` (so ``generate`` builds none but the sampling warpers). Run beside the direct
+decoder with the same policy, interleaved, it shows what
 the door costs: the wall time is taken around ``generate`` (its preparation included), the two
 models' forward passes are timed by the same hooks as every runner, and the row adds the
 decoder's own wall time inside ``generate`` (``door_inner_wall_time_s``). Each prompt is seeded

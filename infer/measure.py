@@ -129,7 +129,8 @@ def measured_widths(max_width: int) -> list[int]:
 
 def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
             timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
-            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = (), fast: str | None = None) -> dict:
+            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = (),
+            fast: str | None = None) -> dict:
     draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
     per_source = {}
     for source in sources:
@@ -151,7 +152,8 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
                               64 + max(0, max_width - 8), None, seed)  # a mid-generation cache, 64 tokens in
     models = {"draft": draft, "target": target}
-    others = {dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)} - {dtype_name(target.dtype)}
+    others = ({dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)}
+              - {dtype_name(target.dtype)})
     for name in sorted(others):  # the same pair at another precision, timed in the same loop
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
@@ -164,8 +166,8 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     batched = {}
     if batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
         bw = [n for n in widths if n <= 21]
-        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw, timing_steps,
-                                          fast)
+        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw,
+                                          timing_steps, fast)
         batched = {"draft_by_batch_s": by_draft, "target_by_batch_s": by_target}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
@@ -177,7 +179,8 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
             "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
-            "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"], "draft_output_vocab": output_vocab_info(draft),
+            "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"],
+            "draft_output_vocab": output_vocab_info(draft),
             "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k], **batched}
 
 

@@ -41,7 +41,8 @@ class ForwardMeter:
 
 
 PHASES = ("prefill", "round")  # a runner's first feed of a call (the prompt) and every later one
-PARTS = ("feed", "step", "mask")  # a whole feed; inside it the model's forward step and (static) its mask (a chain: its stored inputs)
+# a whole feed; inside it the model's forward step and (static) its mask (a chain: its stored inputs)
+PARTS = ("feed", "step", "mask")
 
 
 class FeedMeters:

@@ -6,7 +6,8 @@ the library (``specdecpp.FixedK``, ``specdecpp.SVIP``, ``specdecpp.SpecDecPP``,
 (:class:`infer.hf_assisted.HFAssisted`, :class:`infer.oracle.Oracle`, :class:`PEARLMethod`,
 :class:`SequoiaMethod`, :class:`infer.hf_custom.HFCustom`), which
 makes its own runner. ``hf_custom`` (transformers' ``custom_generate`` door) wraps a stop policy
-that :func:`resolve_method` builds exactly as ``method=<stop>`` would (:func:`door_policy_config`). ``hydra.utils.instantiate`` calls the target with the config's settings, so
+that :func:`resolve_method` builds exactly as ``method=<stop>`` would (:func:`door_policy_config`).
+``hydra.utils.instantiate`` calls the target with the config's settings, so
 its constructor is the one check of them; only ``name`` and the head's pair checks
 (``allow_*_mismatch``) are infer's own keys.
 
@@ -313,7 +314,8 @@ class EngineRunner(MethodRunner):
         decoder, hooked = self.decoder, self.decoder.fast is None
         runners = decoder.runners
         if not hooked:  # the fast path's steps bypass the models' hooks: time them around the runners' steps
-            decoder.runners = FeedMeters(runners, {id(decoder.draft): "draft", id(decoder.target): "target"}, self.clock)
+            decoder.runners = FeedMeters(runners, {id(decoder.draft): "draft", id(decoder.target): "target"},
+                                         self.clock)
         try:
             with ForwardMeter(decoder.draft, self.clock, enabled=hooked) as d, \
                     ForwardMeter(decoder.target, self.clock, enabled=hooked) as t:
@@ -322,7 +324,8 @@ class EngineRunner(MethodRunner):
         finally:
             meters, decoder.runners = decoder.runners, runners
         seconds = d.seconds + t.seconds if hooked else meters.total(part="step")
-        replayed = out.stats.replayed_rounds  # captured rounds (specdecpp/decoders/captured.py): no step is timed inside
+        # captured rounds (specdecpp/decoders/captured.py): no step is timed inside
+        replayed = out.stats.replayed_rounds
         return out.tokens[0, prompt_ids.shape[1]:].tolist(), out.stats, {
             "forward_time_s": seconds if self.clock.exact and not replayed else None,
             "row": {"replayed_rounds": replayed}}

@@ -18,7 +18,8 @@ def pair_config(name: str) -> dict:
     path = PAIR_DIR / f"{name}.yaml"
     if not path.is_file():
         choices = sorted(p.stem for p in PAIR_DIR.glob("*.yaml"))
-        raise ValueError(f"--pair {name!r}: no conf/pair/{name}.yaml; choose among {choices} or pass --draft and --target")
+        raise ValueError(f"--pair {name!r}: no conf/pair/{name}.yaml; choose among {choices} "
+                         "or pass --draft and --target")
     cfg = OmegaConf.load(path)
     return {k: cfg[k] for k in cfg if not OmegaConf.is_missing(cfg, k)}
 

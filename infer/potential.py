@@ -4,7 +4,8 @@
 "Can a learned stop predictor pay off on my pair?", answered from a data_gen dataset alone, before
 any decoding: replays speculative rounds along each labelled response with Bernoulli(P_i)
 acceptances (``specdecpp.analysis.potential``) for fixed K 1..10, the informed Algorithm 2 (a perfect head
-with the real head's one-candidate lag), the same perfect head without the lag, trained heads (``--head``, run on the draft's features
+with the real head's one-candidate lag), the same perfect head without the lag, trained heads
+(``--head``, run on the draft's features
 of the same data), SVIP from the stored draft entropy and the hindsight oracle. Speedups by
 Eq. 2.3 at the cost ratio, with 95% bootstrap intervals over prompts, and with the measured
 width-dependent target cost when ``--costs`` has one. Writes potential.md, potential.json and
@@ -111,7 +112,8 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
         raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
-    draft = load_model(draft_ref, device="cpu", dtype=meta.get("dtype", "float32"))  # the precision that labelled the data
+    # the precision that labelled the data
+    draft = load_model(draft_ref, device="cpu", dtype=meta.get("dtype", "float32"))
     for head in heads:
         head.attach(draft)
     preds = [[np.full(len(r["p_acc"]), np.nan) for r in raw_rows] for _ in heads]
@@ -141,7 +143,8 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
             for j in chunk:
                 r = raw_rows[j]
                 mask = mixing_mask(len(r["target_ids"]), ratio, mix_seed, epoch, int(r["row"]))
-                examples.append((mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"], mask), mask))
+                examples.append((mixed_example(r["prompt_ids"], r["target_ids"], r["draft_ids"], r["p_acc"], mask),
+                                 mask))
             # the states at each candidate (the paper's head) and one earlier (the lag-free head's)
             both = draft_features(draft, [e[0][0] for e in examples],
                                   [torch.cat([e[0][1], e[0][1] - 1]) for e in examples])
@@ -195,7 +198,8 @@ def report_markdown(records: list[dict], context: dict) -> str:
              f"mean P = {context['mean_p_acc']:.3f}; {context['seeds']} seeds of Bernoulli(P_i) acceptances per prompt "
              f"(every policy sees the same draws). Cost ratio t_draft / t_target = {context['cost_ratio']:.4f} "
              f"({context['cost_source']}). Intervals: 95% bootstrap over prompts."
-             + (f" Lag-free heads' features in the {context['head_context']} context." if context.get("head_context", "mixed") != "mixed" else ""),
+             + (f" Lag-free heads' features in the {context['head_context']} context."
+                if context.get("head_context", "mixed") != "mixed" else ""),
              "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
@@ -263,7 +267,8 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     rows, meta, raw = dataset_rows(data_dir, split, limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
-    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context) if heads else [], strict=True):
+    for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context)
+                           if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
     pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
@@ -279,7 +284,8 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
             lo_hi = pt.margin_interval(results[b["label"]], results[fixed["label"]], costs, n_boot=n_boot)
             margin = b["speedup"] / fixed["speedup"] - 1
             margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
-            line += f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), 95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]"
+            line += (f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), "
+                     f"95% CI [{100 * lo_hi[0]:+.1f}%, {100 * lo_hi[1]:+.1f}%]")
         best_lines.append(line)
     margins_by_width = {}
     if costs.target_by_width:  # the same comparison at the measured width curve (what tokens/s on this machine sees)
@@ -311,8 +317,9 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
     out_dir.mkdir(parents=True, exist_ok=True)
     md = report_markdown(records, context)
     (out_dir / "potential.md").write_text(md)
-    payload = {"context": {k: v for k, v in context.items()}, "costs": {"t_draft": costs.t_draft, "t_target": costs.t_target,
-               "target_by_width": costs.target_by_width}, "margins_vs_best_fixed_k": margins,
+    payload = {"context": {k: v for k, v in context.items()},
+               "costs": {"t_draft": costs.t_draft, "t_target": costs.t_target,
+                         "target_by_width": costs.target_by_width}, "margins_vs_best_fixed_k": margins,
                "margins_vs_best_fixed_k_by_width": margins_by_width, "records": records}
     (out_dir / "potential.json").write_text(json.dumps(payload, indent=1) + "\n")
     plot(records, out_dir / "potential.png", f"{data_dir} ({split}): stop potential at c = {costs.ratio:.3f}")
@@ -359,7 +366,8 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, help="only the first N prompts")
     ap.add_argument("--out", help="output directory (default DATA/potential, or DATA/whatif with --whatif-gammas)")
     ap.add_argument("--whatif-gammas", type=float, nargs="+", metavar="G",
-                    help="run the what-if grid instead: labels P ** G for each G (e.g. 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05)")
+                    help="run the what-if grid instead: labels P ** G for each G "
+                         "(e.g. 1 0.8 0.6 0.45 0.3 0.2 0.1 0.05)")
     ap.add_argument("--whatif-ratios", type=float, nargs="+", default=[], metavar="C",
                     help="with --whatif-gammas: more cost ratios t_draft / t_target beside the measured one")
     args = ap.parse_args(argv)

@@ -83,7 +83,8 @@ def group_table(group: dict) -> str:
         speedup = (_f(e["speedup"], suffix="x") if e["timed"]
                    else _f(e["speedup_predicted"], suffix="x (Eq. 2.3)"))
         lines.append("| " + " | ".join([
-            e["method"] + (" (LOSSY)" if e.get("lossy") else ""), e["tag"] if e["settings"] else "-", str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
+            e["method"] + (" (LOSSY)" if e.get("lossy") else ""), e["tag"] if e["settings"] else "-",
+            str(e["n_prompts"]), _f(e["tokens_per_s"]), speedup,
             _interval(e.get("speedup_ci95"), e.get("speedup_ci_n", 0)) or "-",
             _f(e["speedup_predicted"], suffix="x"), _f(e.get("speedup_width_predicted"), suffix="x"),
             _f(e["measured_over_predicted"]),
@@ -155,7 +156,8 @@ def door_lines(group: dict) -> str:
                          "this table (run both, interleaved: docs/infer.md, method hf_custom)")
             continue
         stop = e["settings"]["stop"]
-        speed = _ratio_cell(v, stop) if v["ratio"] is not None else f"tokens/s not compared (untimed) with {stop} {v['tag']}"
+        speed = (_ratio_cell(v, stop) if v["ratio"] is not None
+                 else f"tokens/s not compared (untimed) with {stop} {v['tag']}")
         lines.append(f"- {e['method']} {e['tag']}: {speed}; the same tokens on {v['same_tokens']} of "
                      f"{v['n_compared']} prompts")
     if not lines:
@@ -247,14 +249,16 @@ def baseline_line(group: dict) -> str:
                 f"with fast={fast or 'null'} beside the others.")
     else:
         tps = f", {base['tokens_per_s']:.2f} tokens/s" if base.get("tokens_per_s") else ""
-        line = (f"Speedups are over target-only on the same path: {_fast_name(fast)}, {base['n_prompts']} prompts{tps}.")
+        line = (f"Speedups are over target-only on the same path: {_fast_name(fast)}, "
+                f"{base['n_prompts']} prompts{tps}.")
     costs = group.get("costs")
     if costs:
         line += (f" Eq. 2.3 with t_target(n): costs measured {_fast_name(costs['fast'])} (`{costs['file']}`; "
                  f"t_draft {costs['t_draft'] * 1e3:.2f} ms, t_target {costs['t_target'] * 1e3:.2f} ms).")
     elif group.get("costs_missing"):
         line += (f" Eq. 2.3 with t_target(n): none of the costs files was measured {_fast_name(fast)}; add one "
-                 f"(`python -m infer.costs{' --fast ' + fast if fast else ''} --costs-out FILE`, then --costs ... FILE).")
+                 f"(`python -m infer.costs{' --fast ' + fast if fast else ''} --costs-out FILE`, "
+                 "then --costs ... FILE).")
     return line
 
 
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results_dir", help="a directory of result files (searched recursively) or one .jsonl file")
     parser.add_argument("--out", help="output directory (default reports/<name of results_dir>)")
     parser.add_argument("--costs", nargs="+", metavar="FILE",
-                        help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): adds Eq. "
+                        help="costs.json with t_draft and target_by_width (python -m infer.costs --costs-out): "
+                        "adds Eq. "
                         "2.3 with the width-dependent target cost; one file per fast path (infer.costs --fast B "
                         "records it), each pricing the tables of its own path")
     args = parser.parse_args(argv)

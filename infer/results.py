@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 # Keys that must agree between a run and the rows already in its result file.
 RUN_KEYS = ("method", "settings", "pair", "prompts", "sampling", "seed", "max_new_tokens", "batch_size", "fast",
             "capture_rounds")
-RUN_DEFAULTS = {"batch_size": 1, "fast": None, "capture_rounds": True}  # what a row written before the key existed means
+# what a row written before the key existed means
+RUN_DEFAULTS = {"batch_size": 1, "fast": None, "capture_rounds": True}
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:

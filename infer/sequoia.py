@@ -117,7 +117,8 @@ def check(args) -> None:
         generated += stats.n_generated
         calls += stats.n_target_calls
     measured = generated / calls
-    line = f"tree n={chosen.size}, d={chosen.depth}: measured {measured:.3f} tokens per target call ({generated} tokens, {calls} calls)"
+    line = (f"tree n={chosen.size}, d={chosen.depth}: measured {measured:.3f} tokens per target call "
+            f"({generated} tokens, {calls} calls)")
     if p:
         expected = chosen.expected_tokens(p)
         line += f"; DP's G = {expected:.3f} (measured / predicted = {measured / expected:.3f})"
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"acceptance vector over {result['rounds']} rounds ({sampling_tag(SamplingConfig.from_mapping(result['sampling']))}): "
+        print(f"acceptance vector over {result['rounds']} rounds "
+              f"({sampling_tag(SamplingConfig.from_mapping(result['sampling']))}): "
               + ", ".join(f"p{k + 1}={x:.3f}" for k, x in enumerate(result["acceptance"]))
               + f"; none {result['none']:.3f}\nwritten to {args.out}")
     else:

@@ -267,7 +267,8 @@ def add_best_baseline_ratios(entries: list[dict], by_run: dict) -> None:
                     continue
                 mine, theirs = by_run[_run_key(e)], by_run[_run_key(best)]
                 e["vs_best"][method] = {"tag": best["tag"], "ratio": e["tokens_per_s"] / best["tokens_per_s"],
-                                        "ci95": paired_speedup_ci(mine, theirs), "ci_n": len(paired_units(mine, theirs))}
+                                        "ci95": paired_speedup_ci(mine, theirs),
+                                        "ci_n": len(paired_units(mine, theirs))}
 
 
 def add_door_ratios(entries: list[dict], by_run: dict) -> None:

@@ -79,7 +79,9 @@ def run(cfg) -> list[dict]:
                 jobs.append(job)
     if cfg.get("interleave") and jobs:
         pending = [job for job in jobs if job.todo]
-        by_path = {job.path: s for job, s in zip(pending, execute(pending, load_models(jobs[0].pair)) if pending else [], strict=True)}
+        by_path = {job.path: s
+                   for job, s in zip(pending, execute(pending, load_models(jobs[0].pair)) if pending else [],
+                                     strict=True)}
         return [by_path.get(job.path) or summarize(job) for job in jobs]
     summaries = []
     for job in jobs:

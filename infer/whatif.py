@@ -26,7 +26,8 @@ DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05)
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| mean P | cost ratio | best fixed K | informed (lag) | margin | perfect, no lag | margin | oracle margin |",
+    lines = ["| mean P | cost ratio | best fixed K | informed (lag) | margin | perfect, no lag | margin | "
+             "oracle margin |",
              "|---|---|---|---|---|---|---|---|"]
     for r in records:
         fk, inf, lf = r["fixed_k"], r["informed"], r["informed_lag_free"]

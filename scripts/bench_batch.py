@@ -201,12 +201,14 @@ def main() -> None:
         for m in decoders:
             us = units[(b, m)]
             tok, wall, pred = (np.array([u[k] for u in us], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
-            btok, bwall, bpred = (np.array([u[k] for u in base], dtype=float) for k in ("tokens", "wall_s", "predicted_s"))
+            btok, bwall, bpred = (np.array([u[k] for u in base], dtype=float)
+                                  for k in ("tokens", "wall_s", "predicted_s"))
             ci = (paired_ratio_interval(tok, wall, btok, bwall, n_resamples=2000)  # over units: needs two
                   if m != "target_only" and len(us) >= 2 else (None, None))
             table.append({
                 "batch_size": b, "method": m, "units": len(us), "tokens": int(tok.sum()),
-                "tokens_per_s": tok.sum() / wall.sum(), "speedup": (tok.sum() / wall.sum()) / (btok.sum() / bwall.sum()),
+                "tokens_per_s": tok.sum() / wall.sum(),
+                "speedup": (tok.sum() / wall.sum()) / (btok.sum() / bwall.sum()),
                 "speedup_ci95": ci, "predicted_tokens_per_s": tok.sum() / pred.sum(),
                 "predicted_speedup": (tok.sum() / pred.sum()) / (btok.sum() / bpred.sum()),
                 "mean_row_k": float(np.mean([u["row_k_mean"] for u in us])),
@@ -228,9 +230,12 @@ def main() -> None:
               f"{r['mean_batch_k']:.2f} | {r['accepted_per_candidate']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"table": table, "costs": costs.to_dict(), "units": {f"{b}|{m}": u for (b, m), u in units.items()},
-                               "args": vars(args), "threads": args.threads, "machine": machine, "dtype": dtype_name(target.dtype),
-                               "load_before": load_before, "load_after": os.getloadavg()}, indent=1, default=str) + "\n")
+    out.write_text(json.dumps({"table": table, "costs": costs.to_dict(),
+                               "units": {f"{b}|{m}": u for (b, m), u in units.items()},
+                               "args": vars(args), "threads": args.threads, "machine": machine,
+                               "dtype": dtype_name(target.dtype),
+                               "load_before": load_before, "load_after": os.getloadavg()},
+                              indent=1, default=str) + "\n")
     png = plot(table, out.with_suffix(".png"), f"demo pair, {dtype_name(target.dtype)}, T=1 top-k 50; dashed: Eq. 2.1 "
                f"with t_draft(B), t_target(B, n)\n{machine}")
     print(f"written {out}, {png}")

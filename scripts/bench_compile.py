@@ -4,7 +4,8 @@
     python scripts/bench_compile.py --variants default,freezing --widths 1,2,4,8 --model draft
     python scripts/bench_compile.py --variants freezing --profile     # where a compiled forward's time goes
 
-One process: the demo pair as ``make demo-pair`` materialises it (``--draft``/``--target`` for another), one model (``--model``), a cached
+One process: the demo pair as ``make demo-pair`` materialises it (``--draft``/``--target`` for
+another), one model (``--model``), a cached
 context of ``--context`` tokens in a static cache of ``--size`` slots. Every variant gets a
 :class:`~specdecpp.fast.runners.StaticRunner` of its own, compiled with its inductor settings
 (``VARIANTS``: ``freezing``, ``cpp_wrapper``, ``max_autotune`` with the CPP GEMM template,
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
               "context": args.context, "weight_mb": wbytes / 1e6, "floor_ms": 1e3 * floor,
               "floor_ms_blocks": [1e3 * f for f in floors],
               "floor_ms_rounds": [1e3 * f for f in round_floors], "variants": {}}
-    print(f"\nweights {wbytes / 1e6:.0f} MB; copy bandwidth {wbytes / floor / 1e9:.1f} GB/s; floor {1e3 * floor:.1f} ms "
+    print(f"\nweights {wbytes / 1e6:.0f} MB; copy bandwidth {wbytes / floor / 1e9:.1f} GB/s; "
+          f"floor {1e3 * floor:.1f} ms "
           f"(blocks {', '.join(f'{1e3 * f:.1f}' for f in floors)})\n")
     print("| variant | width | median ms | block medians ms | x floor | x floor, paired [95% CI] | compile s | "
           "memory +MB | max |logit diff| vs first | argmax equal |")

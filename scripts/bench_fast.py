@@ -38,7 +38,8 @@ with ``--threads`` torch threads on a CPU:
    call) is left out of the rounds. On CUDA each meter synchronises the stream, so the host can no
    longer queue a round's work ahead of the GPU: there the timed pass (tokens/s, ms per round, the
    ratios) runs without meters, and a second pass with the same seeds gives the breakdown, whose
-   ms per round is then that pass's own (``--breakdown-pass``). ``--profile-outside N`` then runs each method once more on the
+   ms per round is then that pass's own (``--breakdown-pass``). ``--profile-outside N`` then runs
+   each method once more on the
    fast path under cProfile (prompt 0, untimed otherwise) and lists its N functions of most own
    time, the forward steps among them: where the loop's time goes (cProfile slows Python code more
    than the forwards, so read its list as a ranking, the breakdown for the shares).
@@ -146,8 +147,8 @@ def random_model(config: dict, device, dtype, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    keep = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("architectures", "dtype",
-                                                                                  "torch_dtype", "transformers_version")}
+    keep = {k: v for k, v in config.items()
+            if not k.startswith("_") and k not in ("architectures", "dtype", "torch_dtype", "transformers_version")}
     model = LlamaForCausalLM(LlamaConfig(**keep, attn_implementation="sdpa"))
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
@@ -589,7 +590,8 @@ def per_forward_table(result: dict) -> str:
         later = [x.get("after_first", {}).get("ms_per_round") for x in (c, p)]
         same = ("yes" if not m["per_forward_unequal_prompts"] else
                 "NO: prompts " + ", ".join(m["per_forward_unequal_prompts"])) if greedy else "n/a (sampled)"
-        lines.append(f"| {name} | {c['tokens_per_s']:.2f} | {p['tokens_per_s']:.2f} | {_x(m['captured_over_per_forward'])} | "
+        lines.append(f"| {name} | {c['tokens_per_s']:.2f} | {p['tokens_per_s']:.2f} | "
+                     f"{_x(m['captured_over_per_forward'])} | "
                      f"{c['ms_per_round']:.3f} | {p['ms_per_round']:.3f} | "
                      + " | ".join("n/a" if v is None else f"{v:.3f}" for v in later) + f" | {same} |")
     return "\n".join(lines)
@@ -796,7 +798,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile_outside and not args.breakdown:
         ap.error("--profile-outside needs --breakdown")
-    if args.round_graphs and (args.no_capture_rounds or args.batch or not set(args.fast) & {"graphs", "compile-graphs"}):
+    if args.round_graphs and (args.no_capture_rounds or args.batch
+                              or not set(args.fast) & {"graphs", "compile-graphs"}):
         ap.error("--round-graphs needs --fast graphs or compile-graphs, rounds captured, and no --batch")
     if args.also_per_forward and (args.no_capture_rounds or args.batch or
                                   not set(args.fast) & {"graphs", "compile-graphs"}):
@@ -825,7 +828,8 @@ def main(argv=None) -> int:
                   "fast": args.fast, "threads": torch.get_num_threads(), "pair": pair, "prompts": len(ids),
                   "max_new_tokens": args.max_new_tokens, **batch_run(args, draft, target, ids, eos)}
         return report(result, batch_table(result), args, all(
-            m[b]["greedy_equal"] for methods in result["batches"].values() for m in methods.values() for b in args.fast))
+            m[b]["greedy_equal"] for methods in result["batches"].values() for m in methods.values()
+            for b in args.fast))
     args.fast = args.fast[0]
 
     t0 = time.perf_counter()

@@ -7,7 +7,8 @@ slicing the hidden state, which on a CPU in bf16 takes oneDNN's slow path. This 
 own ``HFAssistedRunner`` (what ``method=hf_assisted`` runs; --mode, --num-assistant-tokens) on
 bundled test prompts, with ``GatherKeptLogits`` and with it swapped for a no-op, interleaved prompt by prompt with the
 same seed, checks that both produce the same tokens, and prints tokens/s of each (pooled) with the paired
-ratio and its 95% bootstrap interval over prompts (infer.summary.paired_speedup_ci), plus the mean time of a draft call of each kind.
+ratio and its 95% bootstrap interval over prompts (infer.summary.paired_speedup_ci), plus the mean
+time of a draft call of each kind.
 """
 
 from __future__ import annotations

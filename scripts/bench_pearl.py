@@ -92,7 +92,8 @@ def _forward_loop(model, context: torch.Tensor, width: int, steps: int, out: lis
         model(context, use_cache=True, **cache_kwargs(model, cache))
         length = cache.get_seq_length() - width
         crop_to(cache, length)
-        timing = time_forward(lambda: model(context[:, -width:], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=keep),
+        timing = time_forward(lambda: model(context[:, -width:], use_cache=True, **cache_kwargs(model, cache),
+                                            logits_to_keep=keep),
                               reset=lambda: crop_to(cache, length), repeats=steps, warmup=0,
                               **({"until": stop.is_set} if stop is not None else {}))
     times.extend(timing.times)
@@ -190,7 +191,8 @@ def table(methods: list[Method], n_prompts: int, overlap: dict | None = None) ->
         pearl = "overlap_time_s" in m.rows[0]
         if pearl:
             wall = sum(r["wall_time_s"] for r in m.rows)
-            entry.update(gamma=sorted({r["gamma"] for r in m.rows}), both_busy=sum(r["overlap_time_s"] for r in m.rows) / wall,
+            entry.update(gamma=sorted({r["gamma"] for r in m.rows}),
+                         both_busy=sum(r["overlap_time_s"] for r in m.rows) / wall,
                          draft_busy=sum(r["draft_time_s"] for r in m.rows) / wall,
                          target_busy=sum(r["target_time_s"] for r in m.rows) / wall,
                          pre_rounds=sum(r["n_pre_verify_rounds"] for r in m.rows),
@@ -198,14 +200,16 @@ def table(methods: list[Method], n_prompts: int, overlap: dict | None = None) ->
         tested = sum(sum(r["candidate_lengths"]) for r in m.rows)
         entry["mean_accepted"] = accepted
         entry["acceptance"] = sum(sum(r["accept_lengths"]) for r in m.rows) / tested if tested else None
-        entry["tokens_per_target_call"] = sum(r["n_generated"] for r in m.rows) / sum(r["n_target_calls"] for r in m.rows)
+        entry["tokens_per_target_call"] = (sum(r["n_generated"] for r in m.rows)
+                                           / sum(r["n_target_calls"] for r in m.rows))
         entry["ceiling"] = ceiling(m.rows, overlap) if pearl else None
         summary[m.name] = entry
         lines.append("| " + " | ".join([
             m.name, f"{tps:.2f}", *cells, "-" if accepted is None else f"{accepted:.2f}",
             "-" if entry["acceptance"] is None else f"{entry['acceptance']:.2f}",
             ",".join(map(str, entry["gamma"])) if pearl else "-",
-            f"{100 * entry['both_busy']:.0f}% (draft {100 * entry['draft_busy']:.0f}%, target {100 * entry['target_busy']:.0f}%)"
+            f"{100 * entry['both_busy']:.0f}% (draft {100 * entry['draft_busy']:.0f}%, "
+            f"target {100 * entry['target_busy']:.0f}%)"
             if pearl else "-",
             f"{entry['pre_rounds']}/{entry['post_rounds']}" if pearl else "-",
             f"{entry['tokens_per_target_call']:.2f}",
@@ -274,8 +278,10 @@ def main(argv=None) -> None:
             f"{m.name} {m.rows[-1]['n_generated'] / m.rows[-1]['wall_time_s']:.1f}" for m in methods), flush=True)
     load_after = os.getloadavg()
     text, summary = table(methods, len(prompts), overlap)
-    auto = next((m.decoder for m in methods if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
-    machine = (f"{machine_description(target.device)}, {dtype_name(target.dtype)}; load average (1/5/15 min) before {load_before}, after {load_after}; "
+    auto = next((m.decoder for m in methods
+                 if isinstance(m.decoder, PEARLDecoder) and m.decoder.gamma_setting == "auto"), None)
+    machine = (f"{machine_description(target.device)}, {dtype_name(target.dtype)}; "
+               f"load average (1/5/15 min) before {load_before}, after {load_after}; "
                f"{(time.time() - t_start) / 60:.1f} min")
     print(f"\n{len(prompts)} prompts ({args.prompts} bundled test + {args.prompts} HumanEval), "
           f"{args.max_new_tokens} new tokens, {'greedy' if sampling.greedy else f'T={args.temperature:g}, top-k 50'}, "

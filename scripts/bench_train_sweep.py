@@ -107,8 +107,10 @@ def report(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 3.5))
     x = np.arange(len(EXPERIMENTS))
-    ax.bar(x - 0.2, results["recomputed"], 0.4, label=f"draft recomputed every step ({sum(results['recomputed']):.0f} s)")
-    ax.bar(x + 0.2, results["cached"], 0.4, label=f"cached features ({sum(results['cached']):.0f} s, cache built in head 1)")
+    ax.bar(x - 0.2, results["recomputed"], 0.4,
+           label=f"draft recomputed every step ({sum(results['recomputed']):.0f} s)")
+    ax.bar(x + 0.2, results["cached"], 0.4,
+           label=f"cached features ({sum(results['cached']):.0f} s, cache built in head 1)")
     ax.set_xticks(x, EXPERIMENTS, rotation=60, fontsize=7)
     ax.set_ylabel("seconds per head")
     ax.legend(fontsize=8)

@@ -40,7 +40,8 @@ def forward_ms(model, prefix: int, n: int, repeats: int) -> float:
     ids = torch.randint(0, vocab, (1, prefix + n), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model)
     model(ids[:, :prefix], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=1)
-    timing = time_forward(lambda: model(ids[:, prefix:], use_cache=True, **cache_kwargs(model, cache), logits_to_keep=n),
+    timing = time_forward(lambda: model(ids[:, prefix:], use_cache=True, **cache_kwargs(model, cache),
+                                        logits_to_keep=n),
                           reset=lambda: crop_to(cache, prefix), repeats=repeats, warmup=1)
     return 1000 * timing.median
 

@@ -30,7 +30,8 @@ def _speedup(e: dict) -> str:
 
 def _task(e: dict) -> str:
     ci = e.get("task_score_ci95")
-    return "-" if e.get("task_score") is None else f"{e['task_score']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+    return "-" if e.get("task_score") is None else (f"{e['task_score']:.2f}"
+                                                    + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
 
 
 def head_labels(head: str) -> str:

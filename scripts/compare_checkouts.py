@@ -55,7 +55,8 @@ decoders = {"target_only": SpeculativeDecoder(draft, target, TargetOnly(), cfg, 
             "fixed_k1": SpeculativeDecoder(draft, target, FixedK(1), cfg, fast=fast),
             "fixed_k2": SpeculativeDecoder(draft, target, FixedK(2), cfg, fast=fast),
             "svip": SpeculativeDecoder(draft, target, SVIP(threshold=0.5), cfg, fast=fast),
-            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg, fast=fast)}
+            "specdecpp": SpeculativeDecoder(draft, target, SpecDecPP(load_head(head_dir), threshold=0.5), cfg,
+                                            fast=fast)}
 if fast is not None:  # compile (or capture) every bucket before the first timed call
     longest = max(len(encode_prompt(tok, p.prompt)) for p in prompts)
     for d in decoders.values():

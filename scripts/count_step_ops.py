@@ -20,7 +20,8 @@ model and width; ``--out`` writes JSON.
 ``--loop`` counts instead what a chain round dispatches outside the forwards on the CUDA path, for K
 = 0 (target-only), 1 and 3, greedy and sampled (temperature 1, top-k 50), over random bf16 logits (a
 bf16 model's on CUDA) of 4,096 tokens (below ``TOP_K_MIN_VOCAB``, so that a CPU takes the dense ways
-CUDA takes; the count does not depend on the vocabulary): the drafter's draws (the argmax, or ``warp`` and an unchecked ``sample``) and their
+CUDA takes; the count does not depend on the vocabulary): the drafter's draws (the argmax, or
+``warp`` and an unchecked ``sample``) and their
 writes to the token buffer, the exact rule's CUDA branch (``warp`` of the K + 1 target rows, the draft
 rows stacked, ``verify`` drawing the next token's candidate rows and reading them with its verdict and
 the drafts), and the commit
@@ -128,7 +129,8 @@ def count_round_loop(k: int, sampling: str, vocab: int, seed: int = 0) -> collec
 CAPTURED_POLICIES = ("fixed", "svip")
 
 
-def count_captured_round(k: int, sampling: str, vocab: int, policy: str = "fixed", seed: int = 0) -> collections.Counter:
+def count_captured_round(k: int, sampling: str, vocab: int, policy: str = "fixed",
+                         seed: int = 0) -> collections.Counter:
     """The operations a captured round holds outside its forwards (module docstring, ``--captured``):
     ``policy="fixed"``: :class:`~specdecpp.decoders.captured.RoundGraph`'s whole round of K candidates
     (K = 0: target-only); ``"svip"``: :class:`~specdecpp.decoders.captured.StepGraphs`' K candidate
@@ -243,7 +245,8 @@ def loop_table(args) -> int:
 
 def captured_table(args) -> int:
     vocab = 4096
-    print(f"a captured round outside its forwards (specdecpp/decoders/captured.py), random bf16 Llamas over {vocab} tokens")
+    print(f"a captured round outside its forwards (specdecpp/decoders/captured.py), "
+          f"random bf16 Llamas over {vocab} tokens")
     print("| round | sampling | K | operations | views (no kernel) | launching work | most frequent |")
     print("|---|---|---|---|---|---|---|")
     result = {}

@@ -121,13 +121,15 @@ def cold_ops(flush_mb: int, repeats: int = 30) -> list[dict]:
     flush = np.ones(flush_mb * 2**18, np.float32)
     x, row = torch.randn(50), torch.randn(49152).to(torch.bfloat16)
     xn = x.numpy()
-    ops = {"torch: x + 1 (50 floats)": lambda: x + 1, "torch: rand(1, float64)": lambda: torch.rand(1, dtype=torch.float64),
+    ops = {"torch: x + 1 (50 floats)": lambda: x + 1,
+           "torch: rand(1, float64)": lambda: torch.rand(1, dtype=torch.float64),
            "torch: softmax (50 floats)": lambda: x.softmax(-1), "torch: arange(5)": lambda: torch.arange(5),
            "torch: no_grad() enter": lambda: torch.no_grad().__enter__(),
            "torch: a 49,152 bf16 row to float32": lambda: row.float(),
            "numpy: x + 1 (50 floats)": lambda: xn + 1, "numpy: partition (50 floats)": lambda: np.partition(xn, 10),
            "python: sum(range(100))": lambda: sum(range(100))}
-    return [{"op": name, "warm_us": median_us(fn, flush, repeats, False), "cold_us": median_us(fn, flush, repeats, True)}
+    return [{"op": name, "warm_us": median_us(fn, flush, repeats, False),
+             "cold_us": median_us(fn, flush, repeats, True)}
             for name, fn in ops.items()]
 
 

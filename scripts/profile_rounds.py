@@ -201,8 +201,10 @@ def sync_sites(decs, prompt, args, device) -> None:
         sites: dict[str, int] = {}
 
         def note(message, category, filename, lineno, file=None, line=None, sites=sites):
-            frames = [f for f in traceback.extract_stack() if "/specdecpp/" in f.filename or "/transformers/" in f.filename]
-            key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-2:][::-1]) or f"{filename}:{lineno}"
+            frames = [f for f in traceback.extract_stack()
+                      if "/specdecpp/" in f.filename or "/transformers/" in f.filename]
+            key = (" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-2:][::-1])
+                   or f"{filename}:{lineno}")
             sites[key] = sites.get(key, 0) + 1
 
         with warnings.catch_warnings():

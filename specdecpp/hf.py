@@ -220,7 +220,8 @@ class Rows:
                 tail[[rows[r] for r in members]] = generated
                 yield members, torch.cat([self.input_ids, tail.to(self.input_ids.device)], dim=1)
 
-    def process(self, rows: list[int], tokens: list[torch.Tensor], ends: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def process(self, rows: list[int], tokens: list[torch.Tensor], ends: list[int],
+                logits: torch.Tensor) -> torch.Tensor:
         """The processors on logits rows [R, V] (each after its row's prefix), in float32 as generate runs them."""
         out = logits.float().clone()
         for members, ids in self.matrices(rows, tokens, ends):
@@ -531,7 +532,8 @@ def hub_generate(*args, model=None, **kwargs):
         if tokenizer is None:
             raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
         kwargs["stopping_criteria"] = StoppingCriteriaList(
-            [*(kwargs.get("stopping_criteria") or ()), StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)])
+            [*(kwargs.get("stopping_criteria") or ()),
+             StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)])
         if config is not None and config.stop_strings:  # a copy without them
             config = kwargs["generation_config"] = copy.deepcopy(config)
             config.stop_strings = None

@@ -550,7 +550,8 @@ def build_vocab(recipe: dict, work: Path, out: Path) -> None:
     info["teacher_mass_covered_on_held_out_shard"] = float(held_mass[keep].sum() / held_mass.sum())
     (out / ARTIFACT_VOCAB).write_text(json.dumps({**info, "token_ids": keep}))
     print(f"wrote {out / ARTIFACT_VOCAB}: {len(keep)} of {vocab_size} tokens, teacher mass covered "
-          f"{covered:.4f} on the ranking data, {info['teacher_mass_covered_on_held_out_shard']:.4f} on held-out shard 0")
+          f"{covered:.4f} on the ranking data, "
+          f"{info['teacher_mass_covered_on_held_out_shard']:.4f} on held-out shard 0")
 
 
 def main() -> None:

@@ -86,7 +86,8 @@ class ProjectedDraft(torch.nn.Module):
         missing, unexpected = model.model.load_state_dict(
             {k: v for k, v in self.body.state_dict().items() if not k.startswith("embed_tokens")}, strict=False)
         if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
-            raise ValueError(f"draft layers do not fit a LlamaForCausalLM: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(f"draft layers do not fit a LlamaForCausalLM: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
         with torch.no_grad():
             model.model.embed_tokens.weight.copy_(self.target_embeddings.float() @ self.input_projection.float())
             model.lm_head.weight.copy_(self.output_matrix().float())
@@ -98,7 +99,8 @@ def draft_config(artifact: Path = ARTIFACT_DIR) -> dict:
     path = Path(artifact) / ARTIFACT_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"demo draft artifact {str(path)!r} not found: rebuild it with "
-                                "python -m specdecpp_demo.build_draft, or reinstall specdecpp (the artifact is package data "
+                                "python -m specdecpp_demo.build_draft, or reinstall specdecpp "
+                                "(the artifact is package data "
                                 "of specdecpp_demo)")
     return json.loads(path.read_text())
 

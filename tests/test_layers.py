@@ -24,6 +24,27 @@ def test_import_contracts_are_kept():
     assert "0 broken" in run.stdout
 
 
+def ruff_command() -> list[str] | None:
+    """ruff as this interpreter's module (pip install -e '.[dev]'), else the one on PATH; None without either."""
+    import importlib.util
+
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    exe = shutil.which("ruff")
+    return [exe] if exe else None
+
+
+def test_ruff_check_passes():
+    """``ruff check`` passes on the whole repository with pyproject.toml's rules, the 120-character
+    line length (E501) among them."""
+    command = ruff_command()
+    if command is None:
+        pytest.skip("ruff is not installed (pip install ruff, or pip install -e '.[dev]')")
+    run = subprocess.run([*command, "check", "--no-cache", "--output-format", "concise", "."], cwd=REPO,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
 def is_cli(path: Path) -> bool:
     """A command-line module: a package's __main__.py, or a module with an ``if __name__ == "__main__":``."""
     if path.name == "__main__.py":

@@ -41,8 +41,8 @@ def _instantiate_all(group: DictConfig | None) -> list:
 
 # Keys of the composed config that do not change what is trained (where files go, how progress
 # is shown, how the work is spread): everything else is part of a run's identity.
-NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra", "pair.device", "pair.name", "pair.target",
-                "data.path", "data.num_workers", "data.cache_dir", "data.feature_batch_size",
+NOT_IDENTITY = {"out", "experiment_name", "head.name_prefix", "logger", "hydra", "pair.device", "pair.name",
+                "pair.target", "data.path", "data.num_workers", "data.cache_dir", "data.feature_batch_size",
                 "data.allow_draft_mismatch", "trainer.default_root_dir", "trainer.enable_progress_bar",
                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.accelerator",
                 "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.use_distributed_sampler",
@@ -119,14 +119,17 @@ def _training_record(cfg: DictConfig, meta: dict, trainer, module, weights: str,
     """How the head was made, for its config.json."""
     data, loss = cfg.data, cfg.loss
     return {"weights": weights, "best_epoch": best_epoch,
-            "val_loss_per_epoch": module.val_loss_per_epoch, "dataset": str(data.path), "w_rej": float(loss.w_rej), "w_acc": float(loss.w_acc),
-            "depth": int(cfg.head.depth), "head_kind": str(cfg.head.get("kind", "resnet")), "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
+            "val_loss_per_epoch": module.val_loss_per_epoch, "dataset": str(data.path), "w_rej": float(loss.w_rej),
+            "w_acc": float(loss.w_acc), "depth": int(cfg.head.depth), "head_kind": str(cfg.head.get("kind", "resnet")),
+            "mix_ratio": float(data.mix_ratio), "mix_seed": int(data.mix_seed),
             "seed": int(cfg.seed), "lr": float(cfg.optimizer.lr), "warmup_ratio": float(cfg.scheduler.warmup_ratio),
             "batch_size": int(data.batch_size), "epochs_done": int(trainer.current_epoch),
             "global_step": int(trainer.global_step), "cache_features": bool(data.cache_features),
             "remix_each_epoch": bool(data.remix_each_epoch), "experiment": cfg.experiment_name,
-            **({"feature_context": str(data.feature_context)} if data.get("feature_context", "mixed") != "mixed" else {}),
-            "dataset_meta": {k: meta.get(k) for k in ("draft", "target", "sampling", "prompts", "seed", "labels", "joined")
+            **({"feature_context": str(data.feature_context)}
+               if data.get("feature_context", "mixed") != "mixed" else {}),
+            "dataset_meta": {k: meta.get(k)
+                             for k in ("draft", "target", "sampling", "prompts", "seed", "labels", "joined")
                              if k not in ("labels", "joined") or meta.get(k) is not None}}
 
 

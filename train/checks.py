@@ -124,8 +124,10 @@ def check_split(split, name: str, path: str, vocab_size: int) -> None:
     for column in ("prompt_ids", "target_ids", "draft_ids"):
         ids = pc.list_flatten(arrow_column(split, column)).to_numpy(zero_copy_only=False)
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"{where}: {column} holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())} "
-                             f"outside the draft's vocabulary [0, {vocab_size}): the dataset was made with another tokenizer")
+            raise ValueError(f"{where}: {column} holds token id "
+                             f"{int(ids.max() if ids.max() >= vocab_size else ids.min())} "
+                             f"outside the draft's vocabulary [0, {vocab_size}): "
+                             "the dataset was made with another tokenizer")
 
 
 def check_draft_matches(meta: dict, draft_ref: str, hidden_size: int, path: str, allow_mismatch: bool) -> None:

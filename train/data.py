@@ -178,7 +178,8 @@ class HeadDataModule(L.LightningDataModule):
     def loader(self, name: str) -> DataLoader:
         """Prompts of split ``name`` in dataset order (validation, final evaluation), this rank's share."""
         dataset = self.dataset(name)
-        return DataLoader(dataset, batch_sampler=RankBatches(SequentialSampler(dataset), self.batch_size, *self._rank()),
+        return DataLoader(dataset,
+                          batch_sampler=RankBatches(SequentialSampler(dataset), self.batch_size, *self._rank()),
                           num_workers=self.num_workers, collate_fn=self.collate)
 
     @property

@@ -9,7 +9,8 @@ Builds the demo draft's config with random weights (``seed``), compiles its one-
 forward, whether the argmax agrees, and inductor's FX graph cache counters. ``--naive`` keys a packed
 weight by its shape and dtype only (the check lets it through, nothing more), as inductor keys other
 frozen weights: the second seed then loads the first seed's compiled graph and computes with its blocked
-weights. Without it the engine's key (the ``packed_cache`` piece of ``specdecpp.fast.torch_internals``, opted in here: a digest of the values) makes the
+weights. Without it the engine's key (the ``packed_cache`` piece of ``specdecpp.fast.torch_internals``,
+opted in here: a digest of the values) makes the
 second seed miss and the third (the first's weights again) hit.
 """
 

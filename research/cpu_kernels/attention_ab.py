@@ -3,7 +3,8 @@ engine's, new) against transformers' sdpa (old), one process, interleaved, the s
 model objects, 1 and 4 tokens; the weight-read floor measured as scripts/bench_fast.py does, the
 ratio old / new per interleaved round with a 95% bootstrap interval of its median.
 
-    PYTHONPATH=. SPECDECPP_CACHE=.cache python research/cpu_kernels/attention_ab.py --fast compile --context 64 --max-len 256
+    PYTHONPATH=. SPECDECPP_CACHE=.cache python research/cpu_kernels/attention_ab.py \\
+        --fast compile --context 64 --max-len 256
 """
 
 import argparse

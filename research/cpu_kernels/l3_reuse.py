@@ -14,8 +14,8 @@ This script times three reads in turn, on one thread, with the medians of ``--re
   in GB/s;
 - the floor's 256 MB copy, in GB/s of read and written bytes, as ``bench_fast`` reports it;
 - a bf16 matrix product of 1024 x 1024 by 1024 x 1024, which runs on arithmetic, not memory (each
-  element of its 2 MB operands is used 1,024 times), in TFLOP/s: a day's compute against another's, where the reads above
-  give its memory.
+  element of its 2 MB operands is used 1,024 times), in TFLOP/s: a day's compute against another's,
+  where the reads above give its memory.
 
 If the 269 MB read runs faster per byte than the big one, the cache holds part of it between
 reads. The buffers are float32 because a bf16 ``sum`` converts every element and runs at about

@@ -21,9 +21,11 @@ def main(dirs: list[str]) -> None:
         m, training = cfg.get("metrics", {}), cfg.get("training", {})
         dev, train = m.get("dev", {}), m.get("train", {})
         features = "+".join(cfg.get("features", ["hidden"])) + (f" (m={cfg['top_m']})" if "top_m" in cfg else "")
-        print(f"| {d} | {features} | {training.get('feature_context', 'mixed')} | {dev.get('AUROC', float('nan')):.3f} | "
+        print(f"| {d} | {features} | {training.get('feature_context', 'mixed')} | "
+              f"{dev.get('AUROC', float('nan')):.3f} | "
               f"{dev.get('KL', float('nan')):.4f} ({dev.get('KL_const', float('nan')):.4f}) | "
-              f"{dev.get('ECE', float('nan')):.3f} | {train.get('AUROC', float('nan')):.3f} | {training.get('best_epoch')} |")
+              f"{dev.get('ECE', float('nan')):.3f} | {train.get('AUROC', float('nan')):.3f} | "
+              f"{training.get('best_epoch')} |")
 
 
 if __name__ == "__main__":

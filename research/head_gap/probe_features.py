@@ -98,8 +98,8 @@ def blocks_of(rows, draft, target, hidden_size: int, sampling=None, batch: int =
     (the check that the states sit where the docstring says)."""
     from specdecpp.core.sampling import warp
 
-    out = {k: [] for k in ("hidden", "embedding", "q", "topm", "position", "target@0", "target@1", "target@2", "history",
-                           "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
+    out = {k: [] for k in ("hidden", "embedding", "q", "topm", "position", "target@0", "target@1", "target@2",
+                           "history", "tnum@1", "tnum@2", "labels", "row_len", "recomputed")}
     h = hidden_size
     for a in range(0, len(rows), batch):
         chunk = rows[a : a + batch]
@@ -173,7 +173,8 @@ class Probe(torch.nn.Module):
 
     def __init__(self, size: int, width: int = 256, bilinear: int = 0, pair: tuple[slice, slice] | None = None) -> None:
         super().__init__()
-        self.proj, self.block, self.out = torch.nn.Linear(size, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+        self.proj, self.block, self.out = (torch.nn.Linear(size, width), torch.nn.Linear(width, width),
+                                           torch.nn.Linear(width, 1))
         self.pair = pair
         if bilinear:
             a, b = pair
@@ -357,7 +358,8 @@ def main() -> None:
         directory, split, rows = extra_train_spec(spec)
         extra, extra_meta = load_labelled(directory)
         if split not in extra:
-            raise SystemExit(f"probe_features: --extra-train {directory} has no split {split!r} (it has {sorted(extra)})")
+            raise SystemExit(f"probe_features: --extra-train {directory} has no split {split!r} "
+                             f"(it has {sorted(extra)})")
         if extra_meta.get("draft") != meta.get("draft") or extra_meta.get("target") != meta.get("target"):
             raise SystemExit(f"probe_features: --extra-train {directory} was labelled by another pair "
                              f"({extra_meta.get('draft')}, {extra_meta.get('target')})")
@@ -372,12 +374,13 @@ def main() -> None:
                                    lambda ds=ev[split]: blocks_of([ds[i] for i in range(len(ds))], draft, target, size))
     diff = np.abs(data["dev"]["recomputed"] - data["dev"]["labels"])
     print(f"index check on dev: |min(1, p/q) from target@0 and hidden - P| mean {diff.mean():.4f}, "
-          f"median {np.median(diff):.4f}, corr {np.corrcoef(data['dev']['recomputed'], data['dev']['labels'])[0, 1]:.4f}",
+          f"median {np.median(diff):.4f}, "
+          f"corr {np.corrcoef(data['dev']['recomputed'], data['dev']['labels'])[0, 1]:.4f}",
           flush=True)
     if np.corrcoef(data["dev"]["recomputed"], data["dev"]["labels"])[0, 1] < 0.9:
         raise SystemExit("probe_features: the recomputed labels do not match the dataset's: the states are misplaced")
-    print(f"features in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {len(v['labels'])}" for k, v in data.items()),
-          flush=True)
+    print(f"features in {time.perf_counter() - t0:.0f} s: "
+          + ", ".join(f"{k} {len(v['labels'])}" for k, v in data.items()), flush=True)
     sets = {k: v for k, v in FEATURE_SETS.items() if not args.sets or any(k.startswith(s) for s in args.sets)}
     results = []
     runs = [(name, names, "soft", False) for name, names in sets.items()]
@@ -413,7 +416,8 @@ def main() -> None:
         record["fit_s"] = time.perf_counter() - t1
         results.append(record)
         print(json.dumps({"set": name, **{s: {k: round(v, 4) if isinstance(v, float) else v
-                                               for k, v in m.items() if k in ("AUROC", "KL", "KL_const", "share_of_perfect")}
+                                               for k, v in m.items()
+                                               if k in ("AUROC", "KL", "KL_const", "share_of_perfect")}
                                            for s, m in record["splits"].items()}}), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

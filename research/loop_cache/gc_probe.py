@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
     loop_alone.main(argv)
     print(f"GCMODE={mode}: {time.perf_counter() - t0:.1f} s in all")
     for generation, (n, total, longest) in sorted(timer.by_generation.items()):
-        print(f"generation {generation}: {n} collections, {1e3 * total:.2f} ms in all, the longest {1e3 * longest:.2f} ms")
+        print(f"generation {generation}: {n} collections, {1e3 * total:.2f} ms in all, "
+              f"the longest {1e3 * longest:.2f} ms")
     if not timer.by_generation:
         print("no collection ran")
     return 0

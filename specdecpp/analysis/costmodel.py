@@ -66,7 +66,8 @@ class CostFit:
         finite) is no cost of a forward but the least-squares answer to counts that do not tell the
         two costs apart, e.g. fixed-K rows alone, whose N_draft and N_target rise together. The
         report flags it and predicts nothing from it; ``load_costs`` skips it."""
-        bad = [f"{name} = {value * 1e3:.3f} ms" for name, value in (("t_draft", self.t_draft), ("t_target", self.t_target))
+        bad = [f"{name} = {value * 1e3:.3f} ms"
+               for name, value in (("t_draft", self.t_draft), ("t_target", self.t_target))
                if not (math.isfinite(value) and value > 0)]
         if not bad:
             return None
@@ -258,7 +259,8 @@ def load_costs(path: str | Path) -> Costs:
         fits = [g["fit"] for g in fitted if not g.get("fit_problem")]  # a flagged fit (CostFit.problem) prices nothing
         if not fits:
             flagged = f"; its fits are flagged: {fitted[0]['fit_problem']}" if fitted else ""
-            raise ValueError(f"costs file {str(path)!r}: the report has no fitted cost model with positive costs{flagged}")
+            raise ValueError(f"costs file {str(path)!r}: the report has no fitted cost model "
+                             f"with positive costs{flagged}")
         data = {**fits[0], "measured_by": f"Eq. 2.1 fit in {path}"}
     if not isinstance(data, dict):
         raise ValueError(f"costs file {str(path)!r}: expected a JSON object with t_draft and t_target")
@@ -270,7 +272,8 @@ def load_costs(path: str | Path) -> Costs:
     try:
         t_draft, t_target = float(data["t_draft"]), float(data["t_target"])
         width = {int(n): float(t) for n, t in (data.get("target_by_width") or {}).items()}
-        by_batch = {int(b): {int(n): float(t) for n, t in c.items()} for b, c in (data.get("target_by_batch") or {}).items()}
+        by_batch = {int(b): {int(n): float(t) for n, t in c.items()}
+                    for b, c in (data.get("target_by_batch") or {}).items()}
         draft_batch = {int(b): float(t) for b, t in (data.get("draft_by_batch") or {}).items()}
         draft_width = {int(n): float(t) for n, t in (data.get("draft_by_width") or {}).items()}
     except (TypeError, ValueError) as exc:

@@ -57,8 +57,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     for bf16 on a CPU 4x faster than ``argmax``). A float32 or float64 tensor on a CPU goes through
     numpy's vectorised argmax: 8 us against torch's 100-120 us over a 49k vocabulary on one thread
     (torch's index-tracking reductions are not vectorised there; docs/results/fast.md)."""
+    # numpy reads the host: not inside a compiled region (a fused round)
     if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad
-            and not torch.compiler.is_compiling()):  # numpy reads the host: not inside a compiled region (a fused round)
+            and not torch.compiler.is_compiling()):
         return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
     return logits.max(-1).indices
 

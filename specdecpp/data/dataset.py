@@ -217,7 +217,8 @@ def _check_split(path: Path, split: str, ds: Dataset) -> None:
         if pc.any(unequal).as_py():
             row = pc.index(unequal, True).as_py()
             raise _fail(path, f"split {split!r} row {row} (id {ds[row]['id']!r}): {c} has "
-                              f"{lengths[c][row].as_py()} entries but target_ids has {lengths['target_ids'][row].as_py()}")
+                              f"{lengths[c][row].as_py()} entries but target_ids has "
+                              f"{lengths['target_ids'][row].as_py()}")
     p_acc = pc.list_flatten(table.column("p_acc"))
     if len(p_acc):
         lo, hi = pc.min(p_acc).as_py(), pc.max(p_acc).as_py()
@@ -249,7 +250,8 @@ def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:
     except IndexError as exc:  # what `datasets` raises for a split saved with no rows
         raise _fail(path, "a split has no rows and cannot be read back; regenerate it with more prompts") from exc
     except (FileNotFoundError, ValueError, OSError) as exc:
-        raise _fail(path, f"the data files are missing or corrupt ({exc}); delete the directory and rerun data_gen") from exc
+        raise _fail(path, f"the data files are missing or corrupt ({exc}); "
+                          "delete the directory and rerun data_gen") from exc
     if not isinstance(splits, DatasetDict):
         raise _fail(path, "holds a single Dataset, expected a DatasetDict of splits")
     for split, ds in splits.items():

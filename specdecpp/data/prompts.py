@@ -136,7 +136,8 @@ def too_long(lengths: dict[str, int], max_new_tokens: int, limit: int | None, so
     long = {pid: n for pid, n in lengths.items() if n + max_new_tokens > limit}
     if not long:
         return {}
-    shown = ", ".join(f"{pid!r} ({n} tokens)" for pid, n in list(long.items())[:10]) + (" ..." if len(long) > 10 else "")
+    shown = (", ".join(f"{pid!r} ({n} tokens)" for pid, n in list(long.items())[:10])
+             + (" ..." if len(long) > 10 else ""))
     pid, n = next(iter(long.items()))
     if long_prompts == "error":
         more = f" ({len(long)} prompts are too long: {shown})" if len(long) > 1 else ""

@@ -341,7 +341,8 @@ def check_batch_args(prompts, max_new_tokens, generators, batch_size, models=Non
     """The argument checks of ``generate_batch``: each prompt as ``generate`` checks it (its ids
     against ``models``, the decoder's ``(draft, target)``)."""
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a list of 1-D LongTensors (one prompt per row), got {type(prompts).__name__}")
+        raise ValueError(f"prompts must be a list of 1-D LongTensors (one prompt per row), "
+                         f"got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is an empty list: give at least one prompt")
     for i, p in enumerate(prompts):
@@ -374,7 +375,8 @@ class BatchRun:
         self.hooks = hooks or CallHooks()
         self.gens = [device_generator(g, decoder.device) for g in (generators or [None] * len(prompts))]
         self.clock, self.marks = Clock(decoder.device), Clock(decoder.device, sync=decoder.profile)
-        self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device, i, hooks) for i, p in enumerate(prompts)]
+        self.seqs = [TokenBuffer(p, max_new_tokens, eos_token_id, decoder.device, i, hooks)
+                     for i, p in enumerate(prompts)]
         self.slots = batch_size or len(prompts)
         tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
                                                                               max_new_tokens)
@@ -388,7 +390,8 @@ class BatchRun:
         self.stats, self.joined = [RunStats() for _ in prompts], [0.0] * len(prompts)
         self.outputs: list[GenerateOutput | None] = [None] * len(prompts)
         self.queue, self.rows = list(range(len(prompts)))[::-1], []  # pop() takes the next prompt
-        self.rounds: list[tuple[int, int, int]] = []  # (rows, longest K, draft forwards) per round: costmodel.batch_latency
+        # (rows, longest K, draft forwards) per round: costmodel.batch_latency
+        self.rounds: list[tuple[int, int, int]] = []
 
     @property
     def live(self) -> list[TokenBuffer]:

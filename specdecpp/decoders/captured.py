@@ -123,7 +123,8 @@ class RoundParts:
         self.draft_two = draft.forward_at(2) if k else None
         self.draft_one = draft.forward_at(1) if k > 1 else None
         self.target_fwd = {kk: target.forward_at(w) for kk, w in widths.items()}
-        self.pads = {kk: torch.arange(w, device=device).clamp_(max=kk) for kk, w in widths.items()}  # tokens[n - 1 + pad]
+        # tokens[n - 1 + pad]
+        self.pads = {kk: torch.arange(w, device=device).clamp_(max=kk) for kk, w in widths.items()}
 
     def draft_forward(self, i: int, previous: torch.Tensor | None):
         """The draft's forward that scores candidate ``i``: ``tokens[n - 2 : n]`` at slots ``n - 2, n - 1``

@@ -65,7 +65,8 @@ class SpeculativeDecoder(FastPlanned):
         faster, greedy ones unchanged: docs/results/gpu.md). ``capture_rounds`` takes True (default),
         False or ``"fused"``."""
         if not isinstance(policy, StopPolicy):
-            raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), got {type(policy).__name__}")
+            raise TypeError(f"policy must be a StopPolicy (FixedK, SVIP, SpecDecPP, TargetOnly), "
+                            f"got {type(policy).__name__}")
         self.draft, self.target, self.policy, self.profile = draft, target, policy, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -92,7 +93,8 @@ class SpeculativeDecoder(FastPlanned):
         """The tokens a call holds (prompt + new tokens + the widest verification + 1) and each
         model's buckets, ``[(draft, buckets), (target, buckets)]``."""
         widest = min(self.policy.max_candidates, max_new_tokens - 1) + 1  # a verification's tokens
-        return prompt_len + max_new_tokens + widest + 1, [(self.draft, DRAFT_BUCKETS), (self.target, fit_buckets(widest))]
+        return prompt_len + max_new_tokens + widest + 1, [(self.draft, DRAFT_BUCKETS),
+                                                          (self.target, fit_buckets(widest))]
 
     @decoding
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int = 128, generator: torch.Generator | None = None,
@@ -104,12 +106,12 @@ class SpeculativeDecoder(FastPlanned):
                                                 self.profile, hooks, (self.draft, self.target))
         process = hooks or CallHooks()
         tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
-        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks, keep_logits=self.rule.lossy,
-                          runners=self.runners(tokens, plan[0][1]))
+        drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks,
+                          keep_logits=self.rule.lossy, runners=self.runners(tokens, plan[0][1]))
         target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
         stats = RunStats()
-        captured = round_plan(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks, plan[1][1],
-                              max_new_tokens)
+        captured = round_plan(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks,
+                              plan[1][1], max_new_tokens)
         graph = None
         t_start = clock.now()
 
@@ -143,7 +145,8 @@ class SpeculativeDecoder(FastPlanned):
                 kept = seq.commit(n_acc, token, candidates.read)
                 target.rollback(seq.n - 1)
                 drafter.runner.rollback(seq.n - 1)
-                stats.add_round(k + block.extra_forwards, k, n_acc, k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
+                stats.add_round(k + block.extra_forwards, k, n_acc,
+                                k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
                                 block.t1 - block.t0, t_verified - block.t1)
                 if stats.n_target_calls == 1:  # the rule has read on the host: on CUDA this waits for nothing more
                     stats.first_round_s = clock.now() - t_start

@@ -259,7 +259,8 @@ class TokenBuffer:
         """Tokens that may still be committed."""
         return self.end - self.n
 
-    def commit(self, n_accepted: int, token: int | None, drafted: list[int] | None = None, written: bool = False) -> int:
+    def commit(self, n_accepted: int, token: int | None, drafted: list[int] | None = None,
+               written: bool = False) -> int:
         """Commit the first ``n_accepted`` drafts after ``n`` and then ``token`` (None: no token
         from the target this round, as in PEARL's fully accepted rounds). Everything after an EOS,
         or after the first prefix the ``stop`` hook ends, is cut and ends the sequence. Returns how
@@ -419,7 +420,8 @@ class GenerateOutput:
     stats: RunStats
     caches: dict | None = None  # {"draft": Cache, "target": Cache} when return_caches=True
     batch_size: int = 1  # rows that shared the forwards (generate_batch's batch_size)
-    batch_rounds: list | None = None  # generate_batch: the call's rounds as (rows, longest K, draft forwards), shared by its rows
+    # generate_batch: the call's rounds as (rows, longest K, draft forwards), shared by its rows
+    batch_rounds: list | None = None
 
 
 def finish(stats: RunStats, seq: TokenBuffer, wall_time_s: float, draft: ModelRunner,

@@ -109,7 +109,8 @@ class StaticBatchRunner(StaticModel):
         if self.slot_of != list(range(self.rows)):
             order = torch.tensor(self.slot_of, device=self.device)
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
-        logits, hidden = logits[: self.rows, width - keep : width, : self.vocab], hidden[: self.rows, width - keep : width]
+        logits, hidden = (logits[: self.rows, width - keep : width, : self.vocab],
+                          hidden[: self.rows, width - keep : width])
         return graph_outputs(compiled and self.fast in GRAPH_BACKENDS, logits, hidden if self.want_hidden else None)
 
     def _forward(self, ids: torch.Tensor, lengths: list[int], real: list[int], rows: torch.Tensor | None,
@@ -202,5 +203,6 @@ class StaticBatchRunner(StaticModel):
         """Row b's cached tokens alone, as a fresh transformers cache [1, heads, lengths[b], d]."""
         cache, slot, length = new_cache(self.model), self.slot_of[b], self.lengths[b]
         for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            cache.layers[i].update(keys[slot : slot + 1, :, :length].clone(), values[slot : slot + 1, :, :length].clone())
+            cache.layers[i].update(keys[slot : slot + 1, :, :length].clone(),
+                                   values[slot : slot + 1, :, :length].clone())
         return cache

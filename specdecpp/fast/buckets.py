@@ -13,7 +13,8 @@ DRAFT_BUCKETS = (1, 2)
 FAST_BACKENDS = (None, "static", "compile", "graphs", "compile-graphs")
 GRAPH_BACKENDS = ("graphs", "compile-graphs")  # the backends that capture CUDA graphs (on static KV buffers)
 BUCKETED_BACKENDS = ("compile", *GRAPH_BACKENDS)  # the backends whose buckets warm_up compiles or captures
-COMPILING_BACKENDS = ("compile", "compile-graphs")  # the backends whose buckets inductor compiles (a minute or more on a CPU)
+# the backends whose buckets inductor compiles (a minute or more on a CPU)
+COMPILING_BACKENDS = ("compile", "compile-graphs")
 GRAPHS_DEVICE_TYPES = ("cuda",)  # where the graph backends run (tests add "cpu" beside a fake capture_graph)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 DEFAULT_MAX_LEN = 2048  # capped at the model's max_position_embeddings
@@ -61,7 +62,8 @@ def check_static_model(model) -> None:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if getattr(config, "sliding_window", None) or layer_types != {"full_attention"}:
         raise ValueError(f"{type(model).__name__}: layer types {sorted(layer_types)} / sliding window "
-                         f"{getattr(config, 'sliding_window', None)}; the static cache holds full-attention layers only; "
+                         f"{getattr(config, 'sliding_window', None)}; "
+                         "the static cache holds full-attention layers only; "
                          "use fast=None")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "eager", "sdpa", CPU_ATTENTION):  # CPU_ATTENTION: inside another runner's forward

@@ -87,7 +87,8 @@ class CallRunners:
         if self.fast not in BUCKETED_BACKENDS:
             return 0.0
         t0 = time.perf_counter()
-        total = sum(len(buckets) * (1 if rows is None else len(fit_buckets(rows, BATCH_BUCKETS))) for _, buckets in plan)
+        total = sum(len(buckets) * (1 if rows is None else len(fit_buckets(rows, BATCH_BUCKETS)))
+                    for _, buckets in plan)
         what = "capturing" if self.fast == "graphs" else "compiling"
         with torch.no_grad(), decode_attention(self.models[0].device), \
                 tqdm(total=total, desc=f"fast={self.fast}: {what} steps", unit="step", disable=not progress) as bar:

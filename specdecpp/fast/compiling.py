@@ -20,7 +20,8 @@ from .step import ModelSteps, model_steps, own_code
 log = logging.getLogger(__name__)
 
 # torch.compiler.set_stance(skip_guard_eval_unsafe=) came with torch 2.6; before it, every guard is evaluated
-CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(getattr(torch.compiler, "set_stance", lambda: None)).parameters
+CAN_SKIP_GUARDS = ("skip_guard_eval_unsafe"
+                   in inspect.signature(getattr(torch.compiler, "set_stance", lambda: None)).parameters)
 # inductor's settings for fast="compile" by device type, none elsewhere (docs/engine.md, "Compile settings on a CPU");
 # read when a bucket compiles (set_compile_options changes them)
 TUNED_COMPILE_OPTIONS: dict[str, dict] = {
@@ -104,7 +105,8 @@ def narrow_options(options: dict, rows: int) -> dict:
     most it, with the C++ GEMM template alone (``max_autotune_gemm_backends="CPP"``). The CPU's tuned
     settings set it to 4: inductor's autotuning times each GEMM with its weight in the cache, where a
     forward streams it from memory, and at four rows it picked kernels 20% slower than the
-    template's; from eight rows up the template alone is 2-4x slower (docs/engine.md, "Compile settings on a CPU"). A ``compile_options`` mapping without the key autotunes every bucket."""
+    template's; from eight rows up the template alone is 2-4x slower (docs/engine.md, "Compile
+    settings on a CPU"). A ``compile_options`` mapping without the key autotunes every bucket."""
     options = dict(options)
     limit = options.pop(NARROW_KEY, None)
     if limit is not None and rows <= int(limit):

@@ -119,7 +119,8 @@ class GraphSet:
             try:
                 graph = CapturedStep(step, fixed, inputs, self.pool)
             except RuntimeError as exc:
-                raise RuntimeError(f"fast='graphs': capturing {name} failed ({exc}); use fast='compile' or 'static'") from exc
+                raise RuntimeError(f"fast='graphs': capturing {name} failed ({exc}); "
+                                   "use fast='compile' or 'static'") from exc
             self.graphs[key] = graph
             steps.captures += 1
             compiled = sum(steps.compile_seconds.values()) - compiling  # compile-graphs: a first warm-up's compile

@@ -70,7 +70,8 @@ class StaticKV:
     @property
     def layers(self) -> list[CachedLayer]:
         """Each layer's valid entries, as ``DynamicCache.layers`` shows them (for comparisons)."""
-        return [CachedLayer(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values, strict=True)]
+        return [CachedLayer(k[:, :, : self.length], v[:, :, : self.length])
+                for k, v in zip(self.keys, self.values, strict=True)]
 
     def compact(self, keep: list[int]) -> None:
         """Move the slots ``keep`` (checked by the runner) to the front, in order, with one index

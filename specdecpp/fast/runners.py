@@ -43,8 +43,8 @@ class StaticModel(HiddenHook):
                  buckets: tuple[int, ...], cover: bool = True) -> None:
         self.device = next(model.parameters()).device
         if fast is None:
-            raise ValueError(f"{type(self).__name__}: fast must be 'static', 'compile' or 'graphs' (fast=None is the eager "
-                             "runner)")
+            raise ValueError(f"{type(self).__name__}: fast must be 'static', 'compile' or 'graphs' "
+                             "(fast=None is the eager runner)")
         check_fast(type(self).__name__, fast, self.device, model)
         self.model, self.vocab, self.want_hidden, self.fast = model, vocab, want_hidden, fast
         self.buckets = check_buckets(buckets)
@@ -105,8 +105,8 @@ class StaticModel(HiddenHook):
 
 class StaticRunner(StaticModel):
     """One model over a :class:`~specdecpp.fast.kv.StaticKV` of ``max_len`` tokens, forwards padded to
-    ``buckets`` (docs/engine.md, "Buckets"). ``fast`` is ``"static"`` (eager), ``"compile"`` or ``"graphs"``. Same interface as
-    :class:`ModelRunner`."""
+    ``buckets`` (docs/engine.md, "Buckets"). ``fast`` is ``"static"`` (eager), ``"compile"`` or
+    ``"graphs"``. Same interface as :class:`ModelRunner`."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, *, fast: str = "static", max_len: int | None = None,
                  buckets: tuple[int, ...] = TARGET_BUCKETS, cover: bool = True) -> None:
@@ -243,8 +243,10 @@ class StaticRunner(StaticModel):
         runner's buffers (under the graph backends, its leased set's) and no reference to the runner."""
         if width not in self.buckets:
             raise ValueError(f"forward_at: width {width} is not one of the buckets {self.buckets}")
-        cache = StaticKV(self.model.config, self.cache.size, self.dtype, self.device, (self.cache.keys, self.cache.values))
-        fixed, step, causal = (self.decoder, self.head, self.cache_arg, cache), self.plain_step(width), self.causal_mask()
+        cache = StaticKV(self.model.config, self.cache.size, self.dtype, self.device,
+                         (self.cache.keys, self.cache.values))
+        fixed, step, causal = ((self.decoder, self.head, self.cache_arg, cache), self.plain_step(width),
+                               self.causal_mask())
 
         attention = self.attention
 

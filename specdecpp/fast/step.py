@@ -48,17 +48,20 @@ def own_code(fn, name: str):
 @dataclass
 class ModelSteps:
     """What a model's fast path keeps for the whole process: its compiled steps by (bucket, cache
-    size) or (bucket, cache size, batch bucket) (:func:`~specdecpp.fast.compiling.compiled_step`), the seconds each took to
+    size) or (bucket, cache size, batch bucket) (:func:`~specdecpp.fast.compiling.compiled_step`), the seconds
+    each took to
     compile on first use, whether the wide-forward and the many-rows warnings were given."""
 
     compiled: dict = field(default_factory=dict)
     compile_seconds: dict = field(default_factory=dict)
     warned_wide: bool = False
     warned_rows: bool = False
-    causal: dict = field(default_factory=dict)  # (size, dtype, device) -> additive causal mask [size, size] (StaticRunner)
+    # (size, dtype, device) -> additive causal mask [size, size] (StaticRunner)
+    causal: dict = field(default_factory=dict)
     chain_inputs: dict = field(default_factory=dict)  # (size, dtype, device, start, width) -> (slots, positions, mask)
     graph_sets: dict = field(default_factory=dict)  # fast="graphs": (rows, size, dtype) -> [GraphSet, ...]
-    capture_seconds: dict = field(default_factory=dict)  # fast="graphs": step key -> warm-up + capture seconds, less a compile
+    # fast="graphs": step key -> warm-up + capture seconds, less a compile
+    capture_seconds: dict = field(default_factory=dict)
     captures: int = 0  # fast="graphs": buckets captured in this process (a recapture shows here)
     rent: dict = field(default_factory=dict)  # a bucket not compiled -> seconds its forwards took in a larger one
 

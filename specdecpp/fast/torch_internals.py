@@ -300,8 +300,9 @@ def direct_call(graphs: list, args: tuple, out, name: str):
     except Exception as exc:  # noqa: BLE001 - any failure: dynamo's path stays
         log.debug("%s: calling its graph directly failed (%s); calls go through dynamo", name, str(exc))
         return None
-    if len(again) != len(out) or not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                                         and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(again, out, strict=True)):
+    if len(again) != len(out) or not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                                         and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                                         for a, b in zip(again, out, strict=True)):
         log.debug("%s: its graph called directly returned other outputs; calls go through dynamo", name)
         return None
     call.state = state.GlobalStateGuard()  # a call under another global state goes through dynamo, which refuses it

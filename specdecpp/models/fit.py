@@ -45,7 +45,8 @@ def check_draft_fit(artifact: str, kind: str, made_with: str | None, made_hidden
     problems = [f"it was {verb} draft {made_with!r} but draft {draft!r} is configured"] if renamed else []
     if resized:
         made = "" if renamed else f" ({verb} draft {made_with or 'unknown'!r})"
-        problems.append(f"its draft had hidden_size {made_hidden}{made} but draft {draft!r} has hidden_size {draft_hidden}")
+        problems.append(f"its draft had hidden_size {made_hidden}{made} "
+                        f"but draft {draft!r} has hidden_size {draft_hidden}")
     message = f"{artifact} does not match the configured draft: {'; '.join(problems)}. {FIXES[kind]}"
     if renamed and allow:
         message += (f" ({allow}=true accepts the same model under another name, never another hidden size)"

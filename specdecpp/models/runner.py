@@ -84,7 +84,8 @@ class ModelRunner(HiddenHook):
         n + pad]: padding rows repeat the last real row and see themselves; no real row sees them."""
         n, width = allowed.shape
         if width != self.length + n:
-            raise ValueError(f"attention_mask must be [n, cached + n] = [{n}, {self.length + n}], got {tuple(allowed.shape)}")
+            raise ValueError(f"attention_mask must be [n, cached + n] = [{n}, {self.length + n}], "
+                             f"got {tuple(allowed.shape)}")
         if pad:
             allowed = torch.cat([allowed, allowed[-1:].expand(pad, width)])
             allowed = torch.cat([allowed, torch.eye(n + pad, dtype=torch.bool, device=allowed.device)[:, n:]], dim=1)
@@ -96,7 +97,8 @@ class ModelRunner(HiddenHook):
         """Keep only the cached positions ``keep`` (strictly increasing), in that order: a token
         tree's accepted path moves next to the prefix. Positions before the first gap stay put."""
         keep = [int(k) for k in keep]
-        if any(b <= a for a, b in zip(keep, keep[1:], strict=False)) or (keep and (keep[0] < 0 or keep[-1] >= self.length)):
+        if (any(b <= a for a, b in zip(keep, keep[1:], strict=False))
+                or (keep and (keep[0] < 0 or keep[-1] >= self.length))):
             raise ValueError(f"compact: keep must be strictly increasing cache positions < {self.length}, got {keep}")
         first = next((i for i, k in enumerate(keep) if k != i), len(keep))
         if first < len(keep):

@@ -160,7 +160,8 @@ class AcceptanceHead(nn.Module):
         cfg_file, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         try:
             kwargs = cls._init_kwargs(config)
-            with torch.random.fork_rng(devices=[]):  # the random init is overwritten: loading leaves the global RNG as it was
+            # the random init is overwritten: loading leaves the global RNG as it was
+            with torch.random.fork_rng(devices=[]):
                 head = cls(hidden_size, depth, draft=config.get("draft"), **kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {cfg_file} does not describe a {cls.kind!r} head ({exc}); "
@@ -261,7 +262,8 @@ def next_token_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torc
                                  "response (positions), and none was given")
             positions = torch.as_tensor(positions, device=hidden.device)
             if positions.shape != tokens.shape:
-                raise ValueError(f"positions {tuple(positions.shape)} must have the candidates' shape {tuple(tokens.shape)}")
+                raise ValueError(f"positions {tuple(positions.shape)} must have the candidates' shape "
+                                 f"{tuple(tokens.shape)}")
             parts.append(torch.log1p(positions.float()).unsqueeze(-1))
         else:
             raise ValueError(f"unknown lag-free head feature {name!r}; choose from {list(ALL_NEXT_FEATURES)}")

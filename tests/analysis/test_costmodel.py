@@ -1,4 +1,5 @@
-"""specdecpp.analysis.costmodel: the Eq. 2.1 fit, Eq. 2.3, the width curve t_target(n), and the one costs.json with its loader."""
+"""specdecpp.analysis.costmodel: the Eq. 2.1 fit, Eq. 2.3, the width curve t_target(n), and the one
+costs.json with its loader."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_older_files_and_report_summaries_load(tmp_path):
     costs = load_costs(old)
     assert costs.target_by_width == {1: 0.0157, 2: 0.0171} and costs.meta["measured_by"] == "scripts/measure_pair.py"
     summary = tmp_path / "summary.json"  # infer.report's: a list of groups, the first fitted one counts
-    summary.write_text(json.dumps([{"fit": None}, {"fit": {"t_draft": 0.01, "t_target": 0.1, "r2": 0.99, "n_rows": 8}}]))
+    summary.write_text(json.dumps([{"fit": None},
+                                   {"fit": {"t_draft": 0.01, "t_target": 0.1, "r2": 0.99, "n_rows": 8}}]))
     costs = load_costs(summary)
     assert (costs.t_draft, costs.t_target, costs.target_by_width) == (0.01, 0.1, None)
 

@@ -77,7 +77,8 @@ def test_svip_stops_on_entropy_and_heads_follow_their_predictions():
     res = pt.simulate([row], [pt.svip(0.5), pt.head_rule("h", 0.5, max_candidates=20)], seeds=[0])
     svip_counts = res["svip threshold=0.5"][0]
     assert set(svip_counts.widths) <= {0, 1, 2, 3}  # stops at the first high-entropy candidate (0: the last token)
-    assert svip_counts.widths[3] == 1 and svip_counts.widths[2] == 15  # 0..2, then 4..5, 7..8, ... (bonus tokens at 3, 6, ...)
+    # 0..2, then 4..5, 7..8, ... (bonus tokens at 3, 6, ...)
+    assert svip_counts.widths[3] == 1 and svip_counts.widths[2] == 15
     head_counts = res["head:h threshold=0.5"][0]  # a head sure of acceptance drafts to the cap
     assert max(head_counts.widths) == 20
 
@@ -109,7 +110,8 @@ def test_bootstrap_interval_covers_the_point_and_shrinks_with_more_prompts():
 
 @pytest.fixture(scope="module")
 def potential_dataset(tiny_pair, tmp_path_factory):
-    splits = {"train": random_rows(12, tiny_pair.vocab, 1, max_len=30), "test": random_rows(16, tiny_pair.vocab, 3, max_len=30)}
+    splits = {"train": random_rows(12, tiny_pair.vocab, 1, max_len=30),
+              "test": random_rows(16, tiny_pair.vocab, 3, max_len=30)}
     return save_dataset(tmp_path_factory.mktemp("pot_data"), splits, tiny_pair.draft, 32, tiny_pair.vocab)
 
 
@@ -118,10 +120,12 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
     torch.manual_seed(0)
     AcceptanceHead(32, 1).save_pretrained(head_dir)
     costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"t_draft": 0.002, "t_target": 0.05, "target_by_width": {"1": 0.05, "2": 0.06, "4": 0.07}}))
+    costs.write_text(json.dumps({"t_draft": 0.002, "t_target": 0.05,
+                                 "target_by_width": {"1": 0.05, "2": 0.06, "4": 0.07}}))
     out = tmp_path / "pot"
     result = cli.run(str(potential_dataset), split="test", costs_file=str(costs), heads=[str(head_dir)],
-                     seeds=2, max_k=4, thresholds=(0.3, 0.7), svip_thresholds=(0.3,), out=str(out), n_boot=50, quiet=True)
+                     seeds=2, max_k=4, thresholds=(0.3, 0.7), svip_thresholds=(0.3,), out=str(out), n_boot=50,
+                     quiet=True)
     payload = json.loads((out / "potential.json").read_text())
     names = [r["name"] for r in payload["records"]]
     assert names.count("fixed_k") == 4 and names.count("informed") == 2 and names.count("head:wrej6_d1") == 2
@@ -162,7 +166,8 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
         assert f"with t_target(n): {name} best {m['setting']}" in md and "95% CI" in md
 
 
-def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines_features(potential_dataset, tmp_path, tiny_pair):
+def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines_features(
+        potential_dataset, tmp_path, tiny_pair):
     from specdecpp.models.loading import load_model
     from specdecpp.training.mixing import draft_features
 

@@ -390,7 +390,8 @@ def test_verify_kept_gives_verify_s_verdict_over_rows_kept_sparse():
         y = sample(q, gen) if k else torch.zeros(0, dtype=torch.long)
         a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
         p_kept, asked = as_kept(list(p)), []
-        got = verify_kept(y.tolist(), as_kept(list(q)), lambda i, asked=asked, p_kept=p_kept: asked.append(i) or p_kept[i], p.shape[0], a, bonus)
+        got = verify_kept(y.tolist(), as_kept(list(q)),
+                          lambda i, asked=asked, p_kept=p_kept: asked.append(i) or p_kept[i], p.shape[0], a, bonus)
         assert got == verify(y, q, p, b, bonus=bonus)
         n, token = got
         assert asked == list(range(min(n + 1, p.shape[0]))) and torch.equal(a.get_state(), b.get_state())

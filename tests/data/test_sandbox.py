@@ -202,7 +202,8 @@ def test_the_child_gets_a_clean_environment_and_an_empty_working_directory(monke
         sandbox = Sandbox(None if kind == "bwrap" else kind)
         if sandbox.kind != kind:
             continue
-        script = "import json, os, sys\nprint(json.dumps([sorted(os.environ), os.listdir('.'), sorted(os.listdir(sys.argv[1]))]))"
+        script = ("import json, os, sys\n"
+                  "print(json.dumps([sorted(os.environ), os.listdir('.'), sorted(os.listdir(sys.argv[1]))]))")
         out = sandbox.run(script, {"job.json": "{}"}, 5.0)
         assert out.returncode == 0 and not out.timed_out
         env, work, inputs = json.loads(out.stdout)

@@ -132,7 +132,8 @@ def test_model_written_code_does_not_run_unless_allowed(forbid_code, tmp_path, m
     """Off by default: a completion that would create a canary file does not run, and its row has
     no task score but the reason; GSM8K (no code) is scored as before."""
     canary = tmp_path / "canary"
-    text = f"```python\ndef truncate_number(number):\n    open({str(canary)!r}, 'w').write('ran')\n    return number % 1\n```"
+    text = (f"```python\ndef truncate_number(number):\n    open({str(canary)!r}, 'w').write('ran')\n"
+            "    return number % 1\n```")
     for value in (None, "0", ""):
         if value is not None:
             monkeypatch.setenv(tasks.ALLOW_ENV, value)
@@ -189,7 +190,8 @@ def test_gsm8k_reference_numbers():
 def test_prompt_sources_carry_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     copy = tmp_path / "gsm8k.jsonl"
-    copy.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+    copy.write_text("".join(json.dumps({"question": f"What is {i} + {i}?",
+                                        "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
                             + "\n" for i in range(3)))
     assert [p.answer for p in load_prompts("gsm8k", "test", path=copy)] == ["0", "2", "4"]
     lines = tmp_path / "p.jsonl"
@@ -245,7 +247,9 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
                     assert row["task_score"] == float(bool(numbers) and float(numbers[-1]) == float(ref))
                 else:
                     assert row["task"] == "humaneval" and row["prompt_id"] in ("HumanEval/0", "HumanEval/1")
-                    completion = "\n" + text if f"def {tasks.humaneval_problem(row['prompt_id'])['entry_point']}(" in text else text
+                    completion = ("\n" + text
+                                  if f"def {tasks.humaneval_problem(row['prompt_id'])['entry_point']}(" in text
+                                  else text)
                     assert row["task_score"] == independent_pass(row["prompt_id"], completion)
                     assert row["task_result"]
     # not allowed: the same decoding, no task score, the reason in the row; the report says how to score
@@ -287,8 +291,9 @@ def test_infer_rows_carry_the_task_score_and_the_report_its_mean(tiny_pair, tmp_
     assert [r["task_score"] for r in rescored] == [1.0, expected]
     assert rescored[0]["task_result"] == "passed" and rescored[1]["output_ids"] == rows[1]["output_ids"]
     # the report: the mean per method, with its interval, under the prompt set's task
-    rows = [{**r, "task_score": s} for r, s in zip(read_rows(next((tmp_path / "humaneval" / "cascade").glob("*.jsonl"))),
-                                                   (1.0, 0.0), strict=True)]
+    rows = [{**r, "task_score": s}
+            for r, s in zip(read_rows(next((tmp_path / "humaneval" / "cascade").glob("*.jsonl"))), (1.0, 0.0),
+                            strict=True)]
     scored = tmp_path / "scored" / "cascade.jsonl"
     scored.parent.mkdir()
     scored.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -129,7 +129,8 @@ def test_replayed_rounds_have_the_target_distribution(graphs_on, policy, samplin
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
 def test_caches_after_replayed_rounds_equal_fresh_prefill(graphs_on, device, sampling):  # noqa: F811
     graphs_on(device)
     draft, target, _ = pair32(device)

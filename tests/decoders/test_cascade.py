@@ -283,7 +283,8 @@ def test_infer_cascade_rows_are_lossy_with_quality_and_the_report_shows_them(tin
     out = torch.tensor(row["output_ids"])
     match = float((logits.argmax(-1) == out).float().mean())
     logp = float(torch.log_softmax(logits, -1).gather(-1, out[:, None]).mean())
-    assert row["greedy_match"] == pytest.approx(match) and row["target_logprob_per_token"] == pytest.approx(logp, abs=1e-4)
+    assert (row["greedy_match"] == pytest.approx(match)
+            and row["target_logprob_per_token"] == pytest.approx(logp, abs=1e-4))
     assert target_quality(target, ids, [], SamplingConfig(temperature=0))["greedy_match"] is None
     report = build_report(tmp_path / "out", tmp_path / "report")
     assert "| cascade (LOSSY) | diff_a0.5_k3 |" in report["text"]

@@ -178,7 +178,8 @@ def test_each_commit_takes_the_drafts_the_rule_read(pair32, monkeypatch, name, s
         assert a.tokens.tolist() == b.tokens.tolist() and a.stats.accept_lengths == b.stats.accept_lengths
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
 def test_each_batch_row_commits_the_drafts_its_rule_read(pair32, monkeypatch, sampling):
     """The batch runner hands each row's commit the drafts its rule read: every commit gets them, they are
     what the row's buffer holds, and the outputs are those of reading the buffers back."""

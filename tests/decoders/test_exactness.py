@@ -89,22 +89,31 @@ DECODERS = {
     "chain-target_only": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, TargetOnly(), s, **kw),
     "chain-fixed_k3": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, FixedK(3), s, **kw),
     "chain-svip": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw),
-    "chain-paper_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw),
-    "chain-lag_free_head": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw),
+    "chain-paper_head": lambda d, t, s, h, **kw: SpeculativeDecoder(
+        d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw),
+    "chain-lag_free_head": lambda d, t, s, h, **kw: SpeculativeDecoder(
+        d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw),
     "batch-fixed_k3": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, FixedK(3), s, **kw)),
-    "batch-svip": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw)),
-    "batch-paper_head": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw)),
-    "batch-lag_free_head": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw)),
+    "batch-svip": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw)),
+    "batch-paper_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw)),
+    "batch-lag_free_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw)),
     "batch_fill-paper_head": lambda d, t, s, h, **kw: InBatch(
         SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw), fill=True),
     "batch_queued-lag_free_head": lambda d, t, s, h, **kw: InBatch(
         SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), queued=True),
     "pearl-gamma2": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 2, s, **kw),
-    "pearl-svip": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4), **kw),
-    "pearl-paper_head": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4), **kw),
-    "pearl-lag_free_head": lambda d, t, s, h, **kw: PEARLDecoder(d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4), **kw),
+    "pearl-svip": lambda d, t, s, h, **kw: PEARLDecoder(
+        d, t, 3, s, policy=SVIP(threshold=0.33, max_candidates=4), **kw),
+    "pearl-paper_head": lambda d, t, s, h, **kw: PEARLDecoder(
+        d, t, 3, s, policy=SpecDecPP(h["paper"], 0.5, max_candidates=4), **kw),
+    "pearl-lag_free_head": lambda d, t, s, h, **kw: PEARLDecoder(
+        d, t, 3, s, policy=SpecDecPP(h["next"], 0.5, max_candidates=4), **kw),
     "sequoia-chain3": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, 0, 1], s, **kw),
-    "sequoia-star4": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, -1, -1], s, **kw),  # 4 > top-k 3: uniform fallback
+    # 4 > top-k 3: uniform fallback
+    "sequoia-star4": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, -1, -1], s, **kw),
     "sequoia-two_level": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s, **kw),
 }
 # The fast path (specdecpp.fast): each decoder again on the static KV cache (``-fast_static``)
@@ -253,7 +262,8 @@ SAMPLINGS = [
 # compiled variants; on the CPU, make test samples the paper head and one decoder of each other kind
 # (one on the fast path), make test-full all of them
 @pytest.mark.parametrize("name,sampling,eos,device", sampled_grid(
-    [pytest.param(n, id=n, marks=marks(n, n.startswith("batch") and not (on_cuda_only(n) or faked_on_cpu(n)))) for n in DECODERS],
+    [pytest.param(n, id=n, marks=marks(n, n.startswith("batch") and not (on_cuda_only(n) or faked_on_cpu(n))))
+     for n in DECODERS],
     SAMPLINGS, DEVICES, fast={"chain-paper_head-T1", "chain-lag_free_head-T0.8-top3-eos2", "pearl-gamma2-T1",
                               "sequoia-two_level-T0.8-top3-eos2", "chain-svip-fast_static-T1"}))
 def test_sampled_output_has_target_distribution(cpu_pair6, name, sampling, eos, device):
@@ -301,7 +311,8 @@ def test_same_seed_same_output(cpu_pair32, name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
 @pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-lag_free_head", "pearl-gamma2", "pearl-paper_head",
                                   "batch-paper_head", "batch_queued-lag_free_head",
                                   "sequoia-chain3", "sequoia-two_level", "chain-lag_free_head-fast_static",

@@ -101,10 +101,12 @@ def test_a_replayed_round_reads_once(sampling):
         decoder.warm_up(3, 24)  # every bucket captured (a capture synchronises), then the round graph:
         decoder.generate(prompt, 8, torch.Generator().manual_seed(0))
         out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
-        replayed = [s for s in syncs if s[-2:] == ["generate", "run"]]  # RoundGraph.run's read (the outer "run": decoding's)
+        # RoundGraph.run's read (the outer "run": decoding's)
+        replayed = [s for s in syncs if s[-2:] == ["generate", "run"]]
         assert out.stats.replayed_rounds >= 4
         assert len(replayed) == out.stats.replayed_rounds, (len(replayed), out.stats)
-        rounds = [s for s in syncs if s[-1:] != ["now"]]  # the call's clock synchronises at its start, first round and end
+        # the call's clock synchronises at its start, first round and end
+        rounds = [s for s in syncs if s[-1:] != ["now"]]
         assert len(rounds) <= len(out.stats.accept_lengths), (rounds, [s.where for s in rounds if not s])
 
 

@@ -187,7 +187,8 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
                                for kind in heads}}.items():
         rows[name] = read_rows(app.run(make_cfg(*base, *overrides))["path"])
     reference = [r["output_ids"] for r in rows["target_only"]]
-    assert rows["pearl_next"][0]["tag"] == "g3_head_next_h0.3" and rows["pearl_next"][0]["settings"]["head_kind"] == "next"
+    assert (rows["pearl_next"][0]["tag"] == "g3_head_next_h0.3"
+            and rows["pearl_next"][0]["settings"]["head_kind"] == "next")
     for name in ("pearl", "pearl_auto_svip", "pearl_paper", "pearl_next"):
         assert [r["output_ids"] for r in rows[name]] == reference, name
         for r in rows[name]:
@@ -207,7 +208,8 @@ def test_infer_method_pearl_rows_and_report(tiny_pair, tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [("method.gamma=0", "gamma"), ("method.stop=other", "stop"),
-                                            ("method.stop=specdecpp", "method.head"), ("method.num_threads=0", "num_threads"),
+                                            ("method.stop=specdecpp", "method.head"),
+                                            ("method.num_threads=0", "num_threads"),
                                             ("method.switch_interval=-1", "switch_interval")])
 def test_infer_pearl_bad_settings_are_refused(override, match):
     from infer.methods import resolve_method

@@ -64,7 +64,8 @@ def test_malformed_tree_is_named(parents, match):
 def test_malformed_tree_file_is_named(tmp_path):
     bad = tmp_path / "bad.json"
     for text, match in (("{", "not valid JSON"), ('{"x": 1}', "'parents'"), ('{"parents": [-1, 2]}', "node 1 is 2"),
-                        ('{"parents": [-1], "size": 5}', "says size 5"), ('{"schema": "other", "parents": []}', "schema")):
+                        ('{"parents": [-1], "size": 5}', "says size 5"),
+                        ('{"schema": "other", "parents": []}', "schema")):
         bad.write_text(text)
         with pytest.raises(ValueError, match=match) as info:
             TokenTree.load(bad)

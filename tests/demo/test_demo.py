@@ -291,7 +291,8 @@ def test_distillation_train_holds_out_its_validation_shards_and_resumes_exactly(
     for k, v in straight["model"].items():
         torch.testing.assert_close(resumed["model"][k], v, rtol=0, atol=0)
     # step 0's figure is the initial draft's acceptance on exactly the held-out shards
-    first = build.initial_draft(recipe, target, build.read_shard(tmp_path / "straight" / "shards" / f"{names[-2 if answers else 1]}.safetensors"))
+    first = build.initial_draft(recipe, target, build.read_shard(
+        tmp_path / "straight" / "shards" / f"{names[-2 if answers else 1]}.safetensors"))
     val = [build.read_shard(tmp_path / "straight" / "shards" / f"{n}.safetensors") for n in held_out]
     assert straight["state"]["history"][0]["val_acceptance"] == pytest.approx(build.acceptance(first, val, 2))
 

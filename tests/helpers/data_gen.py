@@ -34,8 +34,10 @@ def recompute_row(row, draft, target, sampling, seed, max_new_tokens, eos):
     while len(response) < max_new_tokens and (not response or response[-1] != eos):
         logits = target(torch.tensor([prefix + response])).logits[0, -1]
         response.append(int(sample(warp(logits, sampling), gen)))
-    draft_logits = torch.stack([draft(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
-    target_logits = torch.stack([target(torch.tensor([prefix + response[:i]])).logits[0, -1] for i in range(len(response))])
+    draft_logits = torch.stack([draft(torch.tensor([prefix + response[:i]])).logits[0, -1]
+                                for i in range(len(response))])
+    target_logits = torch.stack([target(torch.tensor([prefix + response[:i]])).logits[0, -1]
+                                 for i in range(len(response))])
     q, p = warp(draft_logits, sampling), warp(target_logits, sampling)
     y = sample(q, gen)
     rows = torch.arange(len(response))

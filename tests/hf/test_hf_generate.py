@@ -218,7 +218,8 @@ def test_output_scores_and_logits_are_plain_generates(pair):
 
 def processed_target(pair, prompt: torch.Tensor, **kw):
     """generate's own prepared processors for this call (captured by a custom_generate that returns them)."""
-    return pair.target.generate(prompt, custom_generate=lambda model, input_ids, logits_processor, **_: logits_processor,
+    return pair.target.generate(prompt,
+                                custom_generate=lambda model, input_ids, logits_processor, **_: logits_processor,
                                 **kw)
 
 
@@ -332,7 +333,8 @@ def test_hub_folder_loads_and_matches_the_callable(pair):
                                    head=pair.head, threshold=0.5, **kw)
         assert out.tolist() == ref.tolist()
         criteria = [StopStringCriteria(pair.tok, kw["stop_strings"])] if where else []
-        same = pair.target.generate(ids, max_new_tokens=40, do_sample=False, stopping_criteria=StoppingCriteriaList(criteria),
+        same = pair.target.generate(ids, max_new_tokens=40, do_sample=False,
+                                    stopping_criteria=StoppingCriteriaList(criteria),
                                     custom_generate=door(pair, head=pair.head, threshold=0.5))
         assert out.tolist() == same.tolist()
     assert (Path(FOLDER) / "custom_generate" / "requirements.txt").is_file()

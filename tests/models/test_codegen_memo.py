@@ -1,4 +1,5 @@
-"""specdecpp.fast.torch_internals, ``codegen_memo`` (off by default): inductor's jinja templates and its C++ template kernel's index
+"""specdecpp.fast.torch_internals, ``codegen_memo`` (off by default): inductor's jinja templates and its
+C++ template kernel's index
 expressions kept by their text while a step compiles. The memoised functions return what the
 originals return (the same rendering, equal sympy expressions), each text is compiled or parsed
 once, the originals are back after the block, and (slow) a graph compiled with the C++ GEMM
@@ -52,7 +53,8 @@ def test_expressions_parsed_once_and_equal():
         assert memo is not parse
         got = [memo(e) for e in EXPRESSIONS]
         assert got == expected
-        assert all(g.free_symbols == e.free_symbols for g, e in zip(got, expected, strict=True))  # integer index symbols
+        # integer index symbols
+        assert all(g.free_symbols == e.free_symbols for g, e in zip(got, expected, strict=True))
         assert all(memo(e) is g for e, g in zip(EXPRESSIONS, got, strict=True))  # parsed once
         assert memo(EXPRESSIONS[:2]) == expected[:2]  # a list item by item, as the original
         assert memo(expected[0]) is expected[0]  # a sympy expression as it is

@@ -193,7 +193,8 @@ def test_tuned_settings_match_eager_never_recompile_and_freeze_the_weights(resto
         # the batch runner's (batch, width) buckets under the same settings
         runners = CallRunners("compile", (model,))
         assert runners.warm_up(MAX_LEN - 4, [(model, buckets)], rows=2) > 0
-        batch = [BatchRunner(model, VOCAB, want_hidden=True), runners.batch(MAX_LEN - 4, buckets, 2)(model, VOCAB, True)]
+        batch = [BatchRunner(model, VOCAB, want_hidden=True),
+                 runners.batch(MAX_LEN - 4, buckets, 2)(model, VOCAB, True)]
         with batch[0]:
             run_random(random.Random(4), batch, device, steps=25, max_rows=2)
     assert counters["stats"]["unique_graphs"] - graphs == 4  # the batch buckets (1, 2) x (1, 2), nothing else
@@ -330,6 +331,9 @@ def test_direct_call_falls_back_to_dynamo_where_the_graph_is_not_the_steps_one_t
     assert torch.equal(logits, torch.full((2,), 13.0)) and torch.equal(hidden, torch.tensor([7.0]))
     assert other.slots is slots  # the side effect dynamo would replay
     assert torch_internals.direct_call([(graph, example)] * 2, args, out, "step") is None  # recompiled
-    assert torch_internals.direct_call([(graph, [*example, torch.zeros(1)])], args, out, "step") is not None  # a constant more
-    assert torch_internals.direct_call([(graph, [cache.keys[0], ids, weight, weight])], args, out, "step") is None  # values missing
-    assert torch_internals.direct_call([(lambda *a: [torch.zeros(2), torch.zeros(1)], example)], args, out, "step") is None
+    # a constant more
+    assert torch_internals.direct_call([(graph, [*example, torch.zeros(1)])], args, out, "step") is not None
+    # values missing
+    assert torch_internals.direct_call([(graph, [cache.keys[0], ids, weight, weight])], args, out, "step") is None
+    assert torch_internals.direct_call([(lambda *a: [torch.zeros(2), torch.zeros(1)], example)], args, out,
+                                       "step") is None

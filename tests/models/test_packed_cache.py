@@ -1,4 +1,5 @@
-"""specdecpp.fast.torch_internals, ``packed_cache`` (off by default): inductor's FX graph cache keys oneDNN-packed weights by their values.
+"""specdecpp.fast.torch_internals, ``packed_cache`` (off by default): inductor's FX graph cache keys
+oneDNN-packed weights by their values.
 A packed weight's key is its shape, dtype and the digest of its values (recomputed here from the weight
 before packing); inside the block the cache's check lets packed tensors through, outside it skips the
 graph as inductor does; the originals are back after the block, also after an error; and (slow) a graph

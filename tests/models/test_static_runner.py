@@ -196,7 +196,8 @@ def test_slots_come_from_the_step_not_the_models_cache_position(cpu_model, devic
     model = on(device, cpu_model)
     rng = random.Random(7)
     torch.manual_seed(7)
-    runners = [ModelRunner(model, VOCAB, want_hidden=True), StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN)]
+    runners = [ModelRunner(model, VOCAB, want_hidden=True),
+               StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN)]
     with runners[0], runners[1]:
         run_both(rng, model, runners, device, steps=30)
     assert calls  # the bare update() was the one the model called

@@ -131,8 +131,8 @@ def test_no_other_module_assigns_to_torch_or_transformers():
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
             found += [f"{path.name}:{node.lineno}" for t in targets
                       if isinstance(t, (ast.Attribute, ast.Subscript)) and root(t) in names]
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
-                    and node.args and root(node.args[0]) in names:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("setattr", "delattr") and node.args and root(node.args[0]) in names:
                 found.append(f"{path.name}:{node.lineno}")
         if torch_internals.STORED in text:
             found.append(f"{path.name}: {torch_internals.STORED}")

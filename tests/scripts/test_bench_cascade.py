@@ -68,7 +68,8 @@ def test_cascade_tables_from_a_summary(tmp_path):
                 **({"head": str(policy.pop("head"))} if "head" in policy else {})}
 
     entries = [entry("target_only", {}, 10.0), entry("fixed_k", {"k": 3}, 12.0),
-               entry("cascade", cascade("opt", 0.2, k=3), 20.0, True), entry("cascade", cascade("opt", 0.2, k=2), 18.0, True),
+               entry("cascade", cascade("opt", 0.2, k=3), 20.0, True),
+               entry("cascade", cascade("opt", 0.2, k=2), 18.0, True),
                entry("cascade", cascade("diff", 0.1, k=3), 25.0, True, 0.0),
                entry("cascade", cascade("opt", 0.2, "specdecpp", head=head, threshold=0.4), 21.0, True),
                entry("cascade", cascade("opt", 0.2, "specdecpp", head=exact_head, threshold=0.4), 19.0, True)]

@@ -39,7 +39,8 @@ def test_bench_fast_on_tiny_random_models(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fixed_k3 |" in printed and "Memory bandwidth" in printed and "Compile time" in printed
     result = json.loads(out.read_text())
-    assert {"machine", "device", "dtype", "fast", "forwards", "floor", "methods", "compile_seconds", "prompts"} <= set(result)
+    assert {"machine", "device", "dtype", "fast", "forwards", "floor", "methods", "compile_seconds",
+            "prompts"} <= set(result)
     assert result["fast"] == "static" and result["dtype"] == "float32" and result["prompts"] == 2
     for backend in ("eager", "fast"):
         assert set(result["forwards"][backend]["target"]) == {"1", "2", "4", "8"}
@@ -175,7 +176,8 @@ def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards(
             {"wall_time_s": 0.2, "first_round_s": 0.05, "candidate_lengths": [0, 0], "draft_forwards": 0,
              "replayed_rounds": 1}]
     a = bench_fast.after_first(rows, times)
-    forwards = (0.016 + 0.012 + 0.016) + 10 * 0.001 + 2 * 0.0005 + 0.010  # K = 3, 1, 6 (width 7: the widest), then K = 0
+    # K = 3, 1, 6 (width 7: the widest), then K = 0
+    forwards = (0.016 + 0.012 + 0.016) + 10 * 0.001 + 2 * 0.0005 + 0.010
     assert a["ms_per_round"] == pytest.approx(1e3 * (0.4 + 0.15) / 4)
     assert a["forwards_ms_per_round_est"] == pytest.approx(1e3 * forwards / 4)
     assert a["outside_share_est"] == pytest.approx(1 - forwards / 0.55)
@@ -208,7 +210,8 @@ def test_bench_fast_times_round_graphs_against_their_forwards(tmp_path, capsys, 
     assert "Captured rounds against their forwards" in printed and "| fixed_k3 | 3 | 4 |" in printed
     assert "| fixed_k1 | 1 | 2 |" in printed  # not SVIP, whose rounds mostly draft 1 too (its graphs are steps)
     # capture times: the whole rounds by K, SVIP's graphs by its most candidates (--svip-max 8, 12 tokens: 8)
-    assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s") for k in result["compile_seconds"])
+    assert "round target K3 w4" in printed and any(k.startswith("steps target K8 w16 s")
+                                                   for k in result["compile_seconds"])
     assert sorted(r["k"] for r in result["round_graphs"]) == [0, 1, 2, 3]
     for r in result["round_graphs"]:  # alternating blocks, the medians and the mean difference from them
         assert r["round_graph_ms"] > 0 and r["forwards_graph_ms"] > 0 and r["blocks"] == bench_fast.ROUND_GRAPH_BLOCKS

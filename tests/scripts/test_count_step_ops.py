@@ -54,7 +54,8 @@ def test_a_round_loop_counts_the_cuda_way_and_reads_no_scalar(tmp_path, capsys):
     assert counts["topk"] == 4 and counts["_local_scalar_dense"] == 0  # 3 draft rows, the target's 4 in one
     out = tmp_path / "loop.json"
     assert count_step_ops.main(["--loop", "--out", str(out)]) == 0
-    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith(("| greedy", "| sampled"))]) == 6
+    assert len([line for line in capsys.readouterr().out.splitlines()
+                if line.startswith(("| greedy", "| sampled"))]) == 6
     assert set(json.loads(out.read_text())) == {f"{s}_k{k}" for s in ("greedy", "sampled") for k in (0, 1, 3)}
 
 

@@ -96,7 +96,8 @@ def test_one_same_model_rule_for_train_and_infer(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "draft")
     for a, b, same in ((f"{tmp_path}/draft/", str(tmp_path / "link"), True), ("org/model/", "org/model", True),
                        ("org/model", "org/other", False)):
-        for check in (lambda a=a, b=b: check_draft_fit("method.head 'H'", "head", a, 32, b, 32, "method.allow_draft_mismatch"),
+        for check in (lambda a=a, b=b: check_draft_fit("method.head 'H'", "head", a, 32, b, 32,
+                                                       "method.allow_draft_mismatch"),
                       lambda a=a, b=b: check_draft_matches({"draft": a}, b, 32, "DIR", allow_mismatch=False)):
             if same:
                 check()

@@ -69,12 +69,14 @@ def test_truncated_weights_name_the_file_and_the_problem(tmp_path, kind):
     message = str(err.value)
     assert message.startswith(f"acceptance head {str(head)!r}: {weights} ({weights.stat().st_size} bytes) cannot "
                               "be read as safetensors (SafetensorError: ")
-    assert message.endswith(f"the file is cut short or corrupt: copy it again from where the head was saved, or {RESAVE}")
+    assert message.endswith("the file is cut short or corrupt: copy it again from where the head was saved, "
+                            f"or {RESAVE}")
 
 
 def test_weights_of_other_sizes_than_the_config_name_both_files(tmp_path):
     head = broken_head(tmp_path / "h", 16, hidden_size=24)  # weights of a 16-wide head, a config of 24
     with pytest.raises(ValueError, match=rf"^acceptance head '{head}': the weights in {head / 'model.safetensors'} do "
-                                         rf"not fit {head / 'config.json'} \(hidden_size=24, depth=1\): blocks.0.linear.bias is "
-                                         r"\(16,\), not \(24,\); blocks.0.linear.weight is \(16, 16\), not \(24, 24\); "):
+                                         rf"not fit {head / 'config.json'} \(hidden_size=24, depth=1\): "
+                                         r"blocks.0.linear.bias is \(16,\), not \(24,\); "
+                                         r"blocks.0.linear.weight is \(16, 16\), not \(24, 24\); "):
         load_head(head)

@@ -152,7 +152,8 @@ def test_position_feature_is_log1p_of_the_response_index_and_needs_positions():
     g = torch.Generator().manual_seed(0)
     hidden, logits = torch.randn(3, 8, generator=g), torch.randn(3, 40, generator=g)
     tokens = torch.tensor([4, 0, 39])
-    got = next_token_features(hidden, logits, tokens, None, 1.0, ("prob", "position"), positions=torch.tensor([0, 1, 99]))
+    got = next_token_features(hidden, logits, tokens, None, 1.0, ("prob", "position"),
+                              positions=torch.tensor([0, 1, 99]))
     np.testing.assert_allclose(got[:, 1].numpy(), np.log([1.0, 2.0, 100.0]), rtol=1e-6)
     with pytest.raises(ValueError, match="position.*needs each candidate's index"):
         next_token_features(hidden, logits, tokens, None, 1.0, ("position",))

@@ -244,7 +244,8 @@ def test_bad_inputs_fail_before_any_work(tiny_pair, prompts_file, tmp_path):
         run(make_cfg(tiny_pair, prompts_file, out, "limit=6"))
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         run(make_cfg(tiny_pair, prompts_file, out, "max_new_tokens=0"))
-    with pytest.raises(ValueError, match="data_gen: fast must be one of None, 'static', 'compile', 'graphs', 'compile-graphs', got 'turbo'"):
+    with pytest.raises(ValueError, match="data_gen: fast must be one of None, 'static', 'compile', 'graphs', "
+                                         "'compile-graphs', got 'turbo'"):
         run(make_cfg(tiny_pair, prompts_file, out, "fast=turbo"))
     with pytest.raises(ValueError, match="data_gen: fast='graphs' needs CUDA; the models are on cpu"):
         run(make_cfg(tiny_pair, prompts_file, out, "pair.device=cpu", "fast=graphs"))

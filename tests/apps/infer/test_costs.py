@@ -94,9 +94,11 @@ def test_cli_writes_costs_json_in_the_one_schema(costly_pair, tmp_path, capsys):
     raw = json.loads(costs_path.read_text())
     assert raw["schema"] == SCHEMA and raw["measured_by"] == "python -m infer.costs"
     costs = load_costs(costs_path)  # the loader infer.potential and infer.report use
-    assert 0 < costs.t_draft < costs.t_target  # 1 layer of width 32 against 6 of width 64 (medians of 9: a load spike moved medians of 3)
+    # 1 layer of width 32 against 6 of width 64 (medians of 9: a load spike moved medians of 3)
+    assert 0 < costs.t_draft < costs.t_target
     assert sorted(costs.target_by_width) == list(range(1, 9)) and costs.target_cost(1) == costs.t_target
-    assert costs.meta["dtype"] == "float32" and costs.meta["device"] == "cpu" and costs.meta["draft"] == costly_pair.draft
+    assert (costs.meta["dtype"] == "float32" and costs.meta["device"] == "cpu"
+            and costs.meta["draft"] == costly_pair.draft)
     result = json.loads(out.read_text())
     assert 0 < result["acceptance"] < 1 and result["per_source"]["bundled"]["prompts"] == 1
 

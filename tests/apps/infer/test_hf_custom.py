@@ -53,7 +53,8 @@ def test_hf_custom_rows_equal_the_direct_decoders_rows(setup, sampling, monkeypa
 
     built, split = [], specdecpp.hf.split_processors
     monkeypatch.setattr(specdecpp.hf, "split_processors",
-                        lambda processors, *a: built.append({type(p).__name__ for p in processors}) or split(processors, *a))
+                        lambda processors, *a: built.append({type(p).__name__ for p in processors})
+                        or split(processors, *a))
     runs = _run(setup, sampling)
     # generate builds the sampling warpers and nothing else (no no-op processor the door would apply per position)
     assert built and all(b == (set() if sampling == "greedy" else {"TopKLogitsWarper"}) for b in built), built

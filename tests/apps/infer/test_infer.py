@@ -253,7 +253,8 @@ def test_bad_input_fails_before_loading(setup, tmp_path, no_model_loading):
     for method, cls, head in (("specdecpp", "SpecDecPP", [f"method.head={setup.head}"]), ("svip", "SVIP", [])):
         with pytest.raises(ValueError, match=rf"^{cls}: threshold must be a number in \[0, 1\], got 1.5\n"):
             app.run(make_cfg(*base, f"method={method}", *head, "method.threshold=1.5"))  # the constructor's words
-    with pytest.raises(ValueError, match="HFAssisted: mode must be one of constant, heuristic, confidence, got 'fastest'"):
+    with pytest.raises(ValueError, match="HFAssisted: mode must be one of constant, heuristic, confidence, "
+                                         "got 'fastest'"):
         app.run(make_cfg(*base, "method=hf_assisted", "method.mode=fastest"))
     with pytest.raises(ValueError, match="sampling=greedy"):
         app.run(make_cfg(*base, "method=oracle", "sampling=paper"))
@@ -362,7 +363,8 @@ def test_interleaved_sweep_equals_the_sequential_one_and_runs_prompt_by_prompt(s
     seq = sweep.run(make_cfg(*common, f"out={setup.root}/seq/${{method.name}}"))
     calls = []
     real = app.make_row
-    monkeypatch.setattr(app, "make_row", lambda job, prompt, *a: calls.append((prompt.id, job.spec.tag)) or real(job, prompt, *a))
+    monkeypatch.setattr(app, "make_row",
+                        lambda job, prompt, *a: calls.append((prompt.id, job.spec.tag)) or real(job, prompt, *a))
     inter = sweep.run(make_cfg(*common, "interleave=true", f"out={setup.root}/inter/${{method.name}}"))
     assert [(s["method"], s["tag"], s["rows"]) for s in inter] == [(s["method"], s["tag"], s["rows"]) for s in seq]
     # every method on the first prompt before any method on the second
@@ -505,7 +507,8 @@ def test_pair_comes_from_the_heads_config(setup, tmp_path):
     for s in summaries:
         assert {r["pair"]["target"] for r in read_rows(Path(s["path"]))} == {setup.pair.target}
 
-    with pytest.raises(ValueError, match="trained on draft .* but draft .*target"):  # an explicit pair.draft wins, checked
+    # an explicit pair.draft wins, checked
+    with pytest.raises(ValueError, match="trained on draft .* but draft .*target"):
         app.prepare(make_cfg(*base, "method=specdecpp", f"method.head={head}", f"pair.draft={setup.pair.target}"))
     bare = tmp_path / "bare_head"  # a head that records no target
     AcceptanceHead(setup.pair.draft_hidden, 1, draft=setup.pair.draft).save_pretrained(bare)
@@ -603,7 +606,8 @@ def test_infer_sweep_runs_both_head_kinds_side_by_side(tiny_pair, tmp_path):
             f"prompts.path={prompts}", "max_new_tokens=8", "warmup_tokens=0", "progress=false", "sampling=greedy",
             f"out={tmp_path}/res/${{method.name}}", "~comparison.svip", "~comparison.hf_assisted", "~comparison.oracle",
             "~comparison.fixed_k", "~comparison.specdecpp",
-            f"+comparison.specdecpp=[{{head:{tmp_path / 'paper'},threshold:0.5}},{{head:{tmp_path / 'free'},threshold:0.5}}]"])
+            f"+comparison.specdecpp=[{{head:{tmp_path / 'paper'},threshold:0.5}},"
+            f"{{head:{tmp_path / 'free'},threshold:0.5}}]"])
     summaries = sweep.run(cfg)
     rows = {s["method"] + ":" + Path(s["path"]).name: read_rows(Path(s["path"])) for s in summaries}
     reference = next(r for k, r in rows.items() if k.startswith("target_only"))

@@ -35,10 +35,12 @@ def test_fast_is_checked_before_loading_and_names_the_file_only_when_set(base, t
     monkeypatch.setattr(app, "load_pair", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
     app._LOADED.clear()
     cfg = [*base, f"out={tmp_path}"]
-    eager, fast = (app.prepare(make_cfg(*cfg, "method=fixed_k", "method.k=2", *extra)) for extra in ([], ["fast=static"]))
+    eager, fast = (app.prepare(make_cfg(*cfg, "method=fixed_k", "method.k=2", *extra))
+                   for extra in ([], ["fast=static"]))
     assert eager.path.name == "k2__greedy__s0.jsonl" and eager.fast is None and eager.run_keys["fast"] is None
     assert fast.path.name == "k2_fast-static__greedy__s0.jsonl" and fast.run_keys["fast"] == "static"
-    with pytest.raises(ValueError, match="infer: fast must be one of None, 'static', 'compile', 'graphs', 'compile-graphs', got 'turbo'"):
+    with pytest.raises(ValueError, match="infer: fast must be one of None, 'static', 'compile', 'graphs', "
+                                         "'compile-graphs', got 'turbo'"):
         app.prepare(make_cfg(*cfg, "method=fixed_k", "fast=turbo"))
     with pytest.raises(ValueError, match="infer: fast='graphs' needs CUDA; the models are on cpu"):
         app.prepare(make_cfg(*cfg, "method=fixed_k", "pair.device=cpu", "fast=graphs"))
@@ -102,7 +104,8 @@ def test_sweep_runs_every_method_eager_and_fast_interleaved_in_one_process(base,
     from infer import sweep
 
     common = [*base, "interleave=true", "comparison.fixed_k.k=[2]", "~comparison.svip", "~comparison.specdecpp",
-              "~comparison.oracle", "comparison.hf_assisted.mode=[constant]", "comparison.hf_assisted.num_assistant_tokens=2",
+              "~comparison.oracle", "comparison.hf_assisted.mode=[constant]",
+              "comparison.hf_assisted.num_assistant_tokens=2",
               f"out={tmp_path}/res/${{method.name}}"]
     calls = []
     real = app.make_row
@@ -164,7 +167,8 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
     assert {1, 3} <= set(fed)  # rows per batched forward: the static batch runner timed both sizes
 
 
-@pytest.mark.parametrize("value, want", [("tuned", "tuned"), ("plain", {}), ("{max_autotune: true}", {"max_autotune": True})])
+@pytest.mark.parametrize("value, want", [("tuned", "tuned"), ("plain", {}),
+                                         ("{max_autotune: true}", {"max_autotune": True})])
 def test_compile_options_from_the_config(value, want):
     """infer's ``compile_options`` sets the inductor options fast=compile compiles with on a CPU
     (the suite's own plain default restored after); a bad value names the key."""
@@ -201,7 +205,8 @@ def test_capture_rounds_is_checked_named_in_the_tag_and_ignored_where_no_round_i
     for bad in ("yes", "1", "0.5"):
         with pytest.raises(ValueError, match=r"capture_rounds must be true, false or fused, got"):
             app.prepare(make_cfg(*cfg, "fast=graphs", f"capture_rounds={bad}"))
-    for extra in (["fast=static", "capture_rounds=false"], ["fast=graphs", "capture_rounds=fused"],  # fused: compile-graphs
+    for extra in (["fast=static", "capture_rounds=false"],
+                  ["fast=graphs", "capture_rounds=fused"],  # fused: compile-graphs
                   ["fast=graphs", "capture_rounds=false", "batch_size=2"], ["capture_rounds=fused"]):
         job = app.prepare(make_cfg(*cfg, *extra))
         assert job.capture_rounds is True and "capture_rounds" not in job.run_keys, extra

@@ -99,7 +99,8 @@ def test_report_intervals_width_costs_and_fit_warning(tmp_path):
     assert group["fit"]["r2"] < 0.9 and group["fit_problem"].startswith("t_draft = -7.071 ms is not positive")
     assert not group["fit_warning"] and all(e["predicted_tokens_per_s"] is None for e in group["entries"])
     text = report["report"].read_text()
-    assert "Flagged, not used: t_draft = -7.071 ms" in text and f"[{lo:.2f}, {hi:.2f}] |" in text  # 30 prompts: not marked
+    # 30 prompts: not marked
+    assert "Flagged, not used: t_draft = -7.071 ms" in text and f"[{lo:.2f}, {hi:.2f}] |" in text
     assert entries["k2"]["speedup_ci_n"] == 30 and "†" not in text
     few = tmp_path / "few" / "run.jsonl"  # 6 prompts: the interval is marked, with the note under the table
     few.parent.mkdir()
@@ -146,7 +147,8 @@ def test_report_pairs_each_method_with_the_fastest_fixed_k_and_svip(tmp_path):
         rows.append(_row("fixed_k", "k1", {"k": 1}, f"p{i}", 14, 12, 25, 0.80 * noise * rng.uniform(0.99, 1.01)))
         rows.append(_row("fixed_k", "k2", {"k": 2}, f"p{i}", 20, 10, 25, 0.90 * noise))
         rows.append(_row("svip", "h0.5", svip, f"p{i}", 14, 12, 25, 0.78 * noise * rng.uniform(0.99, 1.01)))
-        rows.append(_row("specdecpp", "fast", {"threshold": 0.5}, f"p{i}", 14, 12, 25, 0.70 * noise * rng.uniform(0.99, 1.01)))
+        rows.append(_row("specdecpp", "fast", {"threshold": 0.5}, f"p{i}", 14, 12, 25,
+                         0.70 * noise * rng.uniform(0.99, 1.01)))
         rows.append(_row("specdecpp", "slow", {"threshold": 0.9}, f"p{i}", 14, 12, 25, 0.95 * noise))
     res = tmp_path / "results" / "run.jsonl"
     res.parent.mkdir()
@@ -262,7 +264,8 @@ def test_report_pairs_each_door_run_with_the_direct_decoder_of_the_same_policy(t
     rows, head = [], {"head": "heads/h", "head_sha": "abc", "threshold": 0.5}
     for i in range(12):
         noise = rng.uniform(0.9, 1.1)
-        for method, tag, settings, wall in (("fixed_k", "k2", {"k": 2}, 0.8), ("hf_custom", "k2", {"stop": "fixed_k", "k": 2}, 0.8),
+        for method, tag, settings, wall in (("fixed_k", "k2", {"k": 2}, 0.8),
+                                            ("hf_custom", "k2", {"stop": "fixed_k", "k": 2}, 0.8),
                                             ("specdecpp", "h_h0.5", head, 0.7),
                                             ("hf_custom", "h_h0.5", {"stop": "specdecpp", **head}, 0.6),
                                             ("hf_custom", "k3", {"stop": "fixed_k", "k": 3}, 0.8)):

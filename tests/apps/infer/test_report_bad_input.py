@@ -24,13 +24,15 @@ def _base_and_k2(n: int) -> list[dict]:
     rows = []
     for i in range(n):
         rows.append(_row("target_only", "base", {}, f"p{i}", 0, 20 + i, 20 + i, 0.05 * (20 + i)))
-        rows.append(_row("fixed_k", "k2", {"k": 2}, f"p{i}", 2 * (8 + i), 8 + i, 20 + i, 0.01 * 2 * (8 + i) + 0.05 * (8 + i)))
+        rows.append(_row("fixed_k", "k2", {"k": 2}, f"p{i}", 2 * (8 + i), 8 + i, 20 + i,
+                         0.01 * 2 * (8 + i) + 0.05 * (8 + i)))
     return rows
 
 
 def test_cut_last_line_is_counted_and_named(tmp_path):
     rows = _base_and_k2(4)
-    res = _write(tmp_path / "results" / "run.jsonl", rows, json.dumps(_row("fixed_k", "k2", {"k": 2}, "p4", 24, 12, 24, 1.0))[:40])
+    res = _write(tmp_path / "results" / "run.jsonl", rows,
+                 json.dumps(_row("fixed_k", "k2", {"k": 2}, "p4", 24, 12, 24, 1.0))[:40])
     with pytest.warns(UserWarning, match=rf"(?s)^Skipped 1 result line, .*\n- `{res}` line 9: cut short"):
         report = build_report(res.parent, tmp_path / "report")
     assert report["skipped"] == [{"file": str(res), "line": 9, "problem": report["skipped"][0]["problem"]}]
@@ -62,7 +64,8 @@ def test_malformed_lines_inside_a_file_are_skipped_and_named(tmp_path):
 
 def test_nothing_readable_is_an_error_naming_the_lines(tmp_path):
     res = _write(tmp_path / "results" / "run.jsonl", [], '{"method": "fixed')
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match=rf"(?s)no readable result rows .*`{res}` line 1: cut short"):
+    with (pytest.warns(UserWarning),
+          pytest.raises(ValueError, match=rf"(?s)no readable result rows .*`{res}` line 1: cut short")):
         build_report(res.parent, tmp_path / "report")
 
 

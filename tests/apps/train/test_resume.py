@@ -188,7 +188,8 @@ def test_a_finished_run_is_not_resumed_by_another_training(tiny_dataset, tiny_pa
                          tiny_pair.draft, 32, tiny_pair.vocab)
     with pytest.raises(ValueError, match="differs in: dataset_fingerprint"):
         run(train_cfg(overrides("small_data", other)))
-    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; data.val_seed: 0 there, 1 now; seed: 0 there, 1 now"):
+    with pytest.raises(ValueError, match="differs in: data.mix_seed: 0 there, 1 now; data.val_seed: 0 there, 1 now; "
+                                         "seed: 0 there, 1 now"):
         run(train_cfg(overrides("small_data", tiny_dataset, "seed=1")))
     again = run(train_cfg(overrides("small_data")))  # the same command: the same run, resumed (done)
     assert again["global_step"] == 12

@@ -54,8 +54,8 @@ def test_module_and_datamodule_are_instantiated_from_their_config_groups():
     cfg = train_cfg(["+experiment=[wrej12_d1,small_data]", "data.mix_ratio=0.2", "seed=4"])
     model = instantiate(cfg.model)
     assert isinstance(model, partial) and model.func is AcceptanceHeadModule
-    assert (model.keywords["w_rej"], model.keywords["w_acc"], model.keywords["mix_ratio"], model.keywords["mix_seed"]) == \
-        (12, 1, 0.2, 4)
+    assert (model.keywords["w_rej"], model.keywords["w_acc"], model.keywords["mix_ratio"],
+            model.keywords["mix_seed"]) == (12, 1, 0.2, 4)
     optimizer = model.keywords["optimizer"](params=[torch.zeros(1, requires_grad=True)])
     assert isinstance(optimizer, torch.optim.Adam) and optimizer.defaults["lr"] == 3e-3
     module = model(head=AcceptanceHead(32, 1))
@@ -117,7 +117,8 @@ def test_head_learns_labels_that_depend_on_the_hidden_state_and_round_trips(tiny
     x = torch.randn(10, 32)
     torch.testing.assert_close(loaded(x), result["module"].head.cpu()(x))
     config = json.loads((out / "config.json").read_text())
-    assert (config["draft"], config["depth"], config["hidden_size"], config["target"]) == (tiny_pair.draft, 0, 32, "tiny-target")
+    assert ((config["draft"], config["depth"], config["hidden_size"], config["target"])
+            == (tiny_pair.draft, 0, 32, "tiny-target"))
     training = config["training"]
     assert (training["dataset"], training["w_rej"], training["w_acc"], training["mix_ratio"], training["seed"]) == \
         (str(data), 1.0, 1.0, 0.15, 0)
