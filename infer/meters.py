@@ -5,9 +5,8 @@ steps for the fast path, whose steps bypass the hooks (:class:`FeedMeters`)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 from specdecpp.core.timing import Clock
+from specdecpp.fast.runners import StaticModel
 
 
 class ForwardMeter:
@@ -95,36 +94,33 @@ class FeedMeters:
 
 
 class TimedRunner:
-    """One runner whose ``feed`` (and, for a static runner, its step and mask) the
-    :class:`FeedMeters` time; the runner's own methods are wrapped on the instance, its code is
-    not changed."""
+    """One runner whose ``feed`` the :class:`FeedMeters` time, and inside a static runner's feed its
+    step and mask, through the runner's public timing hook (``meter``,
+    :class:`specdecpp.fast.runners.StaticModel`); the runner's code and methods are not changed."""
 
     def __init__(self, runner, role: str, meters: FeedMeters) -> None:
         self.runner, self.role, self.meters, self.phase = runner, role, meters, "prefill"
         self._feed = self._timed(runner.feed, "feed")
-        if hasattr(runner, "_step") and hasattr(runner, "_mask"):  # specdecpp.fast.runners.StaticRunner
-            step, steps = runner._step, {}
+        if isinstance(runner, StaticModel):  # the fast path's runners (an eager one's forwards: ForwardMeter)
+            runner.meter = self._part
 
-            def timed_step(width: int):
-                fn = step(width)  # the bucket's step (compiled on its first use); kept per step function
-                if fn not in steps:
-                    steps[fn] = self._timed(fn, "step", forward_step=True)
-                return steps[fn]
+    def _part(self, part: str, fn, *args):
+        """The runner's ``meter``: ``fn(*args)`` timed into ``part``; a forward step is called through
+        :func:`run_forward_step`, so a profile tells the forwards' callees from the loop's
+        (scripts/bench_fast.py)."""
+        clock = self.meters.clock
+        t0 = clock.now()
+        out = run_forward_step(fn, *args) if part == "step" else fn(*args)
+        self.meters.add((self.role, self.phase, part), clock.now() - t0)
+        return out
 
-            runner._step = timed_step
-            runner._mask = self._timed(runner._mask, "mask")
-            if hasattr(runner, "chain_inputs"):  # a chain's feed takes its mask (and slots, positions) from there
-                runner.chain_inputs = self._timed(runner.chain_inputs, "mask")
-
-    def _timed(self, fn, part: str, forward_step: bool = False):
-        """``fn`` timed into ``part``; a forward step is called through :func:`run_forward_step`, so
-        a profile tells the forwards' callees from the loop's (scripts/bench_fast.py)."""
+    def _timed(self, fn, part: str):
+        """``fn`` timed into ``part``."""
         clock, meters = self.meters.clock, self.meters
-        inner = partial(run_forward_step, fn) if forward_step else fn
 
         def call(*args, **kwargs):
             t0 = clock.now()
-            out = inner(*args, **kwargs)
+            out = fn(*args, **kwargs)
             meters.add((self.role, self.phase, part), clock.now() - t0)
             return out
 

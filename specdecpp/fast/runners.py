@@ -58,6 +58,9 @@ class StaticModel(HiddenHook):
         self.steps = model_steps(model)
         self.compile_options: dict | None = None  # fast="compile": None = COMPILE_OPTIONS when a bucket compiles
         self.mask_min = torch.finfo(self.dtype).min
+        # the public timing hook: meter(part, fn, *args) calls fn(*args), returns its result and may time it
+        # as part ("mask": a forward's mask and inputs; "step": its forward step, compiled or eager); None: untimed
+        self.meter = None
         # a bucket that has not compiled yet runs in a compiled larger one until it pays (_cover); warm_up turns it off
         self.cover = cover and fast in COMPILING_BACKENDS
         # around each forward: the CPU's attention in place of sdpa (core.attention.attention_swap), the way
@@ -137,24 +140,27 @@ class StaticRunner(StaticModel):
         renting = None
         if self.cover and width in self.buckets and (width, self.cache.size) not in self.steps.compile_seconds:
             width, _, renting = self._cover(self.cache.size, width)
-        pad = width - n
+        pad, meter = width - n, self.meter
         if position_ids is None and attention_mask is None:  # a chain's forward: inputs kept for the process
-            slots, position_ids, mask = self.chain_inputs(start, width)
+            slots, position_ids, mask = (self.chain_inputs(start, width) if meter is None
+                                         else meter("mask", self.chain_inputs, start, width))
         else:
             slots = torch.arange(start, start + width, device=ids.device)
             if position_ids is None:  # a tensor of its own: an alias of slots would be another graph (a recompile)
                 position_ids = torch.arange(start, start + width, device=ids.device)
             elif pad:
                 position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
-            mask = self._mask(n, width, attention_mask)
+            mask = (self._mask(n, width, attention_mask) if meter is None
+                    else meter("mask", self._mask, n, width, attention_mask))
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         # inference only: one graph whatever the caller's grad mode, and freezing needs it; a decoder's generate
         # runs without autograd already, and then no torch context is entered (one operation fewer a feed)
         t0 = time.perf_counter() if renting else 0.0
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), self.attention():
-            logits, hidden = self._step(width)(self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
-                                               slots, mask)
+            step, args = self._step(width), (self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
+                                             slots, mask)
+            logits, hidden = step(*args) if meter is None else meter("step", step, *args)
         if renting:
             self._pay_rent(renting, t0)
         self.cache.length = start + n
