@@ -43,8 +43,9 @@ import functools
 import inspect
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -404,29 +405,59 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     if streamer is None:
         streamer = _callers_streamer()
     try:
-        return _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                         streamer, draft_model, head, threshold, stop_policy, cascade, tokenizer,
-                         {"draft": allow_draft_mismatch, "sampling": allow_sampling_mismatch,
-                          "label": allow_label_mismatch}, fast, capture_rounds, model_kwargs)
+        call = GenerateCall(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer)
+        options = SpeculativeOptions(draft_model=draft_model, head=head, threshold=threshold, stop_policy=stop_policy,
+                                     cascade=cascade, tokenizer=tokenizer, fast=fast, capture_rounds=capture_rounds,
+                                     allowed={"draft": allow_draft_mismatch, "sampling": allow_sampling_mismatch,
+                                              "label": allow_label_mismatch})
+        return _generate(model, input_ids, call, options, model_kwargs)
     finally:
         if streamer is not None:
             streamer.end()  # also after an error: a TextIteratorStreamer's reader must not wait forever
 
 
-def _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-              draft_model, head, threshold, stop_policy, cascade, tokenizer, allowed, fast, capture_rounds,
-              model_kwargs):
-    generation_config = generation_config if generation_config is not None else model.generation_config
-    _check_call(generation_config, synced_gpus, model_kwargs)
-    processors, sampling, warpers = split_processors(logits_processor, bool(generation_config.do_sample))
+@dataclass(frozen=True)
+class GenerateCall:
+    """The arguments transformers' ``generate`` hands a ``custom_generate`` callable."""
+
+    logits_processor: Any = None
+    stopping_criteria: Any = None
+    generation_config: Any = None
+    synced_gpus: bool = False
+    streamer: Any = None
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """What :func:`generate` adds to them: the draft, the stop policy (a head and its threshold, or a
+    policy), a cascade, the tokenizer to check, the mismatches allowed and the fast path."""
+
+    draft_model: Any = None
+    head: Any = None
+    threshold: float | None = None
+    stop_policy: StopPolicy | None = None
+    cascade: Cascade | None = None
+    tokenizer: Any = None
+    allowed: dict = field(default_factory=dict)
+    fast: str | None = None
+    capture_rounds: bool | str = True
+
+
+def _generate(model, input_ids, call: GenerateCall, options: SpeculativeOptions, model_kwargs: dict):
+    generation_config = call.generation_config if call.generation_config is not None else model.generation_config
+    streamer, cascade = call.streamer, options.cascade
+    _check_call(generation_config, call.synced_gpus, model_kwargs)
+    processors, sampling, warpers = split_processors(call.logits_processor, bool(generation_config.do_sample))
     if cascade is not None and processors:
         raise ValueError(f"cascade=... reads the models' raw logits; it cannot run with the logits processors "
                          f"{[type(p).__name__ for p in processors]}")
-    policy, draft = resolve_policy(model, draft_model, head, threshold, stop_policy, sampling, cascade, allowed)
-    if tokenizer is not None:
+    policy, draft = resolve_policy(model, options.draft_model, options.head, options.threshold, options.stop_policy,
+                                   sampling, cascade, options.allowed)
+    if options.tokenizer is not None:
         for name, m in (("draft_model", draft), ("the target", model)):
-            check_vocab(m, tokenizer, name)
-    eos, max_length, criteria = split_criteria(stopping_criteria)
+            check_vocab(m, options.tokenizer, name)
+    eos, max_length, criteria = split_criteria(call.stopping_criteria)
     device = model.device
     input_ids = input_ids.to(device)
     batch, width = input_ids.shape if input_ids.dim() == 2 else (None, None)
@@ -455,8 +486,8 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, generation_
     if max_new < 1:
         outputs = []
     else:
-        decoder = SpeculativeDecoder(draft, model, policy, sampling, cascade=cascade, fast=fast,
-                                     capture_rounds=capture_rounds)
+        decoder = SpeculativeDecoder(draft, model, policy, sampling, cascade=cascade, fast=options.fast,
+                                     capture_rounds=options.capture_rounds)
         prompts = [input_ids[i, width - n :] for i, n in enumerate(lengths)]
         if batch == 1:
             outputs = [decoder.generate(prompts[0].unsqueeze(0), max_new, eos_token_id=eos, hooks=hooks)]
