@@ -50,7 +50,7 @@ import torch
 
 from specdecpp.analysis.costmodel import save_costs
 
-from .measure import measure, pair_costs
+from .measure import MeasureConfig, measure, pair_costs
 from .pairs import command_pair
 
 
@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     torch.set_num_threads(args.threads)
-    result = measure(pair["draft"], pair["target"], args.sources, args.limit, args.max_new_tokens, args.timing_steps,
-                     args.seed, pair["dtype"], tuple(args.compare_dtype), pair["device"], args.max_width,
-                     tuple(args.batch_sizes), args.fast)
+    config = MeasureConfig(sources=tuple(args.sources), limit=args.limit, max_new_tokens=args.max_new_tokens,
+                           timing_steps=args.timing_steps, seed=args.seed, dtype=pair["dtype"],
+                           compare_dtypes=tuple(args.compare_dtype), device=pair["device"], max_width=args.max_width,
+                           batch_sizes=tuple(args.batch_sizes), fast=args.fast)
+    result = measure(pair["draft"], pair["target"], config)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

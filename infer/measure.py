@@ -4,6 +4,8 @@ per-token acceptance alpha and the fixed-K speedup of Eq. 2.3."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tqdm import tqdm
 
@@ -127,19 +129,36 @@ def measured_widths(max_width: int) -> list[int]:
         n *= 2
 
 
-def measure(draft_path: str, target_path: str, sources: list[str], limit: int, max_new_tokens: int,
-            timing_steps: int, seed: int, dtype: str = "fast", compare_dtypes: tuple[str, ...] = (),
-            device: str = "cpu", max_width: int = 8, batch_sizes: tuple[int, ...] = (),
-            fast: str | None = None) -> dict:
-    draft, target, tokenizer = load_pair(draft_path, target_path, device=device, dtype=dtype)
+@dataclass(frozen=True)
+class MeasureConfig:
+    """What ``python -m infer.costs`` measures of a pair and how (its command-line settings, built
+    from them in ``infer.costs.main``)."""
+
+    sources: tuple[str, ...]            # prompt sources (their test split) for the acceptance
+    limit: int                          # prompts per source
+    max_new_tokens: int                 # tokens of each sampled response
+    timing_steps: int                   # timed repeats of each forward
+    seed: int                           # response i is sampled from seed + i
+    dtype: str = "fast"                 # precision of both models
+    compare_dtypes: tuple[str, ...] = ()  # also timed, the same pair at these precisions, in the same loop
+    device: str = "cpu"
+    max_width: int = 8                  # both width curves up to this many tokens at once
+    batch_sizes: tuple[int, ...] = ()   # also t_draft(B), t_target(B, n) at these batch sizes
+    fast: str | None = None             # the fast path's backend the forwards are timed on (None: eager)
+
+
+def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
+    """Acceptance, per-forward costs and the fixed-K speedups of the pair (``config``: what and how)."""
+    c = config
+    draft, target, tokenizer = load_pair(draft_path, target_path, device=c.device, dtype=c.dtype)
     per_source = {}
-    for source in sources:
+    for source in c.sources:
         split = "test"
-        prompts = load_prompts(source, split=split, limit=limit)
+        prompts = load_prompts(source, split=split, limit=c.limit)
         alphas, covers, n_tokens = [], [], 0
         for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance on {source}/{split}")):
             prompt_ids = encode_prompt(tokenizer, prompt.prompt)
-            ids = sample_response(target, prompt_ids, max_new_tokens, tokenizer.eos_token_id, seed + i)
+            ids = sample_response(target, prompt_ids, c.max_new_tokens, tokenizer.eos_token_id, c.seed + i)
             alpha, covered = position_acceptance(draft, target, ids, len(prompt_ids))
             alphas.append(alpha)
             covers.append(covered)
@@ -149,25 +168,25 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
                               "acceptance": alpha.mean().item(), "target_mass_covered": torch.cat(covers).mean().item(),
                               "acceptance_per_prompt_std": (torch.stack([a.mean() for a in alphas]).std().item()
                                                              if len(alphas) > 1 else float("nan"))}
-    context = sample_response(target, encode_prompt(tokenizer, load_prompts(sources[0], "test", 1)[0].prompt),
-                              64 + max(0, max_width - 8), None, seed)  # a mid-generation cache, 64 tokens in
+    context = sample_response(target, encode_prompt(tokenizer, load_prompts(c.sources[0], "test", 1)[0].prompt),
+                              64 + max(0, c.max_width - 8), None, c.seed)  # a mid-generation cache, 64 tokens in
     models = {"draft": draft, "target": target}
-    others = ({dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in compare_dtypes)}
+    others = ({dtype_name(d) for d in (resolve_dtype(x, draft.device) for x in c.compare_dtypes)}
               - {dtype_name(target.dtype)})
     for name in sorted(others):  # the same pair at another precision, timed in the same loop
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
-    widths = measured_widths(max_width)
-    timed = step_times(models, context, timing_steps, {name: widths for name in models}, fast)
+    widths = measured_widths(c.max_width)
+    timed = step_times(models, context, c.timing_steps, {name: widths for name in models}, c.fast)
     times = {name: t[1] for name, t in timed.items()}
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
                       "target_by_width_s": timed[f"target@{name}"]} for name in sorted(others)}
     batched = {}
-    if batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
+    if c.batch_sizes:  # t_draft(B), t_target(B, n) for batched decoding (generate_batch), in a loop of their own
         bw = [n for n in widths if n <= 21]
-        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *batch_sizes}), bw,
-                                          timing_steps, fast)
+        by_draft, by_target = batch_times(draft, target, context[0].tolist(), sorted({1, *c.batch_sizes}), bw,
+                                          c.timing_steps, c.fast)
         batched = {"draft_by_batch_s": by_draft, "target_by_batch_s": by_target}
     ratio = times["draft"] / times["target"]
     overall = sum(s["acceptance"] * s["positions"] for s in per_source.values()) / sum(
@@ -175,8 +194,8 @@ def measure(draft_path: str, target_path: str, sources: list[str], limit: int, m
     speedups = {k: fixed_k_speedup(overall, ratio, k) for k in range(1, 21)}
     best_k = max(speedups, key=speedups.get)
     return {"draft": draft_path, "target": target_path, "dtype": dtype_name(target.dtype), "device": str(target.device),
-            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(), "fast": fast,
-            "max_new_tokens": max_new_tokens, "seed": seed, "threads": torch.get_num_threads(),
+            "compare_dtypes": compare, "sampling": SAMPLING.to_dict(), "fast": c.fast,
+            "max_new_tokens": c.max_new_tokens, "seed": c.seed, "threads": torch.get_num_threads(),
             "per_source": per_source, "acceptance": overall,
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
             "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"],

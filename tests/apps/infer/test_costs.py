@@ -103,6 +103,26 @@ def test_cli_writes_costs_json_in_the_one_schema(costly_pair, tmp_path, capsys):
     assert 0 < result["acceptance"] < 1 and result["per_source"]["bundled"]["prompts"] == 1
 
 
+def test_cli_passes_its_settings_as_one_measure_config(tiny_pair, tmp_path, monkeypatch):
+    """The command line's settings reach ``measure`` as one MeasureConfig, built in costs.main."""
+    seen = {}
+
+    def fake_measure(draft, target, config):
+        seen.update(draft=draft, target=target, config=config)
+        raise SystemExit("measured")
+
+    monkeypatch.setattr(cli, "measure", fake_measure)
+    with pytest.raises(SystemExit, match="measured"):
+        cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--device", "cpu", "--sources", "bundled",
+                  "--limit", "3", "--max-new-tokens", "5", "--timing-steps", "7", "--seed", "2", "--dtype", "float32",
+                  "--compare-dtype", "bfloat16", "--max-width", "12", "--batch-sizes", "2", "4", "--fast", "static",
+                  "--costs-out", str(tmp_path / "costs.json")])
+    assert (seen["draft"], seen["target"]) == (tiny_pair.draft, tiny_pair.target)
+    assert seen["config"] == measure.MeasureConfig(
+        sources=("bundled",), limit=3, max_new_tokens=5, timing_steps=7, seed=2, dtype="float32",
+        compare_dtypes=("bfloat16",), device="cpu", max_width=12, batch_sizes=(2, 4), fast="static")
+
+
 def test_cli_batch_sizes_write_the_batched_curves(costly_pair, tmp_path, capsys):
     """--batch-sizes: t_draft(B) and t_target(B, n) for B = 1 and each size, n = 1..8, in costs.json,
     read back by the cost model (the batched Eq. 2.3 of infer.report and scripts/bench_batch.py)."""
