@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -251,37 +252,57 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, costs_file: str | None = None,
-        heads: list[str] = (), draft: str | None = None, seeds: int = 5, max_k: int = 10,
-        thresholds=DEFAULT_THRESHOLDS, svip_thresholds=DEFAULT_SVIP, out: str | None = None,
-        limit: int | None = None, n_boot: int = 1000, quiet: bool = False, head_context: str = "mixed") -> dict:
-    if (cost_ratio is None) == (costs_file is None):
+@dataclass(frozen=True)
+class PotentialConfig:
+    """How :func:`run` replays the stop policies on a dataset: its command-line settings (built
+    from them in :func:`main`)."""
+
+    split: str = "test"                 # train, dev, test or all
+    cost_ratio: float | None = None     # t_draft / t_target for Eq. 2.3 (or run's costs_file)
+    seeds: int = 5                      # Bernoulli replays of every response
+    max_k: int = 10                     # fixed K 1..max_k
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS      # the informed policy's and each head's
+    svip_thresholds: tuple[float, ...] = DEFAULT_SVIP
+    limit: int | None = None            # only the first N prompts
+    n_boot: int = 1000                  # bootstrap resamples of the 95% intervals
+    head_context: str = "mixed"         # where a lag-free head's features come from (HEAD_CONTEXTS)
+    quiet: bool = False                 # print nothing
+
+
+def run(data_dir: str, config: PotentialConfig = PotentialConfig(), *, costs_file: str | None = None,
+        heads: list[str] = (), draft: str | None = None, out: str | None = None) -> dict:
+    """The replay of ``data_dir``'s labels under every policy (and each trained head of ``heads``,
+    run on ``draft``, default the dataset's), priced by ``config.cost_ratio`` or the measured
+    ``costs_file``; writes potential.md, .json and .png to ``out`` (default DATA_DIR/potential)."""
+    c = config
+    split, seeds, head_context = c.split, c.seeds, c.head_context
+    if (c.cost_ratio is None) == (costs_file is None):
         raise ValueError("give exactly one of --cost-ratio R or --costs FILE")
-    costs = Costs.from_ratio(cost_ratio) if costs_file is None else load_costs(costs_file)
+    costs = Costs.from_ratio(c.cost_ratio) if costs_file is None else load_costs(costs_file)
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     from specdecpp.stopping.head import load_head
 
     head_names = head_labels(heads)  # each head loads (and a broken one is named) before the data and the draft
     lags = {name: load_head(h).lag for name, h in zip(head_names, heads, strict=True)}  # paper's head 1, lag-free 0
-    rows, meta, raw = dataset_rows(data_dir, split, limit)
+    rows, meta, raw = dataset_rows(data_dir, split, c.limit)
     if not rows:
         raise ValueError(f"dataset {str(data_dir)!r}, split {split!r}: no labelled positions")
     for name, preds in zip(head_names, heads_predictions(list(heads), raw, meta, draft, context=head_context)
                            if heads else [], strict=True):
         for row, p in zip(rows, preds, strict=True):
             row["pred:" + name] = p
-    pols = policies(max_k, thresholds, svip_thresholds, head_names, lags)
+    pols = policies(c.max_k, c.thresholds, c.svip_thresholds, head_names, lags)
     t0 = time.perf_counter()
     results = pt.simulate(rows, pols, seeds=range(seeds))
-    records = pt.summarise(results, pols, costs, n_boot=n_boot)
+    records = pt.summarise(results, pols, costs, n_boot=c.n_boot)
     fixed = pt.best(records, "fixed_k")
     best_lines, margins = [], {}
     for name in dict.fromkeys(r["name"] for r in records):
         b = pt.best(records, name)
         line = f"{name}: best {b['label']} at {b['speedup']:.3f}x {_ci(b['speedup_ci95'])}"
         if name != "fixed_k":
-            lo_hi = pt.margin_interval(results[b["label"]], results[fixed["label"]], costs, n_boot=n_boot)
+            lo_hi = pt.margin_interval(results[b["label"]], results[fixed["label"]], costs, n_boot=c.n_boot)
             margin = b["speedup"] / fixed["speedup"] - 1
             margins[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             line += (f", {100 * margin:+.1f}% vs best fixed K ({fixed['label']}), "
@@ -295,7 +316,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
                 continue
             b = pt.best(records, name, "speedup_by_width")
             margin = b["speedup_by_width"] / fw["speedup_by_width"] - 1
-            lo_hi = pt.margin_interval(results[b["label"]], results[fw["label"]], costs, by_width=True, n_boot=n_boot)
+            lo_hi = pt.margin_interval(results[b["label"]], results[fw["label"]], costs, by_width=True, n_boot=c.n_boot)
             margins_by_width[name] = {"margin": margin, "ci95": lo_hi, "setting": b["label"]}
             best_lines.append(f"with t_target(n): {name} best {b['label']} {b['speedup_by_width']:.3f}x vs fixed K "
                               f"{fw['label']} {fw['speedup_by_width']:.3f}x ({100 * margin:+.1f}%, 95% CI "
@@ -323,7 +344,7 @@ def run(data_dir: str, split: str = "test", cost_ratio: float | None = None, cos
                "margins_vs_best_fixed_k_by_width": margins_by_width, "records": records}
     (out_dir / "potential.json").write_text(json.dumps(payload, indent=1) + "\n")
     plot(records, out_dir / "potential.png", f"{data_dir} ({split}): stop potential at c = {costs.ratio:.3f}")
-    if not quiet:
+    if not c.quiet:
         print(md)
         print(f"wrote {out_dir / 'potential.md'}, potential.json, potential.png")
     return {"records": records, "margins": margins, "margins_by_width": margins_by_width, "out": str(out_dir),
@@ -380,8 +401,10 @@ def main(argv=None) -> None:
             run_whatif(args.data, args.split, args.whatif_gammas, args.whatif_ratios, args.cost_ratio, args.costs,
                        args.seeds, args.max_k, args.out, args.limit)
         else:
-            run(args.data, args.split, args.cost_ratio, args.costs, args.head, args.draft, args.seeds, args.max_k,
-                args.thresholds, args.svip_thresholds, args.out, args.limit, head_context=args.head_context)
+            config = PotentialConfig(split=args.split, cost_ratio=args.cost_ratio, seeds=args.seeds, max_k=args.max_k,
+                                     thresholds=tuple(args.thresholds), svip_thresholds=tuple(args.svip_thresholds),
+                                     limit=args.limit, head_context=args.head_context)
+            run(args.data, config, costs_file=args.costs, heads=args.head, draft=args.draft, out=args.out)
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"infer.potential: {exc}")
 

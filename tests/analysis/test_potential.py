@@ -123,9 +123,9 @@ def test_cli_writes_table_json_and_png_with_a_trained_head(potential_dataset, tm
     costs.write_text(json.dumps({"t_draft": 0.002, "t_target": 0.05,
                                  "target_by_width": {"1": 0.05, "2": 0.06, "4": 0.07}}))
     out = tmp_path / "pot"
-    result = cli.run(str(potential_dataset), split="test", costs_file=str(costs), heads=[str(head_dir)],
-                     seeds=2, max_k=4, thresholds=(0.3, 0.7), svip_thresholds=(0.3,), out=str(out), n_boot=50,
-                     quiet=True)
+    config = cli.PotentialConfig(split="test", seeds=2, max_k=4, thresholds=(0.3, 0.7), svip_thresholds=(0.3,),
+                                 n_boot=50, quiet=True)
+    result = cli.run(str(potential_dataset), config, costs_file=str(costs), heads=[str(head_dir)], out=str(out))
     payload = json.loads((out / "potential.json").read_text())
     names = [r["name"] for r in payload["records"]]
     assert names.count("fixed_k") == 4 and names.count("informed") == 2 and names.count("head:wrej6_d1") == 2
@@ -192,23 +192,36 @@ def test_head_predictions_cover_every_position_and_equal_the_head_on_the_engines
 
 def test_cli_bad_input_is_named(potential_dataset, tmp_path):
     with pytest.raises(ValueError, match="exactly one of"):
-        cli.run(str(potential_dataset), quiet=True)
+        cli.run(str(potential_dataset), cli.PotentialConfig(quiet=True))
     with pytest.raises(ValueError, match="no split 'dev'"):
-        cli.run(str(potential_dataset), split="dev", cost_ratio=0.1, quiet=True)
+        cli.run(str(potential_dataset), cli.PotentialConfig(split="dev", cost_ratio=0.1, quiet=True))
     with pytest.raises(FileNotFoundError, match="nope.json"):
-        cli.run(str(potential_dataset), costs_file=str(tmp_path / "nope.json"), quiet=True)
+        cli.run(str(potential_dataset), cli.PotentialConfig(quiet=True), costs_file=str(tmp_path / "nope.json"))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"t_draft": 0.1}))
     with pytest.raises(ValueError, match="t_draft and t_target"):
-        cli.run(str(potential_dataset), costs_file=str(bad), quiet=True)
+        cli.run(str(potential_dataset), cli.PotentialConfig(quiet=True), costs_file=str(bad))
+
+
+def test_cli_passes_its_settings_as_one_potential_config(monkeypatch):
+    """main builds run's PotentialConfig from the command line; paths stay run's own arguments."""
+    seen = {}
+    monkeypatch.setattr(cli, "run", lambda data, config, **kw: seen.update(data=data, config=config, **kw))
+    cli.main(["DATA", "--split", "dev", "--cost-ratio", "0.2", "--head", "h1", "--head", "h2", "--draft", "D",
+              "--head-context", "target", "--seeds", "3", "--max-k", "6", "--thresholds", "0.4", "0.6",
+              "--svip-thresholds", "0.5", "--limit", "7", "--out", "O"])
+    assert seen == {"data": "DATA", "costs_file": None, "heads": ["h1", "h2"], "draft": "D", "out": "O",
+                    "config": cli.PotentialConfig(split="dev", cost_ratio=0.2, seeds=3, max_k=6, thresholds=(0.4, 0.6),
+                                                  svip_thresholds=(0.5,), limit=7, head_context="target")}
 
 
 @pytest.mark.parametrize("below, shown", [(10.0, True), (-10.0, False)])
 def test_the_verdict_line_points_to_the_whatif_grid_only_below_its_margin(potential_dataset, tmp_path, monkeypatch,
                                                                           below, shown):
     monkeypatch.setattr(cli, "WHATIF_BELOW", below)
-    cli.run(str(potential_dataset), split="test", cost_ratio=0.1, seeds=1, max_k=3, thresholds=(0.5,),
-            svip_thresholds=(0.3,), out=str(tmp_path / "p"), n_boot=10, quiet=True)
+    cli.run(str(potential_dataset), cli.PotentialConfig(split="test", cost_ratio=0.1, seeds=1, max_k=3,
+                                                        thresholds=(0.5,), svip_thresholds=(0.3,), n_boot=10,
+                                                        quiet=True), out=str(tmp_path / "p"))
     md = (tmp_path / "p" / "potential.md").read_text()
     command = f"python -m infer.potential {potential_dataset} --split test --cost-ratio 0.100 --whatif-gammas"
     assert ("verdict:" in md and command in md) == shown
