@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .feature_draft import FeatureDraft, is_feature_draft
 from .identity import resolve_model
 from .reduced_vocab import output_vocab_size, read_output_vocab, restrict_output_vocab
 
@@ -163,16 +164,25 @@ def load_pair(draft: str, target: str, device: str | torch.device = "auto",
     Each of ``draft`` and ``target`` is a hub id, a local HF directory or a ``.gguf`` file.
     The two tokenizers must agree (vocabulary size and token-to-id map); a model whose output
     layer is padded beyond the tokenizer is fine (the engine scores the shared vocabulary only).
+    A ``draft`` directory in the speculators format (config.json with ``speculators_model_type``)
+    loads as a :class:`~specdecpp.models.feature_draft.FeatureDraft` for the target (checked
+    against it, on its device and in its dtype), with the target's tokenizer.
     """
     for name, ref in (("draft", draft), ("target", target)):
         if not ref:
             raise ValueError(f"load_pair: no {name} model given")
         _source(ref)  # fail on a missing path before loading anything
-    draft_tok, target_tok = load_tokenizer(draft), load_tokenizer(target)
-    check_tokenizers(draft_tok, target_tok, draft, target)
+    feature = is_feature_draft(resolve_model(str(draft)))
+    target_tok = load_tokenizer(target)
+    if not feature:
+        check_tokenizers(load_tokenizer(draft), target_tok, draft, target)
     dev = resolve_device(device)
-    draft_model = load_model(draft, dev, dtype)
+    draft_model = None if feature else load_model(draft, dev, dtype)
     target_model = load_model(target, dev, dtype)
-    check_vocab(draft_model, target_tok, draft)
+    if feature:
+        draft_model = FeatureDraft.from_pretrained(resolve_model(str(draft)), target=target_model)
+        draft_model.name_or_path = str(draft)
+    else:
+        check_vocab(draft_model, target_tok, draft)
     check_vocab(target_model, target_tok, target)
     return draft_model, target_model, target_tok
