@@ -1,63 +1,10 @@
-"""Captured rounds: a whole chain round of fixed K (or target-only) replayed as one CUDA graph.
-
-Under ``fast="graphs"`` / ``"compile-graphs"`` each forward is a graph replay, but the rest of a
-round (the draws, the acceptance rule, staging each forward's inputs, the commit) is some hundred
-small kernels launched one by one from Python, which on an H100 took 17-42% of a fast round
-(docs/results/gpu.md). Where nothing in a round depends on a value read on the host, the round can
-be captured whole, as gpt-fast and vLLM capture a decoding step: under :class:`~specdecpp.stopping.
-policies.FixedK` and :class:`~specdecpp.stopping.policies.TargetOnly` a round always drafts K
-candidates, so the round is one graph, replayed once per round, and the host reads one small
-tensor (the verdict, the drafts and the next token) after it (:class:`RoundGraph`). An adaptive
-policy (SVIP, the heads: any policy with ``stop_rows``) decides after each candidate, so its round is
-captured in pieces (:class:`StepGraphs`): one graph per candidate, in which the policy decides on the
-device and the host reads the decision (as the uncaptured drafter reads it), then one graph per K
-for the verdict, read once. A :class:`SpeculativeDecoder` uses them by default on the graph
-backends (``capture_rounds=False`` turns them off).
-
-What one round graph does, for committed tokens ``tokens[:n]`` with ``n`` a device scalar (both
-caches hold ``tokens[:n - 1]``, the draft's last slot possibly not yet):
-
-1. the draft feeds ``tokens[n - 2 : n]`` at slots ``n - 2, n - 1`` (slot ``n - 2`` again when the
-   draft already holds it: the same token at the same position, so its KV is the same up to the
-   rounding of another GEMM width, which changes q, never the exactness) and then each candidate
-   at one slot, drawing ``y_i`` from ``q_i = warp(draft logits)`` (greedy: the argmax);
-2. the target feeds ``tokens[n - 1 : n + K]`` (padded to its bucket) at slots ``n - 1 ..``;
-3. the exact rule on the device: greedy, accept while ``y_i`` is the target's argmax; sampled,
-   accept ``y_i`` while ``u_i < min(1, p_i(y_i) / q_i(y_i))``, then draw the next token from the
-   residual of the first rejection or from p_{K+1} (core/verify.py, the same formulas);
-4. the next token is written after the accepted ones, and ``[n_accepted, valid, y_1..y_K, token]``
-   is left in one output tensor. ``n`` is set by the host before each replay (a fill, no read), so
-   a capture's warm-ups all run at one position.
-
-Randomness: the 2K + 1 uniforms of a round (K draws, K tests, the next token's draw) are drawn
-from the call's generator into the graph's input before each replay (one kernel), so the graph
-holds no generator and the same seed gives the same output. They are other draws than the
-uncaptured round's (which takes the next token's draw only after the verdict), so a captured and an
-uncaptured call with one seed give different samples, each with the target's exact distribution
-(tests/decoders/test_captured_rounds.py).
-
-Where the round is not captured: the first round of a call (the prefill), a round with room for
-fewer than K candidates (the end of a call; an adaptive round: for none), a call with logits hooks
-(transformers' processors), ``profile=True`` (the round's draft and target times cannot be split
-inside one graph), cascades, and a policy without ``stop_rows`` or with more candidates than the
-widest bucket holds.
-
-Fused rounds (``SpeculativeDecoder(..., fast="compile-graphs", capture_rounds="fused")``): the work
-between a round's forwards, a candidate's draw (:func:`draw_row`) and the verdict's rule
-(:func:`verdict_rule`, one function per K), is compiled by inductor (fullgraph, fixed shapes) before
-the capture, so the graph replays a few fused kernels where the plain round replays some hundred
-small ones (``scripts/count_step_ops.py --captured``: 101 operations beyond the forwards in a sampled
-K = 3 round). Inside a compiled region the warp takes the dense top-k and the argmax torch's own (the
-CPU's sparse rows and numpy argmax read the host). Compiling happens in the capture's warm-ups and
-counts in its ``capture_seconds``. Not measured on a GPU yet, hence not the default
-(docs/gpu.md, "What the next lent GPU should run").
-
-A round graph is captured once per process for a (draft buffers, target buffers, K, width,
-sampling) and kept on the target's :class:`~specdecpp.fast.graphs.GraphSet` with a token buffer and
-the uniforms of its own (a call's :class:`~specdecpp.decoders.rounds.TokenBuffer` is bound to that
-buffer); what a capture costs is counted in ``model_steps(target).capture_seconds`` under
-``("round", K, width, size)``.
-"""
+"""The graphs a captured round is made of (docs/engine.md, "Captured rounds", where the fast path's
+CUDA graphs take a whole round, or an adaptive policy's round in pieces): :class:`RoundParts`, a round's
+two halves as functions of device state only over a draft and a target runner's buffers;
+:class:`RoundGraph`, a fixed-K or target-only round as one graph, read once on the host; :class:`StepGraphs`,
+one graph per candidate (the policy deciding on the device) and one per K for the verdict; and the work
+between the forwards (:func:`draw_row`, :func:`verdict_rule`), compiled by inductor in a fused round
+(:func:`compile_glue`). When a call captures and replays them: specdecpp/decoders/replay.py."""
 
 from __future__ import annotations
 
@@ -69,33 +16,11 @@ import torch
 from ..core.sampling import INVALID_PROBS, SamplingConfig, argmax, draw_with, rows_valid, warp
 from ..core.verify import acceptance_ratio, residual
 from ..fast import graphs as fast_graphs
-from ..fast.buckets import GRAPH_BACKENDS, fit_buckets
+from ..fast.buckets import fit_buckets
 from ..fast.runners import StaticRunner
 from ..fast.step import model_steps, own_code
-from ..stopping.policies import FixedK, StopPolicy, TargetOnly
-from .rounds import CallHooks, TokenBuffer
-
-
-def round_plan(policy, fast: str | None, capture: bool, cascade, profile: bool, hooks: CallHooks | None,
-               target_buckets: tuple[int, ...], max_new_tokens: int) -> tuple[str, int] | None:
-    """How a call's rounds are captured (module docstring): ``("round", K)`` for fixed K and
-    target-only (a whole round one graph), ``("steps", K)`` for a policy that decides on the device
-    (``stop_rows``: SVIP, the heads) with at most K candidates a round (its ``max_candidates``, or
-    fewer where the call has room for fewer), None where they are not captured (also where K + 1
-    tokens are wider than the widest bucket)."""
-    if not capture or fast not in GRAPH_BACKENDS or cascade is not None or profile:
-        return None
-    if hooks is not None and (hooks.draft_logits is not None or hooks.target_logits is not None):
-        return None
-    if isinstance(policy, (FixedK, TargetOnly)):
-        k, how = policy.max_candidates, "round"
-    elif type(policy).stop_rows is StopPolicy.stop_rows:  # it decides one row at a time, on the host
-        return None
-    else:
-        k, how = min(policy.max_candidates, max_new_tokens - 1), "steps"
-        if k < 1:
-            return None
-    return (how, k) if k + 1 <= target_buckets[-1] else None
+from ..stopping.policies import StopPolicy
+from .rounds import TokenBuffer
 
 
 class RoundParts:
@@ -109,7 +34,7 @@ class RoundParts:
                  widths: dict[int, int], fused: bool = False) -> None:
         """``k``: the most candidates a round drafts; ``widths``: the target's bucket for each K;
         ``fused``: the work between the forwards (a candidate's draw, the verdict's rule) compiled
-        by inductor, one function per K (module docstring, "Fused rounds")."""
+        by inductor, one function per K (docs/engine.md, "Captured rounds": ``capture_rounds="fused"``)."""
         device = target.device
         self.k, self.sampling, self.vocab, self.widths = k, sampling, vocab, widths
         self.greedy, self.fused = sampling.greedy, fused
@@ -233,9 +158,10 @@ def verdict_rule(sampling: SamplingConfig, k_max: int, k: int):
 
 
 class RoundGraph(RoundParts):
-    """A whole fixed-K (or target-only) round as one graph (module docstring); built by
-    :func:`round_graph`. ``bind(seq)`` points a call's token buffer at the graph's; ``run(seq, count,
-    generator)`` replays it and returns ``(K, n_accepted, token, drafts)`` after one host read."""
+    """A whole fixed-K (or target-only) round as one graph (docs/engine.md, "Captured rounds"); built by
+    :func:`~specdecpp.decoders.replay.round_graph`. ``bind(seq)`` points a call's token buffer at the
+    graph's; ``run(seq, count, generator)`` replays it and returns ``(K, n_accepted, token, drafts)``
+    after one host read."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
                  width: int, fused: bool = False) -> None:
@@ -275,7 +201,7 @@ class RoundGraph(RoundParts):
 
     def run(self, seq: TokenBuffer, count: int, generator: torch.Generator | None) -> tuple[int, int, int, list[int]]:
         """One round: ``(K, n_accepted, token, drafts)`` after one host read (``count``, the
-        candidates the round has room for, is at least K: :func:`replayable`)."""
+        candidates the round has room for, is at least K: :func:`~specdecpp.decoders.replay.replayable`)."""
         self.start(seq, generator)
         self.replay()
         return (self.k, *self.verdict_read(self.out.tolist(), seq, self.k))  # the round's one host read
@@ -287,15 +213,15 @@ class StepGraphs(RoundParts):
     its q kept), read on the host after each replay (the stop flag and the candidate, as the
     uncaptured drafter reads a value-reading policy's decision), then one per K for the verdict
     (the target's forward and the exact rule over the candidates kept), read once. Built by
-    :func:`step_graphs`; every graph is captured at once on first use, in order, so that a policy's
-    round state (SpecDec++'s running product, allocated by its first candidate's decision) is one
-    tensor across the candidates' graphs. ``policy.generated`` is a device tensor the first
+    :func:`~specdecpp.decoders.replay.step_graphs`; every graph is captured at once on first use, in
+    order, so that a policy's round state (SpecDec++'s running product, allocated by its first
+    candidate's decision) is one tensor across the candidates' graphs. ``policy.generated`` is a device tensor the first
     candidate's graph sets (a head's position feature reads it)."""
 
     def __init__(self, draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
                  vocab: int, eos: set[int], fused: bool = False) -> None:
-        """``k``: the most candidates a round drafts (:func:`round_plan`); ``eos``: the tokens that
-        end a block (where the policy reads values, as the uncaptured drafter)."""
+        """``k``: the most candidates a round drafts (:func:`~specdecpp.decoders.replay.round_plan`);
+        ``eos``: the tokens that end a block (where the policy reads values, as the uncaptured drafter)."""
         widths = {kk: fit_buckets(kk + 1, target.buckets)[-1] for kk in range(1, k + 1)}
         super().__init__(draft, target, k, sampling, vocab, widths, fused)
         device = target.device
@@ -362,72 +288,8 @@ class StepGraphs(RoundParts):
         return (k, *self.verdict_read(out.tolist(), seq, k))
 
 
-def replayable(seq: TokenBuffer, k: int, draft, target) -> bool:
-    """Whether ``seq``'s next round can be a replay: K candidates fit (an adaptive round: one, ``k``
-    None), the target holds ``tokens[:n - 1]`` and the draft at least ``tokens[:n - 2]`` (not so
-    before the prefill)."""
-    n = seq.n
-    fits = seq.room - 1 >= (1 if k is None else k)
-    return fits and target.length == n - 1 and (k == 0 or (n >= 2 and draft.length >= n - 2))
-
-
-class CaptureFailed(RuntimeError):
-    """A round's capture failed; the decoder goes on round by round (per-forward graphs)."""
-
-
-def _kept(draft: StaticRunner, target: StaticRunner, key: tuple, label: tuple, build, seq: TokenBuffer):
-    """The captured graphs under ``key`` on the target's graph set, bound to ``seq``; built by
-    ``build()`` and captured on ``seq``'s state on first use, the capture's seconds (less any compile
-    its warm-ups ran) kept in ``model_steps(target).capture_seconds[label]``."""
-    rounds = target.graph_set.rounds
-    graphs = rounds.get(key)
-    if graphs is not None:
-        graphs.bind(seq)
-        return graphs
-    graphs = build()
-    graphs.bind(seq)
-    pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-    steps, models = model_steps(target.model), (target.model, draft.model)
-
-    def compiled() -> float:
-        return sum(sum(model_steps(m).compile_seconds.values()) for m in models)
-
-    before = compiled()
-    try:
-        seconds = graphs.capture(seq, pool)
-    except RuntimeError as exc:
-        raise CaptureFailed(f"capturing {type(graphs).__name__} {label} failed ({exc})") from exc
-    steps.capture_seconds[label] = seconds - (compiled() - before)
-    steps.captures += 1
-    rounds[key] = graphs
-    return graphs
-
-
-def round_graph(draft: StaticRunner, target: StaticRunner, k: int, sampling: SamplingConfig, vocab: int,
-                seq: TokenBuffer, fused: bool = False) -> RoundGraph:
-    """The round graph of these runners' buffers, K, the target's bucket for K + 1 tokens and
-    ``sampling`` (``fused``: its work between forwards compiled): kept on the target's graph set,
-    captured on its first use (on ``seq``'s state)."""
-    width = fit_buckets(k + 1, target.buckets)[-1]
-    key = (id(draft.graph_set), k, width, sampling.temperature, sampling.top_k, sampling.top_p, vocab, fused)
-    return _kept(draft, target, key, ("round", k, width, target.cache.size),
-                 lambda: RoundGraph(draft, target, k, sampling, vocab, width, fused), seq)
-
-
 def round_graphs(target) -> list[RoundGraph]:
     """Every whole-round graph (:class:`RoundGraph`) captured over ``target``'s buffers in this process."""
     sets = model_steps(target).graph_sets.values()
     return [graph for group in sets for graph_set in group for graph in graph_set.rounds.values()
             if isinstance(graph, RoundGraph)]
-
-
-def step_graphs(draft: StaticRunner, target: StaticRunner, policy: StopPolicy, k: int, sampling: SamplingConfig,
-                vocab: int, eos: set[int], seq: TokenBuffer, fused: bool = False) -> StepGraphs:
-    """The step graphs of these runners' buffers, ``policy`` (this object: its round state lives in
-    them), at most ``k`` candidates and ``sampling``: kept on the target's graph set, captured on first
-    use (on ``seq``'s state)."""
-    key = (id(draft.graph_set), "steps", id(policy), k, sampling.temperature, sampling.top_k, sampling.top_p, vocab,
-           tuple(sorted(eos)), fused)
-    width = fit_buckets(k + 1, target.buckets)[-1]
-    return _kept(draft, target, key, ("steps", k, width, target.cache.size),
-                 lambda: StepGraphs(draft, target, policy, k, sampling, vocab, eos, fused), seq)

@@ -3,7 +3,6 @@ target pass and rolls both KV caches back to the accepted prefix (the parts: spe
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -15,8 +14,8 @@ from ..fast.calls import CallRunners
 from ..models.reduced_vocab import output_vocab_size
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
-from .captured import CaptureFailed, replayable, round_graph, round_plan, step_graphs
 from .cascade import Cascade, CascadeRule
+from .replay import CapturedRounds
 from .rounds import (
     CallHooks,
     Drafter,
@@ -29,8 +28,6 @@ from .rounds import (
     processed,
     start_generate,
 )
-
-log = logging.getLogger(__name__)
 
 
 class SpeculativeDecoder(FastPlanned):
@@ -59,7 +56,7 @@ class SpeculativeDecoder(FastPlanned):
         the same; in ``generate_batch`` too (a static cache of per-row lengths, forwards padded to
         (batch, width) buckets). ``"graphs"`` / ``"compile-graphs"`` (CUDA): each bucket's forward a
         CUDA graph, and under fixed K or target-only each whole round one graph
-        (``capture_rounds``; specdecpp/decoders/captured.py). ``capture_rounds="fused"`` (with
+        (``capture_rounds``; specdecpp/decoders/replay.py). ``capture_rounds="fused"`` (with
         ``fast="compile-graphs"``) also compiles a captured round's work between its forwards (the
         draws and the rule) with inductor: fewer kernels per round (on an H200, sampled rounds 4-8%
         faster, greedy ones unchanged: docs/results/gpu.md). ``capture_rounds`` takes True (default),
@@ -110,68 +107,33 @@ class SpeculativeDecoder(FastPlanned):
                           keep_logits=self.rule.lossy, runners=self.runners(tokens, plan[0][1]))
         target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
         stats = RunStats()
-        captured = round_plan(self.policy, self.fast, self.capture_rounds, self.cascade, self.profile, hooks,
-                              plan[1][1], max_new_tokens)
-        graph = None
+        rounds = CapturedRounds(self, drafter, target, hooks, plan[1][1], max_new_tokens)  # decoders/replay.py
         t_start = clock.now()
 
         with drafter:
             while not seq.finished:
-                n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
-                if captured is not None and replayable(seq, captured[1] if captured[0] == "round" else None,
-                                                       drafter.runner, target):
-                    graph = graph or self._captured(captured, drafter, target, seq)
-                    if graph is None:  # the capture failed: round by round from here on
-                        captured = None
-                        continue
-                    k, n_acc, token, drafts = graph.run(seq, min(captured[1], seq.room - 1), gen)
-                    kept = seq.commit(n_acc, token, drafts, written=True)
-                    target.cache.length = seq.n - 1  # the replay fed up to n + K - 1; the host sets what is kept
-                    if k:
-                        drafter.runner.cache.length = min(n + k - 1, seq.n - 1)
-                    stats.add_round(k, k, n_acc, k + 1 - kept, 0.0, 0.0)
-                    stats.replayed_rounds += 1
-                    if stats.n_target_calls == 1:  # a prompt of one token: the target-only prefill is a replay
-                        stats.first_round_s = clock.now() - t_start
-                    continue
-                block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen,
-                                      generated=n - seq.prompt_len, process=process.draft_logits)
-                k = block.k
-                logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
-                logits = processed(process.target_logits, 0, seq.tokens, list(range(n, n + k + 1)), logits)
-                candidates = drafter.candidates(block, seq.tokens, n)
-                n_acc, token = self.rule(candidates, logits, gen)
-                t_verified = marks.now()
-                kept = seq.commit(n_acc, token, candidates.read)
-                target.rollback(seq.n - 1)
-                drafter.runner.rollback(seq.n - 1)
-                stats.add_round(k + block.extra_forwards, k, n_acc,
-                                k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
-                                block.t1 - block.t0, t_verified - block.t1)
-                if stats.n_target_calls == 1:  # the rule has read on the host: on CUDA this waits for nothing more
-                    stats.first_round_s = clock.now() - t_start
+                if not rounds.replay(seq, gen, stats):  # a captured round, replayed and committed; else this:
+                    n = seq.n  # committed: seq.tokens[:n]; tokens[n - 1] is in neither cache yet
+                    block = drafter.block(seq.tokens, n, min(self.policy.max_candidates, seq.room - 1), gen,
+                                          generated=n - seq.prompt_len, process=process.draft_logits)
+                    k = block.k
+                    logits = target.feed(seq.tokens[target.length : n + k], n_logits=k + 1)[0]  # p_1..p_{K+1}
+                    logits = processed(process.target_logits, 0, seq.tokens, list(range(n, n + k + 1)), logits)
+                    candidates = drafter.candidates(block, seq.tokens, n)
+                    n_acc, token = self.rule(candidates, logits, gen)
+                    t_verified = marks.now()
+                    kept = seq.commit(n_acc, token, candidates.read)
+                    target.rollback(seq.n - 1)
+                    drafter.runner.rollback(seq.n - 1)
+                    stats.add_round(k + block.extra_forwards, k, n_acc,
+                                    k + 1 - kept,  # discarded: k - n_acc, plus after an EOS
+                                    block.t1 - block.t0, t_verified - block.t1)
+                if stats.n_target_calls == 1:  # the first round's host read is done (its rule's, or a replay's: a
+                    stats.first_round_s = clock.now() - t_start  # target-only prompt of one token): no wait on CUDA
 
         if not marks.exact or stats.replayed_rounds:  # a captured round's draft and target times are not apart
             stats.draft_time_s = stats.target_time_s = float("nan")
         return finish(stats, seq, clock.now() - t_start, drafter.runner, target, return_caches)
-
-    def _captured(self, captured: tuple[str, int], drafter: Drafter, target, seq):
-        """The call's captured rounds (specdecpp/decoders/captured.py): a whole round's graph
-        (``("round", K)``) or the graphs of an adaptive policy's candidates and verdicts (``("steps",
-        K)``), bound to ``seq``; None where the capture failed, which is said once, and this decoder
-        then decodes round by round (``capture_rounds`` False)."""
-        how, k = captured
-        try:
-            fused = self.capture_rounds == "fused"
-            if how == "round":
-                return round_graph(drafter.runner, target, k, self.sampling, self.vocab, seq, fused)
-            return step_graphs(drafter.runner, target, self.policy, k, self.sampling, self.vocab,
-                               drafter.eos if drafter.stop_at_eos else set(), seq, fused)
-        except CaptureFailed as exc:
-            # the text, not the exception: a kept log record would keep its traceback's frames, and the runners in them
-            log.warning("%s; decoding round by round (capture_rounds=False)", str(exc))
-            self.capture_rounds = False
-            return None
 
     @decoding
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128,

@@ -1,6 +1,7 @@
 """How often a chain round reads a device value on the host. On CUDA each read is a synchronisation,
 after which the GPU idles while the host launches the next work; on CUDA graphs that idling was most
-of the loop's 8-42% of a round (docs/results/gpu.md). The engine reads once per round, in the acceptance
+of the loop's 8-42% of a round (an H100, before rounds were captured: `git show c4b00e1:docs/results/gpu.md`,
+"The fast path on the demo pair, on a lent H100"). The engine reads once per round, in the acceptance
 rule: sampled, the verdict with the check of the draft's rows, the drafts' values and the next token
 (every candidate replacement drawn before the read) with its check; greedy, the argmaxes with the
 drafts. It never reads while it drafts under fixed K (a draw's check waits for the rule's read) or in the
@@ -37,7 +38,9 @@ def engine_syncs(run, *args):
     def note(message, category, filename, lineno, file=None, line=None):
         # Only the sync debug mode's warnings, and only on the thread that runs the call: the mode is
         # process-wide. On an H200 a greedy call saw one such warning with no engine frame on its stack
-        # (twice, on two leases; results/gpu.md): ``where`` keeps what a failure needs to name its source.
+        # (the fifth and sixth leases: `git show c4b00e1:docs/results/gpu.md`, "Captured rounds on a lent
+        # H200" and "Fused rounds on a lent H200"; the latest: docs/results/gpu.md, "The tests on CUDA"):
+        # ``where`` keeps what a failure needs to name its source.
         if threading.get_ident() == caller and "synchroniz" in str(message):
             stack = traceback.extract_stack()[:-1]
             sync = Sync(f.name for f in stack if "/specdecpp/" in f.filename)
@@ -47,7 +50,8 @@ def engine_syncs(run, *args):
     # The collector runs finalizers at whatever allocation it triggers on, and a finalizer of an earlier
     # call's garbage (a CUDA graph, its memory pool) may synchronise: that is no read of this call's, and
     # the H200's unattributed synchronisation came before the call's first engine frame, where only such
-    # a finalizer could run (results/gpu.md, sixth lease; unverified). So: collect first, none inside.
+    # a finalizer could run (`git show c4b00e1:docs/results/gpu.md`, "Fused rounds on a lent H200", the
+    # sixth lease; unverified). So: collect first, none inside.
     gc.collect()
     collecting = gc.isenabled()
     with warnings.catch_warnings():
@@ -90,7 +94,7 @@ def test_a_round_reads_once_in_the_rule_and_never_while_drafting_or_committing(f
                          ids=["greedy", "T1-top10"])
 def test_a_replayed_round_reads_once(sampling):
     """fast='graphs' under fixed K and target-only: each round after the prefill's is one captured
-    graph (specdecpp/decoders/captured.py), after which the host reads one tensor, and nothing else
+    graph (specdecpp/decoders/captured.py, replay.py), after which the host reads one tensor, and nothing else
     in the call reads more than the rounds do."""
     target = tiny_lm(64, 32, 2, seed=5, scale=0.4)
     draft = noisy_copy(target, 0.3, seed=6).cuda()
@@ -101,8 +105,8 @@ def test_a_replayed_round_reads_once(sampling):
         decoder.warm_up(3, 24)  # every bucket captured (a capture synchronises), then the round graph:
         decoder.generate(prompt, 8, torch.Generator().manual_seed(0))
         out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
-        # RoundGraph.run's read (the outer "run": decoding's)
-        replayed = [s for s in syncs if s[-2:] == ["generate", "run"]]
+        # RoundGraph.run's read, under CapturedRounds.replay (specdecpp/decoders/replay.py)
+        replayed = [s for s in syncs if s[-2:] == ["replay", "run"]]
         assert out.stats.replayed_rounds >= 4
         assert len(replayed) == out.stats.replayed_rounds, (len(replayed), out.stats)
         # the call's clock synchronises at its start, first round and end
@@ -130,7 +134,7 @@ def test_an_adaptive_replayed_round_reads_once_per_candidate_and_once_after(samp
         decoder.generate(prompt, 8, torch.Generator().manual_seed(0))
         out, syncs = engine_syncs(decoder.generate, prompt, 24, torch.Generator().manual_seed(1))
         s = out.stats
-        replayed = [x for x in syncs if x[-2:] == ["generate", "run"]]
+        replayed = [x for x in syncs if x[-2:] == ["replay", "run"]]  # StepGraphs.run's reads
         assert s.replayed_rounds >= len(s.accept_lengths) - 2
         replayed_k = s.candidate_lengths[1 : 1 + s.replayed_rounds]  # the prefill's round is not replayed
         assert len(replayed) == sum(replayed_k) + s.replayed_rounds, (len(replayed), s)
