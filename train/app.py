@@ -17,17 +17,12 @@ from specdecpp.core.sampling import SamplingConfig
 from specdecpp.data.dataset import dataset_fingerprint
 from specdecpp.models.fit import config_hidden_size
 from specdecpp.models.identity import same_model
-from specdecpp.models.loading import (
-    dtype_name,
-    load_config,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-)
+from specdecpp.models.loading import load_config, load_model
 from specdecpp.stopping.head import build_head
 from specdecpp.training.mixing import check_context
 
 from .checks import check_draft_matches, check_settings, check_split, load_dataset_dir
+from .data import HeadDataConfig
 from .module import training_spec
 from .plots import plot_calibration
 
@@ -208,10 +203,8 @@ def run(cfg: DictConfig) -> dict:
     feature_context = str(data.get("feature_context", "mixed"))
     spec = training_spec(head, feature_context)
     check_context(spec)  # a bad context, or the paper's head in the target context: an error before any work
-    datamodule = instantiate(cfg.datamodule)(
-        splits, val_split=val_split, draft=load_draft, draft_ref=draft_ref, feature_spec=spec,
-        feature_size=head.feature_size,
-        draft_precision=dtype_name(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))))
+    datamodule = instantiate(cfg.datamodule)(splits, HeadDataConfig.from_cfg(cfg, val_split), draft=load_draft,
+                                             draft_ref=draft_ref, feature_spec=spec, feature_size=head.feature_size)
     module = instantiate(cfg.model)(head=head, draft=None if data.cache_features else load_draft())
 
     callbacks = _instantiate_all(cfg.get("callbacks"))

@@ -9,9 +9,13 @@ over the same Y-positions whichever way the features are obtained:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
+
+from specdecpp.models.loading import dtype_name, resolve_device, resolve_dtype
 
 from .cache import feature_cache
 
@@ -128,28 +132,54 @@ class ResumableLoader(DataLoader):
         self.shuffle.skip_epoch, self.shuffle.skip = state["epoch"], state["batches_done"] * self.global_batch_size
 
 
-class HeadDataModule(L.LightningDataModule):
-    """Train/validation loaders (and a loader per split for the final evaluation). ``draft`` is the
-    draft model or a function that loads it (called only where the draft must run)."""
+@dataclass(frozen=True)
+class HeadDataConfig:
+    """The settings of :class:`HeadDataModule`: which splits, how prompts are batched and mixed,
+    and whether and how the draft's features are cached. Built from a composed train config in one
+    place, :meth:`from_cfg` (the public keys ``data.*``, ``seed`` and the pair's precision)."""
 
-    def __init__(self, splits, *, train_split: str, val_split: str | None, draft, draft_ref: str,
-                 batch_size: int, num_workers: int, mix_ratio: float, mix_seed: int, seed: int,
-                 cache_features: bool, cache_dir: str, cache_dtype: str, feature_batch_size: int,
-                 feature_spec: dict | None = None, feature_size: int | None = None,
-                 draft_precision: str = "float32") -> None:
+    train_split: str
+    val_split: str | None          # None: no validation
+    batch_size: int                # prompts per (global) batch
+    num_workers: int
+    mix_ratio: float
+    mix_seed: int
+    seed: int                      # the training order's shuffle
+    cache_features: bool           # cached draft features (else raw rows, mixed and run through the draft)
+    cache_dir: str
+    cache_dtype: str
+    feature_batch_size: int        # prompts per draft forward when building a cache
+    draft_precision: str = "float32"  # the dtype the draft computes its features in (a cache key)
+
+    @classmethod
+    def from_cfg(cls, cfg, val_split: str | None) -> HeadDataConfig:
+        """From a composed train config (conf/train.yaml): ``data.*``, ``seed`` and the precision
+        ``pair.dtype`` gives on ``pair.device``; ``val_split`` is the one validated on (``data.val_split``
+        or train.app's held-out slice)."""
+        data = cfg.data
+        return cls(train_split=data.train_split, val_split=val_split, batch_size=data.batch_size,
+                   num_workers=data.num_workers, mix_ratio=data.mix_ratio, mix_seed=data.mix_seed, seed=cfg.seed,
+                   cache_features=data.cache_features, cache_dir=data.cache_dir, cache_dtype=data.cache_dtype,
+                   feature_batch_size=data.feature_batch_size,
+                   draft_precision=dtype_name(resolve_dtype(cfg.pair.dtype, resolve_device(cfg.pair.device))))
+
+
+class HeadDataModule(L.LightningDataModule):
+    """Train/validation loaders (and a loader per split for the final evaluation) of ``splits`` under
+    ``config``. ``draft`` is the draft model or a function that loads it (called only where the
+    draft must run), ``draft_ref`` how the draft is named (a cache key); ``feature_spec`` /
+    ``feature_size``: the head's (see specdecpp.stopping.head; None: the paper's head)."""
+
+    def __init__(self, splits, config: HeadDataConfig, *, draft, draft_ref: str,
+                 feature_spec: dict | None = None, feature_size: int | None = None) -> None:
         super().__init__()
-        for name in (train_split, val_split):
+        for name in (config.train_split, config.val_split):
             if name is not None and name not in splits:
                 raise ValueError(f"dataset has no split {name!r} (it has {list(splits)}); set "
                                  "data.train_split / data.val_split (null for no validation)")
-        self.splits, self.train_split, self.val_split = splits, train_split, val_split
+        self.splits, self.config = splits, config
         self.draft, self.draft_ref = draft, draft_ref
-        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
-        self.cache_features, self.cache_dir, self.cache_dtype = cache_features, cache_dir, cache_dtype
-        self.feature_batch_size = feature_batch_size
-        self.feature_spec, self.feature_size = feature_spec, feature_size  # the head's (see specdecpp.stopping.head)
-        self.draft_precision = draft_precision  # the dtype the draft computes its features in (cache key)
+        self.feature_spec, self.feature_size = feature_spec, feature_size
         self._sets: dict[str, Dataset] = {}
 
     def _rank(self) -> tuple[int, int]:
@@ -161,35 +191,38 @@ class HeadDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Build the feature caches on one process per node (Lightning calls this on local rank 0,
         then lets the other ranks in): they open the finished caches without loading the draft."""
-        if self.cache_features:
+        if self.config.cache_features:
             for name in self.splits:
                 self._cache(name)
 
     def _cache(self, name: str):
-        return feature_cache(self.splits[name], name, self.draft, self.draft_ref, self.cache_dir, self.mix_ratio,
-                             self.mix_seed, self.cache_dtype, self.feature_batch_size, self.feature_spec,
-                             self.feature_size, self.draft_precision)
+        c = self.config
+        return feature_cache(self.splits[name], name, self.draft, self.draft_ref, c.cache_dir, c.mix_ratio, c.mix_seed,
+                             c.cache_dtype, c.feature_batch_size, self.feature_spec, self.feature_size,
+                             c.draft_precision)
 
     def dataset(self, name: str) -> Dataset:
         if name not in self._sets:
-            self._sets[name] = CachedRows(self._cache(name)) if self.cache_features else RawRows(self.splits[name])
+            cached = self.config.cache_features
+            self._sets[name] = CachedRows(self._cache(name)) if cached else RawRows(self.splits[name])
         return self._sets[name]
 
     def loader(self, name: str) -> DataLoader:
         """Prompts of split ``name`` in dataset order (validation, final evaluation), this rank's share."""
         dataset = self.dataset(name)
         return DataLoader(dataset,
-                          batch_sampler=RankBatches(SequentialSampler(dataset), self.batch_size, *self._rank()),
-                          num_workers=self.num_workers, collate_fn=self.collate)
+                          batch_sampler=RankBatches(SequentialSampler(dataset), self.config.batch_size, *self._rank()),
+                          num_workers=self.config.num_workers, collate_fn=self.collate)
 
     @property
     def collate(self):
-        return collate_cached if self.cache_features else collate_raw
+        return collate_cached if self.config.cache_features else collate_raw
 
     def train_dataloader(self) -> DataLoader:
-        dataset = self.dataset(self.train_split)
-        return ResumableLoader(dataset, seed=self.seed, batch_size=self.batch_size, rank=self._rank()[0],
-                               world_size=self._rank()[1], num_workers=self.num_workers, collate_fn=self.collate)
+        c = self.config
+        dataset = self.dataset(c.train_split)
+        return ResumableLoader(dataset, seed=c.seed, batch_size=c.batch_size, rank=self._rank()[0],
+                               world_size=self._rank()[1], num_workers=c.num_workers, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return self.loader(self.val_split) if self.val_split is not None else []
+        return self.loader(self.config.val_split) if self.config.val_split is not None else []

@@ -10,14 +10,14 @@ import torch
 from specdecpp.training.mixing import mixing_mask
 from tests.helpers.train import head_module
 from train.cache import feature_cache
-from train.data import HeadDataModule
+from train.data import HeadDataConfig, HeadDataModule
 
 
 def data_module(splits, draft, tiny_pair, tmp_path, cache: bool, batch_size: int = 4) -> HeadDataModule:
-    return HeadDataModule(splits, train_split="train", val_split="dev", draft=draft, draft_ref=tiny_pair.draft,
-                          batch_size=batch_size, num_workers=0, mix_ratio=0.15, mix_seed=7, seed=0,
-                          cache_features=cache, cache_dir=str(tmp_path / "cache"), cache_dtype="float32",
-                          feature_batch_size=3)
+    config = HeadDataConfig(train_split="train", val_split="dev", batch_size=batch_size, num_workers=0, mix_ratio=0.15,
+                            mix_seed=7, seed=0, cache_features=cache, cache_dir=str(tmp_path / "cache"),
+                            cache_dtype="float32", feature_batch_size=3)
+    return HeadDataModule(splits, config, draft=draft, draft_ref=tiny_pair.draft)
 
 
 def test_cached_and_on_the_fly_features_give_the_same_batch_loss(tiny_dataset, tiny_pair, draft, tmp_path):

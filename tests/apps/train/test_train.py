@@ -20,7 +20,7 @@ from tests.helpers.paths import CONF, REPO
 from tests.helpers.train import base_overrides, head_module, random_rows, save_dataset, train_cfg
 from train import run
 from train.checks import load_dataset_dir
-from train.data import HeadDataModule
+from train.data import HeadDataConfig, HeadDataModule
 from train.module import AcceptanceHeadModule
 
 
@@ -62,7 +62,14 @@ def test_module_and_datamodule_are_instantiated_from_their_config_groups():
     assert (module.hparams.w_rej, module.hparams.warmup_ratio, module.hparams.remix_each_epoch) == (12, 0.03, False)
     data = instantiate(cfg.datamodule)
     assert data.func is HeadDataModule
-    assert (data.keywords["batch_size"], data.keywords["seed"], data.keywords["train_split"]) == (8, 4, "train")
+    # the datamodule's settings: one HeadDataConfig, built from data.*, seed and the pair's precision
+    settings = HeadDataConfig.from_cfg(cfg, val_split="dev")
+    assert (settings.batch_size, settings.seed, settings.mix_seed, settings.mix_ratio, settings.train_split,
+            settings.val_split) == (8, 4, 4, 0.2, "train", "dev")
+    assert (settings.cache_features, settings.cache_dtype, settings.feature_batch_size, settings.num_workers) == (
+        cfg.data.cache_features, cfg.data.cache_dtype, cfg.data.feature_batch_size, cfg.data.num_workers)
+    bf16 = train_cfg(["+experiment=wrej12_d1", "pair.device=cpu", "pair.dtype=bfloat16"])
+    assert HeadDataConfig.from_cfg(bf16, val_split=None).draft_precision == "bfloat16"
 
 
 def test_every_experiment_config_runs(tiny_dataset, tiny_pair, tmp_path):
