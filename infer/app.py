@@ -218,19 +218,32 @@ def machine_of(device: torch.device) -> str:
     return _machine(str(device), torch.get_num_threads())
 
 
-def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], stats, extra: dict,
-             timed: bool, device: torch.device, dtype: torch.dtype, quality: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class Decoded:
+    """One decode to record: its prompt and the prompt's ids, the runner's ``(output_ids, stats,
+    extra)``, whether it was timed, and a batched call's keys (``batch_id``, ``batch_wall_time_s``)."""
+
+    prompt: Prompt
+    ids: torch.Tensor
+    out: tuple
+    timed: bool
+    batch: dict | None = None
+
+
+def make_row(job: Job, decoded: Decoded, target, quality: dict | None = None) -> dict:
     """One result row, with the machine it was decoded on (the report names it). ``lossy``: the
     method's output does not follow the target's distribution (a cascade); ``quality``
     (specdecpp.analysis.quality.target_quality and the task score, untimed) is
     recorded for every method, so the exact ones are the reference point of the lossy ones."""
+    output_ids, stats, extra = decoded.out
+    timed, device, prompt = decoded.timed, target.device, decoded.prompt
     times = {k: getattr(stats, k) if timed else None for k in ("draft_time_s", "target_time_s", "wall_time_s")}
     times = {k: None if v is not None and math.isnan(v) else v for k, v in times.items()}  # not measured
     times["forward_time_s"] = extra.get("forward_time_s") if timed else None
     return {
         **job.run_keys, "tag": job.spec.tag, "prompt_id": prompt.id, "prompt_digest": prompt_digest(prompt),
-        "prompt_len": prompt_len,
-        "device": str(device), "machine": machine_of(device), "dtype": dtype_name(dtype), "timed": timed,
+        "prompt_len": decoded.ids.shape[1],
+        "device": str(device), "machine": machine_of(device), "dtype": dtype_name(target.dtype), "timed": timed,
         "n_generated": stats.n_generated, "n_target": stats.n_target_calls, "n_draft": stats.n_draft_calls,
         "n_discarded": stats.n_discarded, "accept_lengths": stats.accept_lengths,
         "candidate_lengths": stats.candidate_lengths, **times,
@@ -239,18 +252,16 @@ def make_row(job: Job, prompt: Prompt, prompt_len: int, output_ids: list[int], s
         "mean_accept_length": stats.mean_accept_length, "output_ids": output_ids,
         "lossy": bool(getattr(job.spec.method, "lossy", False)), **(quality or {}),
         **(extra.get("row") or {}),  # a method's own counts (PEARL: gamma_used, overlap_time_s, ...)
+        **(decoded.batch or {}),
     }
 
 
-def record(job: Job, writer: ResultWriter, prompt: Prompt, ids: torch.Tensor, out: tuple, timed: bool, target,
-           tokenizer, batch: dict | None = None) -> None:
-    """Score one decode (``out``: a runner's ``(output_ids, stats, extra)``) untimed and append its
-    row: the one path every row takes (``batch``: a batched call's keys)."""
-    output_ids, stats, extra = out
-    quality = target_quality(target, ids, output_ids, job.sampling, output_vocab_size(target))
-    quality.update(task_score(job, prompt, output_ids, tokenizer))
-    row = make_row(job, prompt, ids.shape[1], output_ids, stats, extra, timed, target.device, target.dtype, quality)
-    writer.append({**row, **(batch or {})})
+def record(job: Job, writer: ResultWriter, decoded: Decoded, target, tokenizer) -> None:
+    """Score one decode untimed and append its row: the one path every row takes."""
+    output_ids = decoded.out[0]
+    quality = target_quality(target, decoded.ids, output_ids, job.sampling, output_vocab_size(target))
+    quality.update(task_score(job, decoded.prompt, output_ids, tokenizer))
+    writer.append(make_row(job, decoded, target, quality))
 
 
 def execute(jobs: list[Job], models) -> list[dict]:
@@ -283,7 +294,14 @@ def execute(jobs: list[Job], models) -> list[dict]:
             if runner.timed and job.todo:
                 runner.generate(first, min(warm, job.max_new_tokens), job.run_keys["seed"], eos)
     if any(job.batch_size > 1 for job in jobs):
-        return execute_batched(jobs, runners, writers, order, encoded, eos, target, tokenizer)
+        execute_batched(jobs, runners, writers, order, encoded, eos, target, tokenizer)
+    else:
+        execute_calls(jobs, runners, writers, order, encoded, eos, target, tokenizer)
+    return [summarize(job) for job in jobs]
+
+
+def execute_calls(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target, tokenizer) -> None:
+    """:func:`execute` one prompt per call: every job's method on a prompt before the next prompt."""
     todo = [{q.id for q in job.todo} for job in jobs]
     total = sum(len(t) for t in todo)
     desc = f"{jobs[0].spec.name} {jobs[0].spec.tag}" if len(jobs) == 1 else f"{len(jobs)} methods, interleaved"
@@ -293,9 +311,8 @@ def execute(jobs: list[Job], models) -> list[dict]:
                 if pid not in ids_todo:
                     continue
                 out = runner.generate(ids, job.max_new_tokens, prompt_seed(job.run_keys["seed"], pid), eos)
-                record(job, writer, order[pid], ids, out, runner.timed, target, tokenizer)
+                record(job, writer, Decoded(order[pid], ids, out, runner.timed), target, tokenizer)
                 bar.update(1)
-    return [summarize(job) for job in jobs]
 
 
 # Prompts per generate_batch call, in units of batch_size: a call runs batch_size rows at once and
@@ -304,7 +321,7 @@ CALL_SLOTS = 4
 
 
 def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dict, eos, target,
-                    tokenizer) -> list[dict]:
+                    tokenizer) -> None:
     """:func:`execute` for ``batch_size`` > 1: each job decodes ``CALL_SLOTS * batch_size`` prompts
     per ``generate_batch`` call, every job a call's prompts before the next call's (paired in time).
     Each row records its batch: ``batch_size``, ``batch_id`` (the call), ``batch_wall_time_s``
@@ -329,10 +346,9 @@ def execute_batched(jobs: list[Job], runners, writers, order: dict, encoded: dic
                                                    job.batch_size, fill=job.batch_fill)
                 batch_id = f"{mine[0]}+{len(mine)}"
                 for pid, out in zip(mine, outs, strict=True):
-                    record(job, writer, order[pid], encoded[pid], out, runner.timed, target, tokenizer,
-                           {"batch_id": batch_id, "batch_wall_time_s": wall})
+                    record(job, writer, Decoded(order[pid], encoded[pid], out, runner.timed,
+                                                {"batch_id": batch_id, "batch_wall_time_s": wall}), target, tokenizer)
                 bar.update(len(mine))
-    return [summarize(job) for job in jobs]
 
 
 def skip_long_prompts(jobs: list[Job], encoded: dict, draft, target) -> dict:

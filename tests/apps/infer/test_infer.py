@@ -364,7 +364,8 @@ def test_interleaved_sweep_equals_the_sequential_one_and_runs_prompt_by_prompt(s
     calls = []
     real = app.make_row
     monkeypatch.setattr(app, "make_row",
-                        lambda job, prompt, *a: calls.append((prompt.id, job.spec.tag)) or real(job, prompt, *a))
+                        lambda job, decoded, *a: calls.append((decoded.prompt.id, job.spec.tag))
+                        or real(job, decoded, *a))
     inter = sweep.run(make_cfg(*common, "interleave=true", f"out={setup.root}/inter/${{method.name}}"))
     assert [(s["method"], s["tag"], s["rows"]) for s in inter] == [(s["method"], s["tag"], s["rows"]) for s in seq]
     # every method on the first prompt before any method on the second

@@ -109,8 +109,8 @@ def test_sweep_runs_every_method_eager_and_fast_interleaved_in_one_process(base,
               f"out={tmp_path}/res/${{method.name}}"]
     calls = []
     real = app.make_row
-    monkeypatch.setattr(app, "make_row", lambda job, prompt, *a: calls.append((prompt.id, job.path.name))
-                        or real(job, prompt, *a))
+    monkeypatch.setattr(app, "make_row", lambda job, decoded, *a: calls.append((decoded.prompt.id, job.path.name))
+                        or real(job, decoded, *a))
     summaries = sweep.run(make_cfg(*common, "fast=[null,static]"))
     names = [Path(s["path"]).name for s in summaries]
     assert names == ["base__greedy__s0.jsonl", "base_fast-static__greedy__s0.jsonl", "k2__greedy__s0.jsonl",
