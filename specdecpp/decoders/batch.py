@@ -33,6 +33,7 @@ from ..core.compat import cache_kwargs
 from ..core.hooks import FinalHidden, keep_last, new_cache
 from ..core.sampling import SamplingConfig, argmax, sample, warp
 from ..core.timing import Clock
+from ..models.feature_runner import refuse_feature_draft
 from ..models.runner import HiddenHook
 from ..stopping.policies import StopPolicy
 from .rounds import (
@@ -482,6 +483,8 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size, (decoder.draft, decoder.target))
+    refuse_feature_draft(decoder.draft, "generate_batch", "per-row batches do not hand it the target's features "
+                         "yet; decode one prompt per generate call")
     check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")

@@ -11,6 +11,7 @@ from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
 from ..fast.buckets import DRAFT_BUCKETS, check_fast, fit_buckets
 from ..fast.calls import CallRunners
+from ..models.feature_runner import feature_pair, feature_runners, refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
@@ -68,6 +69,15 @@ class SpeculativeDecoder(FastPlanned):
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
         self.device = check_pair_devices(draft, target)
+        self.feature = feature_pair(draft, target)  # a FeatureDraft: it reads the target's features
+        if self.feature:
+            draft.check_target(target)
+        if self.feature and fast is not None:
+            refuse_feature_draft(draft, f"SpeculativeDecoder(fast={fast!r})", "the fast path's runners do not hand it "
+                                 "the target's features yet; decode it with fast=None")
+        if self.feature and cascade is not None:
+            refuse_feature_draft(draft, "a cascade", "its rule reads the draft's logits at the bonus position, "
+                                 "where no target feature exists")
         self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
         self.runners = CallRunners(self.fast, (draft, target))
         self.cascade = cascade
@@ -103,9 +113,11 @@ class SpeculativeDecoder(FastPlanned):
                                                 self.profile, hooks, (self.draft, self.target))
         process = hooks or CallHooks()
         tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
+        draft_runners, target_runners = (feature_runners(self.draft, self.target) if self.feature else
+                                         (self.runners(tokens, plan[0][1]), self.runners(tokens, plan[1][1])))
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks,
-                          keep_logits=self.rule.lossy, runners=self.runners(tokens, plan[0][1]))
-        target = self.runners(tokens, plan[1][1])(self.target, self.vocab, False)
+                          keep_logits=self.rule.lossy, runners=draft_runners)
+        target = target_runners(self.target, self.vocab, False)
         stats = RunStats()
         rounds = CapturedRounds(self, drafter, target, hooks, plan[1][1], max_new_tokens)  # decoders/replay.py
         t_start = clock.now()

@@ -47,6 +47,7 @@ from ..core.sampling import SamplingConfig
 from ..core.timing import Clock
 from ..fast.buckets import DRAFT_BUCKETS, check_fast, fit_buckets
 from ..fast.calls import CallRunners
+from ..models.feature_runner import refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import time_cached_forwards
 from ..stopping.policies import StopPolicy, check_count
@@ -172,6 +173,8 @@ class PEARLDecoder:
                  policy: StopPolicy | None = None, num_threads: int | None = 1,
                  switch_interval: float | None = 1e-4, fast: str | None = None) -> None:
         self.device = rounds.check_pair_devices(draft, target)
+        refuse_feature_draft(draft, "PEARLDecoder", "PEARL drafts while the target verifies, before the target's "
+                             "features of the drafted positions exist")
         self.fast = check_fast("PEARLDecoder", fast, self.device, draft, target)  # first: it knows the device
         self.check_settings(gamma, num_threads, switch_interval, fast)
         if policy is not None and not isinstance(policy, StopPolicy):

@@ -163,6 +163,8 @@ class Drafter:
         t0 = self.clock.now()
         cfg, policy, runner, q_rows, k = self.sampling, self.policy, self.runner, [], 0
         kept_logits = []
+        if not runner.ready(start):  # a feature draft before the target's first forward: nothing to read
+            count = 0
         policy.begin_round(generated)
         while k < count:
             logits, hidden = runner.feed(seq[runner.length : start + k])

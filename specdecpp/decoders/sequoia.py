@@ -37,6 +37,7 @@ from ..core.timing import Clock
 from ..core.verify import residual
 from ..fast.buckets import check_fast
 from ..fast.calls import CallRunners
+from ..models.feature_runner import refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
 from .rounds import (
@@ -296,6 +297,8 @@ class SequoiaDecoder(FastPlanned):
                  fast: str | None = None) -> None:
         self.tree = TokenTree.coerce(tree)
         self.device = check_pair_devices(draft, target)
+        refuse_feature_draft(draft, "SequoiaDecoder", "token trees do not hand it the target's features of the "
+                             "tree's positions yet")
         for model, role in ((draft, "draft"), (target, "target")):
             check_tree_model(model, role)
         self.fast = check_fast("SequoiaDecoder", fast, self.device, draft, target)

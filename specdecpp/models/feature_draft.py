@@ -237,6 +237,10 @@ class FeatureDraft(torch.nn.Module):
             setattr(self.rotary_emb, name, buf.to(getattr(self.rotary_emb, name).device))
         return self
 
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding (a frozen copy of the target's), as a transformers model names it."""
+        return self.embed_tokens
+
     def new_cache(self) -> FeatureDraftCache:
         return FeatureDraftCache()
 

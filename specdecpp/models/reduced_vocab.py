@@ -11,7 +11,12 @@ import torch
 
 
 def output_vocab_size(model) -> int:
-    """Tokens the model scores (a reduced output layer still scores the whole vocabulary)."""
+    """Tokens the model scores (a reduced output layer still scores the whole vocabulary, and so
+    does a feature draft over its draft vocabulary)."""
+    from .feature_draft import FeatureDraft
+
+    if isinstance(model, FeatureDraft):
+        return model.vocab_size
     layer = model.get_output_embeddings()
     return int(getattr(layer, "out_features", None) or layer.weight.shape[0])
 
@@ -22,6 +27,10 @@ def scored_ids(model) -> torch.Tensor | None:
     token's log-probability) reads only these logits and is the same: the -inf ones add nothing,
     and skipping them leaves fewer logits (a quarter for a draft scoring 12k of 49k tokens), none
     of them -inf, whose ``exp`` is slow on a CPU (docs/results/fast.md, "The loop's policy work")."""
+    from .feature_draft import FeatureDraft
+
+    if isinstance(model, FeatureDraft):
+        return model.token_ids if model.draft_vocab_size < model.vocab_size else None
     layer = model.get_output_embeddings()
     return layer.token_ids if isinstance(layer, ReducedOutput) else None
 

@@ -24,6 +24,11 @@ class HiddenHook:
 
     final: FinalHidden | None = None
 
+    def ready(self, start: int) -> bool:
+        """Whether the model can draft after ``seq[:start]`` (a plain model always can; a feature
+        draft once the target has read the tokens before: specdecpp/models/feature_runner.py)."""
+        return True
+
     def __enter__(self):
         if self.final is not None:
             self.final.__enter__()

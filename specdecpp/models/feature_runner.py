@@ -1,0 +1,219 @@
+"""The runners of a feature-draft pair (docs/feature_draft.md, "In the round core"): the target's runner
+keeps the fused features of every position it has read and kept (:class:`FeatureStore`), at no extra
+forward, and the draft's runner reads them.
+
+A :class:`~specdecpp.models.feature_draft.FeatureDraft` entry j reads the target's feature g_j and the
+token x_{j+1} and predicts x_{j+2}. The draft runner keeps the decoders' runner contract (``feed`` the
+tokens after ``length``, ``rollback``, ``compact``) with ``length`` counted in tokens read, x_0 having no
+entry: an entry whose feature the target has kept reads it; a drafted position, whose feature no target
+forward has computed yet, reads the draft's own output at the entry before (EAGLE's autoregressive
+drafting). A rollback keeps only the entries made from the target's features, so after a verification
+the kept tokens are fed again over the target's features of those positions, as EAGLE and vLLM do.
+Where the target has not read the tokens a round drafts after (a call's first round), the draft cannot
+propose: :meth:`FeatureDraftRunner.ready` says so and the round drafts nothing (the target's prefill
+gives the first token, as in EAGLE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .feature_draft import FeatureDraft
+from .runner import ModelRunner
+
+
+class FeatureStore:
+    """The target's fused features [positions, F*H] of the cache positions it holds: rows
+    ``[:length]`` are valid; a rollback or a compaction follows the target's cache."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+        self.length = 0
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if start > self.length:
+            raise RuntimeError(f"FeatureStore.write at {start} leaves a gap after {self.length} rows")
+        if self.rows is None or end > self.rows.shape[0]:
+            grown = rows.new_zeros((max(end, 2 * (0 if self.rows is None else self.rows.shape[0]), 64),
+                                    rows.shape[1]))
+            if self.rows is not None:
+                grown[: self.length] = self.rows[: self.length]
+            self.rows = grown
+        self.rows[start:end] = rows
+        self.length = end
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        if end > self.length:
+            raise RuntimeError(f"FeatureStore.read({start}, {end}): the target has kept {self.length} positions")
+        return self.rows[start:end]
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def compact(self, keep: list[int]) -> None:
+        if keep:
+            src = torch.tensor(keep, device=self.rows.device)
+            self.rows[: len(keep)] = self.rows.index_select(0, src)
+        self.length = len(keep)
+
+
+class AuxHidden:
+    """Captures the inputs of the decoder layers ``layers`` (HF ``hidden_states[i]``) of each forward
+    through forward pre-hooks, so the target runs without ``output_hidden_states``."""
+
+    def __init__(self, model, layers: list[int]) -> None:
+        decoder = model.get_decoder()
+        blocks = getattr(decoder, "layers", None)
+        if blocks is None:
+            raise ValueError(f"a feature draft reads the target's decoder layers; {type(model).__name__}'s decoder "
+                             "has no .layers")
+        self.blocks = [blocks[i] for i in layers]
+        self.values: list[torch.Tensor | None] = [None] * len(layers)
+        self._handles: list = []
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            self.values[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def fused(self) -> torch.Tensor:
+        return torch.cat(self.values, dim=-1)
+
+    def __enter__(self) -> AuxHidden:
+        self._handles = [b.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i, b in enumerate(self.blocks)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self.values = [], [None] * len(self.values)
+
+
+class FeatureTargetRunner(ModelRunner):
+    """The target's :class:`ModelRunner` that also writes the fused features of every position it
+    feeds into ``store`` (the verification's forward computes them anyway)."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool, layers: list[int], store: FeatureStore) -> None:
+        super().__init__(model, vocab, want_hidden)
+        self.aux, self.store = AuxHidden(model, layers), store
+
+    def __enter__(self):
+        self.aux.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.aux.__exit__(*exc)
+
+    def feed(self, ids: torch.Tensor, n_logits: int = 1, position_ids: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None):
+        start = self.length
+        if not self.aux._handles:  # a runner used outside a ``with``: the hooks for this forward only
+            with self.aux:
+                return self.feed(ids, n_logits, position_ids, attention_mask)
+        out = super().feed(ids, n_logits, position_ids, attention_mask)
+        self.store.write(start, self.aux.fused()[0, : ids.shape[0]])
+        return out
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.store.rollback(length)
+
+    def compact(self, keep) -> None:
+        self.store.compact([int(k) for k in keep])
+        super().compact(keep)
+
+
+class FeatureDraftRunner:
+    """The feature draft's runner (module docstring): ``feed(ids)`` reads the tokens after ``length``;
+    logits [n_logits, vocab] (exactly -inf off the draft's vocabulary) and, with ``want_hidden``, the
+    draft's output state [n_logits, H] (what a stop head reads)."""
+
+    def __init__(self, model: FeatureDraft, vocab: int, want_hidden: bool, store: FeatureStore) -> None:
+        self.model, self.vocab, self.want_hidden, self.store = model, vocab, want_hidden, store
+        self.cache = model.new_cache()
+        self.read = 0  # tokens read; x_0 has no entry, so entries = read - 1
+        self.from_target = 0  # leading entries made from the target's features
+        self.last: tuple[int, torch.Tensor] | None = None  # (entry, its output state)
+
+    def __enter__(self) -> FeatureDraftRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.last = None
+
+    @property
+    def length(self) -> int:
+        return self.read
+
+    def ready(self, start: int) -> bool:
+        """Whether the draft can propose the token after ``seq[:start]``: the target has kept the
+        features of every entry before it."""
+        return self.store.length >= start - 1 >= max(self.from_target, 1)  # x_0 alone: no entry to read
+
+    def feed(self, ids: torch.Tensor, n_logits: int = 1, position_ids: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None):
+        if position_ids is not None or attention_mask is not None:
+            raise ValueError("a feature draft's runner feeds a chain; token trees compact its cache instead")
+        if self.read == 0:
+            ids, self.read = ids[1:], 1  # x_0: no entry reads it
+        j, n = self.read - 1, ids.shape[0]
+        logits, hidden = [], []
+        n_target = max(0, min(n, self.store.length - j))
+        if n_target:
+            if j != self.from_target:
+                raise RuntimeError(f"feature draft: entry {j} reads a target feature after drafted entries "
+                                   f"(from {self.from_target})")
+            out = self.model(ids[None, :n_target], features=self.store.read(j, j + n_target)[None],
+                             cache=self.cache, n_logits=min(n_logits, n_target))
+            logits.append(out.logits[0])
+            hidden.append(out.hidden[0, -min(n_logits, n_target):])
+            self.from_target = j + n_target
+            self.last = (j + n_target - 1, out.hidden[:, -1:])
+        for i in range(n_target, n):  # drafted positions: one at a time, each on the entry before
+            if self.last is None or self.last[0] != j + i - 1:
+                raise RuntimeError(f"feature draft: entry {j + i} needs the draft's output at entry {j + i - 1}")
+            out = self.model(ids[None, i : i + 1], hidden=self.last[1], cache=self.cache)
+            logits.append(out.logits[0])
+            hidden.append(out.hidden[0])
+            self.last = (j + i, out.hidden)
+        self.read += n
+        logits = torch.cat(logits)[-n_logits:, : self.vocab]
+        return logits, (torch.cat(hidden)[-n_logits:] if self.want_hidden else None)
+
+    def rollback(self, length: int) -> None:
+        """Keep at most ``length`` tokens read, and of the entries only those made from the target's
+        features (the kept tokens are fed again over the target's)."""
+        self.read = min(self.read, length, self.from_target + 1)
+        self.from_target = max(self.read - 1, 0)
+        self.cache.rollback(self.from_target)
+        if self.last is not None and self.last[0] >= self.from_target:
+            self.last = None
+
+    def kept_cache(self):
+        return self.cache
+
+
+def feature_pair(draft, target) -> bool:
+    """Whether ``draft`` is a feature draft (it needs :func:`feature_runners`)."""
+    return isinstance(draft, FeatureDraft)
+
+
+def feature_runners(draft: FeatureDraft, target):
+    """The runner factories ``(draft_runners, target_runners)`` of a feature pair, each called as
+    ``(model, vocab, want_hidden)``, sharing one :class:`FeatureStore`."""
+    draft.check_target(target)
+    store = FeatureStore()
+    return (lambda model, vocab, want_hidden: FeatureDraftRunner(model, vocab, want_hidden, store),
+            lambda model, vocab, want_hidden: FeatureTargetRunner(model, vocab, want_hidden, draft.aux_layers,
+                                                                  store))
+
+
+def refuse_feature_draft(draft, who: str, why: str) -> None:
+    """A decoder that cannot feed a feature draft says so, naming it."""
+    if isinstance(draft, FeatureDraft):
+        raise ValueError(f"{who} does not take a feature draft (FeatureDraft {draft.name_or_path or 'built'!r}, "
+                         f"aux layers {draft.aux_layers}): {why}. Use SpeculativeDecoder with a stop policy, or a "
+                         "plain draft model")

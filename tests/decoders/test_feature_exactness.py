@@ -1,0 +1,251 @@
+"""The exactness tests of the feature draft (specdecpp.models.feature_draft, EAGLE-3's form) under the
+chain decoder with every stop policy, on the CPU and (marker ``gpu``) on CUDA: greedy output equals
+the target's own, sampled output follows the target's exact warped distribution (T=1, top-k with EOS,
+top-p), the same seed gives the same output; the features the round core hands the draft equal a
+fresh teacher-forced target forward over the kept prefix; the decoders that cannot feed a feature
+draft refuse it, naming it.
+
+A feature pair's first round drafts nothing (the target's prefill gives the first token and the
+features the draft reads), so the adaptive policies' stop is checked to vary in the first round that
+drafts."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from specdecpp import (
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    NextTokenHead,
+    PEARLDecoder,
+    SamplingConfig,
+    SequoiaDecoder,
+    SpecDecPP,
+    SpeculativeDecoder,
+    TargetOnly,
+)
+from specdecpp.decoders import chain as chain_module
+from specdecpp.decoders.cascade import Cascade
+from specdecpp.models.feature_draft import FeatureDraft
+from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
+from tests.helpers.tiny import tiny_lm
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+FEATURE_DECODERS = {
+    "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
+    "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
+    "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
+    "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
+    "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(
+        d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+}
+ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head")
+
+PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies after it
+
+
+def _feature_draft(target, seed: int) -> FeatureDraft:
+    """An untrained feature draft whose fc and layer are scaled down, so its q stays near the target's
+    own next-token distribution (the copied lm_head over a small update of the target's features)
+    and candidates are often accepted."""
+    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.mul_(0.5)
+    return draft.eval()
+
+
+def _centred_heads(draft: FeatureDraft, target, hidden: int) -> dict:
+    """A paper head and a lag-free head over the feature draft's state, each centred on the first
+    drafting round after :data:`PROMPT` (the draft's states after ``PROMPT + [a]``), so that whether
+    a round stops depends on the tokens drawn."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        paper, lag_free = AcceptanceHead(hidden, 1), NextTokenHead(hidden, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        states, logits = [], []
+        for a in range(5):
+            ids = torch.tensor([PROMPT + [a]])
+            feats = draft.fuse(target(ids, output_hidden_states=True).hidden_states)
+            out = draft(ids[:, 1:], features=feats[:, :-1])
+            states.append(out.hidden[0, -1])
+            logits.append(out.logits[0, -1])
+        states = torch.stack(states)
+        paper.out.weight.normal_(0, 1.0, generator=g)
+        paper.out.bias.sub_(paper(states).median() + 0.1)
+        lag_free.out.weight.normal_(0, 1.0, generator=g)
+        lag_free.attach(draft)
+        scores = torch.stack([lag_free.score(states[0], logits[0], torch.tensor(y)) for y in range(5)])
+        lag_free.out.bias.sub_(scores.median() + 0.05)
+    return {"paper": paper, "next": lag_free}
+
+
+@pytest.fixture(scope="module")
+def feature_pair6():
+    target = tiny_lm(5, 16, 4, seed=21, scale=0.8, heads=2)
+    draft = _feature_draft(target, 22)
+    return draft, target, _centred_heads(draft, target, 16)
+
+
+@pytest.fixture(scope="module")
+def feature_pair32():
+    target = tiny_lm(32, 32, 4, seed=5, scale=0.4)
+    draft = _feature_draft(target, 6)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        heads = {"paper": AcceptanceHead(32, 2), "next": NextTokenHead(32, 1)}
+    return draft, target, heads
+
+
+def on(device: str, pair):
+    if device == "cpu":
+        return pair
+    draft, target, heads = pair
+    return (copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device),
+            {k: copy.deepcopy(h).to(device) for k, h in heads.items()})
+
+
+def cases() -> list:
+    return [pytest.param(n, d, id=f"{n}-{d}", marks=[pytest.mark.gpu] * (d == "cuda"))
+            for n in FEATURE_DECODERS for d in ("cpu", "cuda")]
+
+
+@pytest.mark.parametrize("name,device", cases())
+def test_greedy_equals_target_greedy(feature_pair32, name, device):
+    draft, target, heads = on(device, feature_pair32)
+    decoder = FEATURE_DECODERS[name](draft, target, SamplingConfig(temperature=0), heads)
+    cpu_target = feature_pair32[1]
+    accepted = 0
+    for prompt, n in itertools.product([[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]], (1, 6, 21)):
+        ref = cpu_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n)
+        assert out.tokens.cpu().tolist() == ref.tolist(), (name, prompt, n)
+        assert out.stats.n_generated == n
+        assert out.stats.candidate_lengths[0] == 0  # the first round: the target's prefill alone
+        accepted += sum(out.stats.accept_lengths)
+    if name != "chain-target_only":
+        assert accepted > 0  # the draft's proposals were kept, not only the target's tokens
+
+
+SAMPLINGS = [
+    pytest.param(SamplingConfig(temperature=1.0), None, id="T1"),
+    pytest.param(SamplingConfig(temperature=0.8, top_k=3), 2, id="T0.8-top3-eos2"),  # EOS = token 2
+    pytest.param(SamplingConfig(temperature=1.0, top_p=0.99), None, id="T1-top_p0.99"),
+]
+
+
+# fixed K under each sampling, each adaptive policy and target-only under one (a case is 1,200 decodes,
+# about 50 s on one CPU core); make test runs three of them
+GRID = {"chain-fixed_k3-T1", "chain-fixed_k3-T0.8-top3-eos2", "chain-fixed_k3-T1-top_p0.99", "chain-svip-T1",
+        "chain-paper_head-T0.8-top3-eos2", "chain-lag_free_head-T1-top_p0.99", "chain-target_only-T1"}
+
+
+@pytest.mark.parametrize("name,sampling,eos,device", [
+    case for case in sampled_grid([pytest.param(n, id=n) for n in FEATURE_DECODERS], SAMPLINGS, DEVICES,
+                                  fast={"chain-fixed_k3-T1", "chain-paper_head-T0.8-top3-eos2",
+                                        "chain-lag_free_head-T1-top_p0.99"})
+    if case.id.removesuffix("-cpu").removesuffix("-cuda") in GRID])
+def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, eos, device):
+    """The first 3 generated tokens follow the target's exact warped distribution. The chain
+    generates 4: the first round gives one token, the second drafts up to 3 (adaptive policies: a
+    stop that varies, checked)."""
+    draft, target, heads = on(device, feature_pair6)
+    expected = exact_distribution(feature_pair6[1], PROMPT, 3, sampling, eos)
+    decoder = FEATURE_DECODERS[name](draft, target, sampling, heads)
+    g = torch.Generator().manual_seed(1234)
+    seqs, second_k, accepted = [], set(), 0
+    for _ in range(1200):
+        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos, max_new_tokens=4)
+        seqs.append(tuple(out.tokens[0, len(PROMPT) : len(PROMPT) + 3].tolist()))
+        if len(out.stats.candidate_lengths) > 1:
+            second_k.add(out.stats.candidate_lengths[1])
+        accepted += sum(out.stats.accept_lengths)
+    assert chi_square_pvalue(seqs, expected) > 1e-4, name
+    if name != "chain-target_only":
+        assert accepted > 100  # the acceptance path is exercised, not only resampling
+    if name in ADAPTIVE:
+        assert len(second_k) >= 2, second_k  # the adaptive stop really varies
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(FEATURE_DECODERS))
+def test_same_seed_same_output(feature_pair32, name, device):
+    draft, target, heads = on(device, feature_pair32)
+    decoder = FEATURE_DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
+
+    def run(seed):
+        out = decoder.generate(torch.tensor([[1, 2]], device=device), 24, generator=torch.Generator().manual_seed(seed))
+        return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
+
+    first = run(0)
+    assert run(0) == first and run(1) != first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-svip", "chain-lag_free_head"])
+def test_features_handed_to_the_draft_equal_a_fresh_target_forward(feature_pair32, monkeypatch, name, sampling,
+                                                                   device):
+    """After many rounds of accepts and rejections, the target's features the round core keeps equal
+    a fresh teacher-forced target forward over the kept prefix, and the draft's cache equals a fresh
+    draft forward over those features and tokens (each entry j: feature g_j, token x_{j+1})."""
+    draft, target, heads = on(device, feature_pair32)
+    made = []
+    real = chain_module.feature_runners
+
+    def recording(d, t):
+        draft_runners, target_runners = real(d, t)
+        return (lambda *a: made.append(draft_runners(*a)) or made[-1],
+                lambda *a: made.append(target_runners(*a)) or made[-1])
+
+    monkeypatch.setattr(chain_module, "feature_runners", recording)
+    decoder = FEATURE_DECODERS[name](draft, target, sampling, heads)
+    out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40, generator=torch.Generator().manual_seed(3))
+    tokens, s = out.tokens[0], out.stats
+    assert len(s.accept_lengths) > 5 and 0 < sum(s.accept_lengths) and min(s.accept_lengths[1:]) < max(
+        s.candidate_lengths)  # accepts and rejections happened
+    draft_runner, target_runner = made
+    store = target_runner.store
+    assert store.length == target_runner.length == tokens.shape[0] - 1  # every committed token but the newest
+    with torch.no_grad():
+        fresh = draft.fuse(target(tokens[None, : store.length], output_hidden_states=True).hidden_states)[0]
+        # to float32 rounding: the rounds' forwards are 1-5 tokens wide (padded to 4 on a CPU), the fresh one 40
+        torch.testing.assert_close(store.rows[: store.length], fresh, atol=1e-3, rtol=2e-3)
+        entries = draft_runner.cache.length
+        assert entries == draft_runner.from_target and 0 < entries <= store.length
+        cache = draft.new_cache()
+        draft(tokens[None, 1 : entries + 1], features=fresh[None, :entries], cache=cache)
+        for mine, ref in zip(draft_runner.cache.keys + draft_runner.cache.values, cache.keys + cache.values,
+                             strict=True):
+            torch.testing.assert_close(mine[:, :, :entries], ref[:, :, :entries], atol=1e-3, rtol=2e-3)
+
+
+def test_decoders_that_cannot_feed_a_feature_draft_refuse_it(feature_pair32):
+    draft, target, _ = feature_pair32
+    with pytest.raises(ValueError, match=r"PEARLDecoder does not take a feature draft.*aux layers"):
+        PEARLDecoder(draft, target, 2)
+    with pytest.raises(ValueError, match=r"SequoiaDecoder does not take a feature draft"):
+        SequoiaDecoder(draft, target, [-1, 0, 1])
+    with pytest.raises(ValueError, match=r"fast='static'.*does not take a feature draft.*fast=None"):
+        SpeculativeDecoder(draft, target, FixedK(2), fast="static")
+    with pytest.raises(ValueError, match=r"a cascade does not take a feature draft"):
+        SpeculativeDecoder(draft, target, FixedK(2), cascade=Cascade("chow", 0.5))
+    decoder = SpeculativeDecoder(draft, target, FixedK(2))
+    with pytest.raises(ValueError, match=r"generate_batch does not take a feature draft"):
+        decoder.generate_batch([torch.tensor([1, 2]), torch.tensor([3])], 4)
+
+
+def test_a_feature_draft_for_another_target_is_refused(feature_pair32):
+    draft, _, _ = feature_pair32
+    other = tiny_lm(32, 16, 4, seed=9)
+    with pytest.raises(ValueError, match=r"hidden_size"):
+        SpeculativeDecoder(draft, other, FixedK(2)).generate(torch.tensor([[1, 2]]), 4)
