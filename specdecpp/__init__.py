@@ -10,6 +10,7 @@ from .decoders.rounds import GenerateOutput, RunStats
 from .decoders.sequoia import SequoiaDecoder, SequoiaStats
 from .decoders.tree import TokenTree
 from .hf import generate as hf_generate
+from .models.feature_draft import FeatureDraft
 from .models.identity import register_resolver
 from .models.loading import load_pair
 from .stopping.head import AcceptanceHead, NextTokenHead, load_head
@@ -18,7 +19,8 @@ from .stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceHead", "Cascade", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder", "PEARLStats", "RunStats",
+    "AcceptanceHead", "Cascade", "FeatureDraft", "FixedK", "GenerateOutput", "NextTokenHead", "PEARLDecoder",
+    "PEARLStats", "RunStats",
     "SVIP", "SamplingConfig", "SequoiaDecoder", "SequoiaStats", "SpecDecPP", "SpeculativeDecoder", "StopPolicy",
     "TargetOnly", "TokenTree", "hf_generate", "load_head",
     "load_pair", "register_resolver", "verify", "warp",
