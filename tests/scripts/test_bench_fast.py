@@ -19,11 +19,17 @@ ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def write_configs(folder) -> None:
+SHAPES = {"draft": (32, 1), "target": (48, 2)}  # role: (hidden size, layers); vocabulary 64
+# the compiled test's pair: both of tests/helpers/tiny.py's tiny_lm(32, 32, 2) shape, whose steps the other compiled
+# tests compile too (inductor's FX graph cache then serves them), the draft's buckets the target's kernels
+COMPILED_SHAPES = {"draft": (32, 2), "target": (32, 2)}
+
+
+def write_configs(folder, shapes: dict = SHAPES, vocab: int = 64) -> None:
     """Tiny random Llamas' configs, draft.json and target.json (--configs)."""
-    base = {"vocab_size": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "initializer_range": 0.4,
-            "num_attention_heads": 4, "num_key_value_heads": 2}
-    for role, hidden, layers in (("draft", 32, 1), ("target", 48, 2)):
+    base = {"vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False,
+            "initializer_range": 0.4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for role, (hidden, layers) in shapes.items():
         (folder / f"{role}.json").write_text(json.dumps(
             {**base, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers}))
 
@@ -185,12 +191,14 @@ def test_after_first_counts_the_rounds_after_the_prefill_against_their_forwards(
     assert bench_fast.after_first([{**rows[1], "candidate_lengths": [0]}], times) == {}
 
 
-def graphs_bench(tmp_path, capsys, prompts: int, *flags: str, fast: str = "graphs") -> tuple[str, dict]:
+def graphs_bench(tmp_path, capsys, prompts: int, *flags: str, fast: str = "graphs", shapes: dict = SHAPES,
+                 vocab: int = 64) -> tuple[str, dict]:
     """bench_fast --fast graphs (or ``fast``) on tiny random models (the fake capture installed by the
-    caller), 12 new tokens, greedy tokens required equal: what it printed and its JSON."""
+    caller; ``shapes`` and ``vocab``: write_configs), 12 new tokens, greedy tokens required equal: what it
+    printed and its JSON."""
     import bench_fast
 
-    write_configs(tmp_path)
+    write_configs(tmp_path, shapes, vocab)
     out = tmp_path / "bench.json"
     assert bench_fast.main(["--configs", str(tmp_path), "--fast", fast, "--device", "cpu", "--dtype", "float32",
                             "--prompts", str(prompts), "--max-new-tokens", "12", "--prompt-len", "8", "--context", "16",
@@ -283,12 +291,15 @@ def test_decode_all_rotates_each_methods_backends_from_prompt_to_prompt():
 def test_bench_fast_fused_rounds_on_compile_graphs(tmp_path, capsys, graphs_on):  # noqa: F811
     """--fused-rounds (compile-graphs, the CPU's fake capture): every method's fast decoder replays rounds
     whose glue is compiled, greedy tokens equal eager's (--require-equal), the JSON says so, and
-    --round-graphs times the fused round graphs; without compile-graphs the flag is refused."""
+    --round-graphs times the fused round graphs; without compile-graphs the flag is refused. Its pair has
+    the compiled tests' shape (COMPILED_SHAPES, vocabulary 32) and SVIP at most 4 candidates (buckets up to 8,
+    as the exactness registry's): every step it compiles is one the other compiled tests compile too."""
     import bench_fast
 
     graphs_on("cpu")
     printed, result = graphs_bench(tmp_path, capsys, 2, "--fused-rounds", "--round-graphs", "--also-per-forward",
-                                   "--also-unfused", fast="compile-graphs")
+                                   "--also-unfused", "--svip-max", "4", fast="compile-graphs",
+                                   shapes=COMPILED_SHAPES, vocab=32)
     assert result["capture_rounds"] == "fused" and "capture_rounds=fused" in printed
     assert "Fused rounds against plain captured rounds" in printed
     for name, m in result["methods"].items():
