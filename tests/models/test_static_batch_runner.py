@@ -22,6 +22,8 @@ from specdecpp.fast.kv import RowWindow
 from specdecpp.fast.step import model_steps
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_runner import (  # the one-row runner's model and helpers, reused as they are
+    COMPILED_SIZE,
+    COMPILED_VOCAB,
     DEVICES,
     MAX_LEN,
     VOCAB,
@@ -264,20 +266,21 @@ def test_compiled_steps_compile_each_batch_bucket_once_whole(device):
     break); then random ops on runners of other capacities (the steps see views of the first B
     buffer rows, so the capacity is no part of a graph) never recompile, and agree with the eager
     batch runner."""
-    model = on(device, tiny_lm(VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
+    model = on(device, tiny_lm(COMPILED_VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
     buckets, rows = (1, 2, 4), 3
     runners = CallRunners("compile", (model,))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     assert runners.warm_up(MAX_LEN - 4, [(model, buckets)], rows=rows) > 0
     size = runners.size
+    assert size == COMPILED_SIZE  # the decoders' compiled tests' steps (test_static_runner.py's COMPILED_SIZE)
     assert set(model_steps(model).compile_seconds) == {(w, size, b) for w in buckets for b in (1, 2, 4)}
     assert counters["stats"]["unique_graphs"] - graphs == 9
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed, capacity in ((0, 3), (1, 4), (2, 1)):
             make = runners.batch(MAX_LEN - 4, buckets, capacity)
-            compiled = make(model, VOCAB, True)
+            compiled = make(model, COMPILED_VOCAB, True)
             assert compiled.size == size
-            batch = [BatchRunner(model, VOCAB, want_hidden=True), compiled]
+            batch = [BatchRunner(model, COMPILED_VOCAB, want_hidden=True), compiled]
             with batch[0]:
                 run_random(random.Random(seed), batch, device, steps=40, max_rows=4)
     assert counters["stats"]["unique_graphs"] - graphs == 9

@@ -25,6 +25,11 @@ from tests.helpers.tiny import tiny_lm
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 VOCAB = 16
 MAX_LEN = 96
+# The compiled tests' model and cache: tiny_lm(32, 32, 2) with a cache of 256 tokens (MIN_MAX_LEN, a decoder's
+# smallest call), as the decoders' compiled tests (test_exactness.py, test_fast_decoders.py) have them: their
+# steps are one graph each, which inductor's FX graph cache compiles once for all of these tests.
+COMPILED_VOCAB = 32
+COMPILED_SIZE = 256
 
 
 @pytest.fixture(scope="module")
@@ -326,10 +331,12 @@ def test_compiled_steps_compile_each_bucket_once_whole(device):
     """fast='compile': each bucket compiles once (fullgraph: no graph break), then random feeds,
     rollbacks and compactions on this and a new runner of the same model never recompile, and
     agree with the eager static runner and the dynamic cache."""
-    model = on(device, tiny_lm(VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
+    model = on(device, tiny_lm(COMPILED_VOCAB, 32, 2, seed=7, scale=0.6))  # fresh: its steps compile here
     buckets = (1, 2, 4)
+    max_len = COMPILED_SIZE - buckets[-1]  # the feeds stay within MAX_LEN (run_both)
     graphs = counters["stats"]["unique_graphs"]
-    compiled = StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=buckets, fast="compile")
+    compiled = StaticRunner(model, COMPILED_VOCAB, want_hidden=True, max_len=max_len, buckets=buckets,
+                            fast="compile")
     for n in buckets:
         compiled.feed(torch.zeros(n, dtype=torch.long, device=device))
     assert counters["stats"]["unique_graphs"] - graphs == len(buckets)
@@ -337,10 +344,11 @@ def test_compiled_steps_compile_each_bucket_once_whole(device):
     breaks = sum(counters["graph_break"].values())
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (0, 1):
-            runners = [ModelRunner(model, VOCAB, want_hidden=True),
-                       StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=buckets),
+            runners = [ModelRunner(model, COMPILED_VOCAB, want_hidden=True),
+                       StaticRunner(model, COMPILED_VOCAB, want_hidden=True, max_len=max_len, buckets=buckets),
                        compiled if seed == 0 else
-                       StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=buckets, fast="compile")]
+                       StaticRunner(model, COMPILED_VOCAB, want_hidden=True, max_len=max_len, buckets=buckets,
+                                    fast="compile")]
             runners[2].rollback(0)
             with runners[0]:
                 run_both(random.Random(seed), model, runners, device, steps=30)
