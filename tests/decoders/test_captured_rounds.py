@@ -4,8 +4,9 @@ rules (a replay re-executes the operations recorded at capture on the same tenso
 Python decided at capture stays decided; host reads and random draws are refused during capture); on
 CUDA (``gpu``) the real capture. The rounds
 must be exact by the same tests as every decoder: greedy output equals the target's own, sampled
-output has the target's exact distribution (chi-square against enumeration, EOS included), the same
-seed gives the same output, and the caches after many replayed rounds equal a fresh prefill. Rounds
+output has the target's exact distribution (chi-square against enumeration, EOS included; for target-only
+and the adaptive policies the exactness registry's graphs cases sample it, below), the same seed gives
+the same output, and the caches after many replayed rounds equal a fresh prefill. Rounds
 are replayed (counted), each round graph is captured once, and the rounds that must not be captured
 (logits hooks, profile, capture_rounds=False) are not. An adaptive policy's rounds (SVIP, the heads) are
 captured a candidate at a time (StepGraphs): their stop decisions equal the round-by-round drafter's."""
@@ -105,12 +106,17 @@ SAMPLINGS = [pytest.param(SamplingConfig(temperature=1.0), None, id="T1"),
              pytest.param(SamplingConfig(temperature=0.8, top_k=3), 2, id="T0.8-top3-eos2")]
 
 
+# Target-only is not in this grid: the exactness registry's chain-target_only-fast_graphs cases are the
+# same decoder, pair, prompt, samplings and seed (4 new tokens: every round after the first replayed,
+# nearly 3 a call), and the greedy and same-seed tests above assert that its rounds are replayed.
 @pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
-    POLICIES, SAMPLINGS, DEVICES, fast={"k3-T1", "k1-T0.8-top3-eos2", "target_only-T1"}))
+    POLICIES[1:], SAMPLINGS, DEVICES, fast={"k3-T1", "k1-T0.8-top3-eos2"}))
 def test_replayed_rounds_have_the_target_distribution(graphs_on, policy, sampling, eos, device):  # noqa: F811
     """The first 3 tokens of 6 generated follow the target's exact warped distribution. A prompt of 2
     tokens makes the call's first round the prefill's; the rounds after it are replays, some of
-    whose tokens fall in the window (K=3: the first round commits at most 4)."""
+    whose tokens fall in the window (K=3: the first round commits at most 4). The registry's fixed
+    K=3 over graphs generates 4 tokens, too few for a replay of K=3 after the first round: here K=1 and
+    K=3 rounds are replayed inside the window."""
     graphs_on(device)
     draft, target = _pair6()
     expected = exact_distribution(target, PROMPT, 3, sampling, eos)
@@ -280,29 +286,12 @@ def test_captured_steps_same_seed_same_output(graphs_on, device, policy):  # noq
     assert run(0) == first and run(1) != first
 
 
-@pytest.mark.parametrize("policy,sampling,eos,device", sampled_grid(
-    ADAPTIVE, SAMPLINGS, DEVICES, fast={"paper_head-T1", "lag_free_head-T0.8-top3-eos2"}))
-def test_captured_steps_have_the_target_distribution(graphs_on, policy, sampling, eos, device):  # noqa: F811
-    """As the fixed-K rounds' test, with the exactness registry's centred heads (their stop varies on
-    this prompt): the first 3 of 6 tokens follow the target's exact distribution, and the replayed
-    rounds' candidate lengths vary."""
-    from tests.decoders.test_exactness import _heads
-
-    graphs_on(device)
-    draft, target = _pair6()
-    heads = {k: h.to(device) for k, h in _heads(draft).items()}
-    expected = exact_distribution(target, PROMPT, 3, sampling, eos)
-    decoder = SpeculativeDecoder(copy.deepcopy(draft).to(device), copy.deepcopy(target).to(device), policy(heads),
-                                 sampling, fast="graphs")
-    g = torch.Generator().manual_seed(1234)
-    seqs, replayed, lengths = [], 0, set()
-    for _ in range(1200):
-        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos, max_new_tokens=6)
-        seqs.append(tuple(out.tokens[0, len(PROMPT): len(PROMPT) + 3].tolist()))
-        replayed += out.stats.replayed_rounds
-        lengths.update(out.stats.candidate_lengths[1:])
-    assert chi_square_pvalue(seqs, expected) > 1e-4
-    assert replayed > 600 and len(lengths) >= 2, (replayed, lengths)
+# An adaptive policy's replayed rounds have the target's distribution by the exactness registry's
+# chain-{svip,paper_head,lag_free_head}-fast_graphs chi-square cases (test_exactness.py): the same decoders
+# (these policies, its pair and centred heads), prompt, samplings and seed, over the fake capture, and with
+# 4 new tokens 96-99% of their calls replay a round inside the 3-token window (200 calls of each, counted
+# 2026-12-01). A test here that generated 6 instead sampled the same thing again (6 cases, 34-49 s each on
+# a shared 2-core CPU).
 
 
 @pytest.mark.parametrize("policy", [pytest.param(lambda: FixedK(3), id="k3"),
@@ -375,11 +364,13 @@ def test_fused_rounds_compile_their_glue_and_equal_target_greedy(graphs_on, devi
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("policy", [FUSED[0], FUSED[2], FUSED[3]])
+@pytest.mark.parametrize("policy", [FUSED[0], FUSED[3]])
 def test_fused_rounds_have_the_target_distribution_and_same_seed_same_output(graphs_on, device, policy):  # noqa: F811
     """Sampled (T=1), fused: the first 3 of 6 tokens follow the target's exact distribution (chi-square
     against enumeration; the dense top-k and draw a compiled region takes on a CPU too), and a seed
-    gives the same output again."""
+    gives the same output again. A whole round (K=3) and an adaptive one (the lag-free head): what is
+    compiled, the draw and the rule per K, is the same under SVIP, whose stop decision runs uncompiled
+    (SVIP's fused rounds: the greedy test above)."""
     from tests.decoders.test_exactness import _heads
 
     graphs_on(device)
