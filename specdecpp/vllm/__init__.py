@@ -1,0 +1,16 @@
+"""vLLM as a door to the library's stop policies (docs/vllm.md): the optional ``[vllm]`` extra.
+
+    import vllm, specdecpp.vllm
+    spec = specdecpp.vllm.speculative_config(draft="path/to/draft", head="heads/next_wrej1_d1", threshold=0.5)
+    llm = vllm.LLM(model="path/to/target", speculative_config=spec)
+
+or ``stop_policy=SVIP(0.3)`` / ``FixedK(2)`` instead of a head, and
+``specdecpp.vllm.speculative_config_json(...)`` for ``vllm serve --speculative-config``. Nothing here
+imports vLLM; the proposer vLLM runs (``specdecpp.vllm.internals``) is registered by the
+``vllm.general_plugins`` entry point.
+"""
+
+from .config import POLICIES, read_policy, speculative_config, speculative_config_json
+from .version import SUPPORTED, check_version
+
+__all__ = ["POLICIES", "SUPPORTED", "check_version", "read_policy", "speculative_config", "speculative_config_json"]

@@ -1,0 +1,203 @@
+"""What ``vllm.LLM(speculative_config=...)`` and ``vllm serve --speculative-config`` take, built
+from the library's stop policies (docs/vllm.md).
+
+vLLM's ``SpeculativeConfig`` forbids keys it does not know, so the stop policy travels in the
+draft's directory: :func:`speculative_config` writes a *policy bundle*, a directory holding links
+to every file of the draft, ``specdecpp_stop_policy.json`` (the policy's name and settings) and,
+for a head, the head's own files. vLLM loads the draft from the bundle as from any local model
+directory; the proposer of :mod:`specdecpp.vllm.internals` (registered in every vLLM process by
+the ``vllm.general_plugins`` entry point) finds the policy file beside it and stops each request's
+draft by it. Without that file the proposer is vLLM's own ``draft_model``.
+
+Everything is checked here, before vLLM starts: the installed vLLM's version, the policy, the
+draft, and a head against the draft (``specdecpp.models.fit``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ..models.fit import check_draft_fit, check_sampling_fit
+from ..stopping.head import AcceptanceHead, load_head
+from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_threshold
+from .version import check_version
+
+POLICY_FILE = "specdecpp_stop_policy.json"
+HEAD_DIR = "specdecpp_head"
+FORMAT = 1
+# The policies a bundle can name, by their ``name``; each is rebuilt from its settings (``policy_spec``).
+POLICIES = {"fixed_k": FixedK, "svip": SVIP, "specdecpp": SpecDecPP}
+SPECDECPP_KEYS = ("threshold", "min_candidates", "max_candidates")
+# Keys of vLLM's speculative config this module sets itself.
+OWNED_KEYS = ("method", "model", "num_speculative_tokens")
+
+
+def default_cache_dir() -> Path:
+    """Where bundles go: ``$SPECDECPP_CACHE/vllm`` (the project's cache), else ``~/.cache/specdecpp/vllm``."""
+    root = os.environ.get("SPECDECPP_CACHE")
+    return Path(root).expanduser() / "vllm" if root else Path.home() / ".cache" / "specdecpp" / "vllm"
+
+
+def policy_by_name(name: str) -> type[StopPolicy]:
+    """The policy class of a bundle's or a caller's ``name``; a ValueError naming the choices otherwise."""
+    if name == TargetOnly.name:
+        raise ValueError("stop_policy 'target_only' drafts nothing: for target-only decoding pass no "
+                         "speculative_config to vLLM at all")
+    if name not in POLICIES:
+        raise ValueError(f"unknown stop policy {name!r}: choose one of {sorted(POLICIES)} (or pass a FixedK, SVIP "
+                         "or SpecDecPP object)")
+    return POLICIES[name]
+
+
+def resolve_policy(head, threshold, max_candidates, stop_policy) -> StopPolicy:
+    """The call's stop policy, by the keywords of ``specdecpp.hf.generate``: ``head`` (a directory, a
+    hub id or a loaded head) at ``threshold``, or ``stop_policy`` (an object, or a name with its
+    defaults). ``max_candidates`` bounds a head's drafts (SpecDecPP's default otherwise); a given
+    policy carries its own."""
+    if stop_policy is not None and (head is not None or threshold is not None):
+        raise ValueError("give either stop_policy=... or head=... (with threshold=...), not both")
+    if threshold is not None:
+        check_threshold("specdecpp.vllm.speculative_config", "threshold", threshold)
+        if head is None:
+            raise ValueError("threshold=... is the SpecDec++ stop threshold of a head: give head=... as well")
+    if max_candidates is not None:
+        check_count("specdecpp.vllm.speculative_config", "max_candidates", max_candidates)
+    if head is not None:
+        if isinstance(head, (str, os.PathLike)):
+            head = load_head(head)
+        elif not isinstance(head, AcceptanceHead):
+            raise TypeError(f"head must be a head directory, a hub id or a specdecpp AcceptanceHead, got "
+                            f"{type(head).__name__}")
+        settings = {k: v for k, v in (("threshold", threshold), ("max_candidates", max_candidates)) if v is not None}
+        return SpecDecPP(head, **settings)
+    if stop_policy is None:
+        raise ValueError("specdecpp.vllm.speculative_config needs a stop rule: head='path-or-hub-id' (SpecDec++, "
+                         "with threshold=...) or stop_policy=SVIP(...) / FixedK(...)")
+    if isinstance(stop_policy, str):
+        stop_policy = policy_by_name(stop_policy)()
+    if not isinstance(stop_policy, StopPolicy):
+        raise TypeError(f"stop_policy must be a specdecpp StopPolicy (FixedK, SVIP, SpecDecPP) or its name, got "
+                        f"{type(stop_policy).__name__}")
+    policy_by_name(stop_policy.name)  # TargetOnly and policies a bundle cannot rebuild are refused by name
+    if type(stop_policy) is not POLICIES[stop_policy.name]:
+        raise TypeError(f"stop_policy {type(stop_policy).__name__} cannot be sent to vLLM: a bundle rebuilds only "
+                        f"{', '.join(c.__name__ for c in POLICIES.values())} from their settings")
+    if max_candidates is not None and max_candidates != stop_policy.max_candidates:
+        raise ValueError(f"max_candidates={max_candidates} differs from the policy's own "
+                         f"({stop_policy.max_candidates}): set it on the policy")
+    return stop_policy
+
+
+def policy_spec(policy: StopPolicy) -> dict:
+    """The JSON a bundle records for ``policy``: its name and the settings its constructor takes."""
+    if isinstance(policy, SpecDecPP):
+        settings = {k: getattr(policy, k) for k in SPECDECPP_KEYS}
+        return {"format": FORMAT, "policy": policy.name, "settings": settings, "head": HEAD_DIR}
+    return {"format": FORMAT, "policy": policy.name, "settings": policy.settings()}
+
+
+def read_policy(bundle: str | os.PathLike) -> StopPolicy | None:
+    """The stop policy a bundle names (its head loaded from the bundle), or None for a plain draft
+    directory (no :data:`POLICY_FILE`)."""
+    path = Path(bundle) / POLICY_FILE
+    if not path.is_file():
+        return None
+    spec = json.loads(path.read_text())
+    if spec.get("format") != FORMAT:
+        raise ValueError(f"{path}: bundle format {spec.get('format')!r}, this specdecpp reads format {FORMAT}; "
+                         "rebuild it with specdecpp.vllm.speculative_config")
+    cls = policy_by_name(spec["policy"])
+    if cls is SpecDecPP:
+        return SpecDecPP(load_head(Path(bundle) / spec["head"]), **spec["settings"])
+    return cls(**spec["settings"])
+
+
+def draft_hidden_size(draft: Path) -> int | None:
+    """The draft's hidden size from its config.json (a multimodal config's text config's)."""
+    config = json.loads((draft / "config.json").read_text())
+    return config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+
+
+def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling) -> None:
+    """A head against the draft it is sent with (``specdecpp.models.fit``): the draft recorded at
+    training (by name where ``draft_name`` is given, the hidden size always) and, where the caller
+    says which sampling it serves with, the head's training sampling."""
+    head = policy.head
+    if head.needs_position:
+        raise ValueError("this lag-free head reads each candidate's position in the response (feature `position`), "
+                         "which specdecpp.vllm does not pass yet: use a head trained without it")
+    check_draft_fit("head", "head", head.draft, head.hidden_size, draft_name or str(draft), draft_hidden_size(draft),
+                    compare_names=draft_name is not None)
+    if sampling is not None:
+        check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
+
+
+def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path) -> Path:
+    """The bundle of ``draft`` and ``policy`` under ``cache_dir``, named by a digest of both (written
+    once; an existing one with the same digest is reused)."""
+    spec = policy_spec(policy)
+    digest = hashlib.sha256(json.dumps([str(draft), spec], sort_keys=True).encode())
+    head_state = None
+    if isinstance(policy, SpecDecPP):
+        head_state = {k: v.detach().cpu() for k, v in policy.head.state_dict().items()}
+        for name in sorted(head_state):
+            digest.update(name.encode() + head_state[name].numpy().tobytes())
+        digest.update(json.dumps(policy.head._config(), sort_keys=True, default=str).encode())
+    bundle = cache_dir / f"{draft.name}-{policy.name}-{digest.hexdigest()[:16]}"
+    if (bundle / POLICY_FILE).is_file():
+        return bundle
+    staging = cache_dir / f".{bundle.name}.{os.getpid()}"
+    staging.mkdir(parents=True, exist_ok=True)
+    for item in sorted(draft.iterdir()):
+        if item.name not in (POLICY_FILE, HEAD_DIR) and not (staging / item.name).exists():
+            (staging / item.name).symlink_to(item.resolve())
+    if head_state is not None:
+        meta = policy.head.meta
+        policy.head.save_pretrained(staging / HEAD_DIR, training=meta.get("training"), metrics=meta.get("metrics"))
+    (staging / POLICY_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+    try:
+        staging.rename(bundle)
+    except OSError:  # another process wrote the same bundle first
+        if not (bundle / POLICY_FILE).is_file():
+            raise
+    return bundle
+
+
+def speculative_config(draft: str | os.PathLike, head=None, threshold: float | None = None,
+                       max_candidates: int | None = None, stop_policy: StopPolicy | str | None = None, *,
+                       draft_name: str | None = None, sampling=None, cache_dir: str | os.PathLike | None = None,
+                       **vllm_options) -> dict:
+    """The ``speculative_config`` of ``vllm.LLM`` that drafts with ``draft`` (a local model directory)
+    and stops each request's draft by a stop policy: SpecDec++ with ``head`` at ``threshold`` (within
+    ``max_candidates``), or ``stop_policy`` (``SVIP(0.3)``, ``FixedK(2)``, or a name: ``"svip"``).
+
+    ``draft_name``: the name the head's training recorded for this draft, to compare (default: only
+    the hidden size is compared). ``sampling``: a :class:`~specdecpp.core.sampling.SamplingConfig`
+    to check the head's training sampling against. ``vllm_options``: further keys of vLLM's
+    speculative config (e.g. ``draft_sample_method="greedy"``); the method, the model and the
+    number of speculative tokens are set here. Writes the policy bundle (module docstring) under
+    ``cache_dir`` and returns the dict; nothing of vLLM is started or imported."""
+    check_version()
+    policy = resolve_policy(head, threshold, max_candidates, stop_policy)
+    draft_dir = Path(draft).expanduser()
+    if not (draft_dir / "config.json").is_file():
+        raise ValueError(f"draft {str(draft)!r} is not a local model directory (no config.json): vLLM's draft_model "
+                         "method loads a directory; download the draft first (hf download ...)")
+    draft_dir = draft_dir.resolve()
+    if isinstance(policy, SpecDecPP):
+        check_head(policy, draft_dir, draft_name, sampling)
+    clash = sorted(set(vllm_options) & set(OWNED_KEYS))
+    if clash:
+        raise ValueError(f"speculative_config sets {', '.join(clash)} itself: drop them from the keywords")
+    bundle = write_bundle(draft_dir, policy, Path(cache_dir).expanduser() if cache_dir else default_cache_dir())
+    # probabilistic: the draft samples from q as the project's decoders do (both are exact)
+    return {"method": "draft_model", "model": str(bundle), "num_speculative_tokens": policy.max_candidates,
+            "draft_sample_method": "probabilistic", **vllm_options}
+
+
+def speculative_config_json(*args, **kwargs) -> str:
+    """:func:`speculative_config` as the JSON that ``vllm serve --speculative-config`` takes."""
+    return json.dumps(speculative_config(*args, **kwargs))

@@ -1,0 +1,204 @@
+"""Every vLLM internal that specdecpp touches, in one module (vLLM 0.32; tests/vllm/test_internals.py
+fails loudly when one of them changes shape).
+
+What is touched, and why:
+
+1. ``vllm.v1.spec_decode.draft_model.DraftModelProposer`` is subclassed (:func:`proposer_class`):
+   its draft loop (``SpecDecodeBaseProposer.propose``) samples every pass's candidates through
+   ``_sample_draft_tokens(hidden_states, sampling_metadata)``, which sees the draft's final hidden
+   state of every drafted position. The subclass computes the logits there, samples with
+   ``_sample_from_logits`` as vLLM does, asks the stop policy which rows stop
+   (:class:`~specdecpp.vllm.drafts.StoppedDrafts`), leaves the loop once every row has stopped,
+   and returns one list per request of its own length (the runner takes lists as it does from
+   ngram; ``_last_draft_probs`` carries the distributions to the rejection sampler).
+2. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer``, the name the model runner (the CPU
+   runner is its subclass) builds its draft proposer from, is rebound to the subclass
+   (:func:`install_proposer`). Without a policy bundle the subclass is vLLM's own proposer.
+3. ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, the CPU stand-in of the rejection
+   sampler's ``expand_kernel``, converts its float output to an int64 copy and never writes the
+   real output back: per-token temperature, top-k and top-p are uninitialised memory in sampled
+   speculative decoding (docs/vllm.md). Where the bug is present (:func:`expand_bug_present`), it
+   is replaced by a ``repeat_interleave`` (:func:`expand_kernel_impl`) before the CPU platform
+   registers its kernels; ``SPECDECPP_VLLM_KEEP_CPU_EXPAND=1`` keeps vLLM's.
+
+:func:`register` is the ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls it in
+every process before it builds a model runner.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from .config import read_policy
+from .drafts import StoppedDrafts
+from .version import SUPPORTED_BELOW, SUPPORTED_MIN, check_version, installed_version, release
+
+logger = logging.getLogger("specdecpp.vllm")
+KEEP_EXPAND_ENV = "SPECDECPP_VLLM_KEEP_CPU_EXPAND"
+
+
+class AllStopped(Exception):
+    """Raised inside vLLM's draft loop once every request has stopped: it ends the loop early."""
+
+
+class DraftView:
+    """What a stop policy's ``bind`` (a head's ``attach``) reads of a draft, from vLLM's draft model:
+    its Hugging Face ``config``, its ``device`` and its input embedding."""
+
+    def __init__(self, model: torch.nn.Module, hf_config) -> None:
+        self.config = hf_config
+        self.device = next(model.parameters()).device
+        self._embedding = TokenEmbedding(model)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self._embedding
+
+    def get_output_embeddings(self):
+        return None  # vLLM's draft scores its whole vocabulary (it ignores specdecpp_output_vocab.json)
+
+
+class TokenEmbedding(torch.nn.Module):
+    """A vLLM model's ``embed_input_ids`` as a module with a ``weight`` (the lag-free head's feature)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model
+        self.weight = next(model.parameters())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.__dict__["_model"].embed_input_ids(ids)
+
+
+def temperature_of(sampling_metadata) -> float:
+    """The one temperature a policy is bound to for this pass: 0 when every request is greedy,
+    else the first request's (vLLM's per-request temperatures; greedy rows are 0)."""
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        return 0.0
+    return float(sampling_metadata.temperature[0])
+
+
+@functools.cache
+def proposer_class() -> type:
+    """vLLM's ``DraftModelProposer`` with each request's draft stopped by the bundle's stop policy."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    class StopPolicyProposer(DraftModelProposer):
+        """DraftModelProposer that stops each request's draft by a specdecpp stop policy."""
+
+        def __init__(self, vllm_config, device, runner=None) -> None:
+            super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+            self.stop_policy = read_policy(self.speculative_config.draft_model_config.model)
+            self._drafts: StoppedDrafts | None = None
+            self._bound_temperature: float | None = None
+            if self.stop_policy is None:
+                return
+            check_version()
+            if runner is not None and getattr(runner, "use_async_scheduling", False):
+                raise ValueError("specdecpp's stop policies hand vLLM one draft list per request, which async "
+                                 "scheduling does not take: start vLLM with async_scheduling=False")
+            if self.use_heterogeneous_vocab or self.parallel_drafting or self.use_local_argmax_reduction:
+                raise ValueError("specdecpp's stop policies run with a draft of the target's vocabulary, drafting "
+                                 "one token per pass: unset use_heterogeneous_vocab, parallel_drafting and "
+                                 "use_local_argmax_reduction")
+            logger.info("specdecpp.vllm: drafts stopped by %s %s", self.stop_policy.name, self.stop_policy.settings())
+
+        def load_model(self, target_model) -> None:
+            super().load_model(target_model)
+            if self.stop_policy is not None:
+                self._view = DraftView(self.model, self.speculative_config.draft_model_config.hf_config)
+
+        def propose(self, num_speculative_tokens, *args, **kwargs):
+            if self.stop_policy is None:
+                return super().propose(num_speculative_tokens, *args, **kwargs)
+            metadata = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[5]
+            batch_size = metadata.batch_size()
+            self._drafts = drafts = StoppedDrafts(self.stop_policy, num_speculative_tokens)
+            try:
+                super().propose(num_speculative_tokens, *args, **kwargs)
+            except AllStopped:
+                pass
+            finally:
+                self._drafts = None
+            self._last_draft_probs = drafts.stacked_probs()
+            return drafts.lists(batch_size)
+
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+            drafts = self._drafts
+            if drafts is None:
+                return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            self._bind(sampling_metadata)
+            logits = self.model.compute_logits(hidden_states)
+            raw = logits if sampling_metadata.all_greedy else logits.clone()  # sampling divides in place
+            tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+            if drafts.add(raw, hidden_states, tokens, probs):
+                raise AllStopped
+            return tokens, probs
+
+        def _bind(self, sampling_metadata) -> None:
+            temperature = temperature_of(sampling_metadata)
+            if temperature != self._bound_temperature:
+                self.stop_policy.bind(self._view, temperature)
+                self._bound_temperature = temperature
+
+    return StopPolicyProposer
+
+
+def install_proposer() -> None:
+    """The model runner builds ``StopPolicyProposer`` where it would build ``DraftModelProposer``."""
+    from vllm.v1.worker import gpu_model_runner
+
+    gpu_model_runner.DraftModelProposer = proposer_class()
+
+
+def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vLLM's ``expand_kernel`` (rejection_sampler.py) in torch: request i's value, with
+    ``replace_from`` replaced by ``replace_to``, at its tokens ``cu[i-1]:cu[i]`` of ``output``."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = values.repeat_interleave(counts)
+    output[: expanded.shape[0]].copy_(expanded.to(output.dtype))
+
+
+def expand_bug_present() -> bool:
+    """Does the installed CPU stand-in of ``expand_kernel`` leave a float output unwritten or wrong?
+    (False where vLLM has no such stand-in, e.g. on CUDA.)"""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()
+    values = torch.tensor([1.0, 0.5, 0.7])
+    cu = torch.tensor([2, 4, 6], dtype=torch.int32)
+    output = torch.full((6,), -7.0)
+    cpu_triton_utils._expand_kernel_impl(output, values, cu, 0, 1)
+    return not torch.equal(output, values.repeat_interleave(2))
+
+
+def install_expand_fix() -> bool:
+    """Replace the CPU stand-in of ``expand_kernel`` where :func:`expand_bug_present`, unless
+    ``SPECDECPP_VLLM_KEEP_CPU_EXPAND=1``; True if replaced."""
+    if os.environ.get(KEEP_EXPAND_ENV) == "1" or not expand_bug_present():
+        return False
+    from vllm.utils import cpu_triton_utils
+
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    logger.warning("specdecpp.vllm: replaced vLLM's CPU expand_kernel (uninitialised per-token temperature in "
+                   "sampled speculative decoding, docs/vllm.md); %s=1 keeps vLLM's", KEEP_EXPAND_ENV)
+    return True
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install the proposer and the CPU fix (a vLLM
+    outside the supported range is left alone, with a warning: the bundle's proposer refuses it)."""
+    found = installed_version()
+    if found is None or not SUPPORTED_MIN <= release(found[1]) < SUPPORTED_BELOW:
+        logger.warning("specdecpp.vllm: vLLM %s is outside the supported range; its plugin does nothing", found)
+        return
+    install_proposer()
+    install_expand_fix()
