@@ -20,6 +20,11 @@ What is touched, and why:
    speculative decoding (docs/vllm.md). Where the bug is present (:func:`expand_bug_present`), it
    is replaced by a ``repeat_interleave`` (:func:`expand_kernel_impl`) before the CPU platform
    registers its kernels; ``SPECDECPP_VLLM_KEEP_CPU_EXPAND=1`` keeps vLLM's.
+4. ``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_only``, the top-k path of the sampler on a
+   CPU, calls ``k.max()``, which raises on an empty batch; the rejection sampler hands it one when
+   no request of a step has a draft token left (each request's last token, e.g. ``max_tokens``
+   reached). Where that raises (:func:`top_k_bug_present`), it is wrapped to return the empty
+   logits as they are (:func:`install_top_k_fix`); ``SPECDECPP_VLLM_KEEP_CPU_TOP_K=1`` keeps vLLM's.
 
 :func:`register` is the ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls it in
 every process before it builds a model runner.
@@ -39,6 +44,7 @@ from .version import SUPPORTED_BELOW, SUPPORTED_MIN, check_version, installed_ve
 
 logger = logging.getLogger("specdecpp.vllm")
 KEEP_EXPAND_ENV = "SPECDECPP_VLLM_KEEP_CPU_EXPAND"
+KEEP_TOP_K_ENV = "SPECDECPP_VLLM_KEEP_CPU_TOP_K"
 
 
 class AllStopped(Exception):
@@ -193,6 +199,36 @@ def install_expand_fix() -> bool:
     return True
 
 
+def top_k_bug_present() -> bool:
+    """Does the installed top-k-only path raise on an empty batch of logits?"""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    try:
+        topk_topp_sampler.apply_top_k_only(torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
+    except RuntimeError:
+        return True
+    return False
+
+
+def install_top_k_fix() -> bool:
+    """Wrap ``apply_top_k_only`` to pass an empty batch through where :func:`top_k_bug_present`,
+    unless ``SPECDECPP_VLLM_KEEP_CPU_TOP_K=1``; True if wrapped."""
+    if os.environ.get(KEEP_TOP_K_ENV) == "1" or not top_k_bug_present():
+        return False
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    original = topk_topp_sampler.apply_top_k_only
+
+    @functools.wraps(original)
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return logits if k.numel() == 0 else original(logits, k)
+
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    logger.warning("specdecpp.vllm: wrapped vLLM's apply_top_k_only (it raises on the empty batch a spec-decode step "
+                   "with no draft tokens hands it, docs/vllm.md); %s=1 keeps vLLM's", KEEP_TOP_K_ENV)
+    return True
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the proposer and the CPU fix (a vLLM
     outside the supported range is left alone, with a warning: the bundle's proposer refuses it)."""
@@ -202,3 +238,4 @@ def register() -> None:
         return
     install_proposer()
     install_expand_fix()
+    install_top_k_fix()
