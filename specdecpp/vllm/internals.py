@@ -45,6 +45,7 @@ from .version import SUPPORTED_BELOW, SUPPORTED_MIN, check_version, installed_ve
 logger = logging.getLogger("specdecpp.vllm")
 KEEP_EXPAND_ENV = "SPECDECPP_VLLM_KEEP_CPU_EXPAND"
 KEEP_TOP_K_ENV = "SPECDECPP_VLLM_KEEP_CPU_TOP_K"
+REPLACED: dict[str, object] = {}  # vLLM's functions this process replaced, by fix ("expand", "top_k")
 
 
 class AllStopped(Exception):
@@ -169,9 +170,10 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     output[: expanded.shape[0]].copy_(expanded.to(output.dtype))
 
 
-def expand_bug_present() -> bool:
-    """Does the installed CPU stand-in of ``expand_kernel`` leave a float output unwritten or wrong?
-    (False where vLLM has no such stand-in, e.g. on CUDA.)"""
+def expand_bug_present(impl=None) -> bool:
+    """Does the CPU stand-in of ``expand_kernel`` (``impl``; default: the installed one, vLLM's own
+    if this process replaced it) leave a float output unwritten or wrong? False where vLLM has no
+    such stand-in (e.g. on CUDA)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -179,32 +181,36 @@ def expand_bug_present() -> bool:
     from vllm.utils import cpu_triton_utils
 
     current_platform.import_kernels()
+    impl = impl or REPLACED.get("expand") or cpu_triton_utils._expand_kernel_impl
     values = torch.tensor([1.0, 0.5, 0.7])
     cu = torch.tensor([2, 4, 6], dtype=torch.int32)
     output = torch.full((6,), -7.0)
-    cpu_triton_utils._expand_kernel_impl(output, values, cu, 0, 1)
+    impl(output, values, cu, 0, 1)
     return not torch.equal(output, values.repeat_interleave(2))
 
 
 def install_expand_fix() -> bool:
     """Replace the CPU stand-in of ``expand_kernel`` where :func:`expand_bug_present`, unless
     ``SPECDECPP_VLLM_KEEP_CPU_EXPAND=1``; True if replaced."""
-    if os.environ.get(KEEP_EXPAND_ENV) == "1" or not expand_bug_present():
+    if os.environ.get(KEEP_EXPAND_ENV) == "1" or "expand" in REPLACED or not expand_bug_present():
         return False
     from vllm.utils import cpu_triton_utils
 
+    REPLACED["expand"] = cpu_triton_utils._expand_kernel_impl
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     logger.warning("specdecpp.vllm: replaced vLLM's CPU expand_kernel (uninitialised per-token temperature in "
                    "sampled speculative decoding, docs/vllm.md); %s=1 keeps vLLM's", KEEP_EXPAND_ENV)
     return True
 
 
-def top_k_bug_present() -> bool:
-    """Does the installed top-k-only path raise on an empty batch of logits?"""
+def top_k_bug_present(impl=None) -> bool:
+    """Does the top-k-only path (``impl``; default: the installed one, vLLM's own if this process
+    wrapped it) raise on an empty batch of logits?"""
     from vllm.v1.sample.ops import topk_topp_sampler
 
+    impl = impl or REPLACED.get("top_k") or topk_topp_sampler.apply_top_k_only
     try:
-        topk_topp_sampler.apply_top_k_only(torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
+        impl(torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
     except RuntimeError:
         return True
     return False
@@ -213,11 +219,11 @@ def top_k_bug_present() -> bool:
 def install_top_k_fix() -> bool:
     """Wrap ``apply_top_k_only`` to pass an empty batch through where :func:`top_k_bug_present`,
     unless ``SPECDECPP_VLLM_KEEP_CPU_TOP_K=1``; True if wrapped."""
-    if os.environ.get(KEEP_TOP_K_ENV) == "1" or not top_k_bug_present():
+    if os.environ.get(KEEP_TOP_K_ENV) == "1" or "top_k" in REPLACED or not top_k_bug_present():
         return False
     from vllm.v1.sample.ops import topk_topp_sampler
 
-    original = topk_topp_sampler.apply_top_k_only
+    original = REPLACED["top_k"] = topk_topp_sampler.apply_top_k_only
 
     @functools.wraps(original)
     def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
