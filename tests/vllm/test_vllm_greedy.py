@@ -107,10 +107,15 @@ def test_the_demo_pair_gives_target_only_tokens(tmp_path):
         reference = greedy_tokens(llm, prompts, 32)
     finally:
         close(llm)
-    for policy in (FixedK(2), SVIP(0.5, max_candidates=4)):
-        llm = start(DEMO / "target", speculative_config(DEMO / "draft", stop_policy=policy, cache_dir=tmp_path),
+    head = Path(__file__).resolve().parents[2] / "demo" / "heads" / "next_wrej1_d1"  # a trained head of the pair
+    for name, policy in (("fixed_k", {"stop_policy": FixedK(2)}),
+                         ("svip", {"stop_policy": SVIP(0.5, max_candidates=4)}),
+                         ("head", {"head": head, "threshold": 0.5, "max_candidates": 4})):
+        llm = start(DEMO / "target", speculative_config(DEMO / "draft", cache_dir=tmp_path, **policy),
                     max_model_len=512, max_num_seqs=4)
         try:
-            assert greedy_tokens(llm, prompts, 32) == reference, policy.name
+            with recorded_lengths() as lengths:
+                assert greedy_tokens(llm, prompts, 32) == reference, name
+            assert lengths, name
         finally:
             close(llm)
