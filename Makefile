@@ -37,8 +37,10 @@ DEMO_TOKENS ?= 64             # max new tokens per decoded prompt
 DEMO_TRAINER ?= cpu           # conf/trainer: cpu, or gpu (bf16-mixed on CUDA; scripts/gpu_checks.sh)
 DEMO_THREADS ?= 1             # torch threads for infer (1: the target is overhead-bound at batch 1; 2 threads beside another job can run 25x slower)
 DEMO_FAST ?= auto             # infer's fast path: auto (graphs where CUDA is available, else eager: on a CPU compiling costs more than it saves at these sizes, docs/demo.md), null, static, compile, graphs or compile-graphs
-# auto resolved only where used (it imports torch): recursively expanded
-demo_fast_value = $(if $(filter auto,$(strip $(DEMO_FAST))),$(shell $(PYTHON) -c "import torch; print('graphs' if torch.cuda.is_available() else 'null')"),$(strip $(DEMO_FAST)))
+DEMO_COST_STEPS ?= 20         # timed calls per forward width for the pair's costs (python -m infer.costs --timing-steps)
+# auto resolved only where used (it imports torch: seconds), and then once: the first use replaces this
+# recursively expanded variable by a simply expanded one holding the answer
+demo_fast_value = $(eval demo_fast_value := $(if $(filter auto,$(strip $(DEMO_FAST))),$(shell $(PYTHON) -c "import torch; print('graphs' if torch.cuda.is_available() else 'null')"),$(strip $(DEMO_FAST))))$(demo_fast_value)
 demo_fast = $(filter static compile graphs compile-graphs,$(demo_fast_value))
 DEMO_COSTS = reports/demo/costs.json $(if $(demo_fast),reports/demo/costs_fast-$(demo_fast).json)
 DEMO_HEAD := heads/demo/wrej6_d3
@@ -77,9 +79,9 @@ demo-head: demo-data
 
 demo-costs: demo-pair  # per-forward costs of the pair, measured side by side (python -m infer.costs); with DEMO_FAST, on that path too
 	test -f reports/demo/costs.json || $(PYTHON) -m infer.costs --limit 1 --max-new-tokens 16 \
-		--timing-steps 20 --out reports/demo/pair.json --costs-out reports/demo/costs.json
+		--timing-steps $(strip $(DEMO_COST_STEPS)) --out reports/demo/pair.json --costs-out reports/demo/costs.json
 	$(if $(demo_fast),test -f reports/demo/costs_fast-$(demo_fast).json || $(PYTHON) -m infer.costs --fast $(demo_fast) \
-		--limit 1 --max-new-tokens 16 --timing-steps 20 --costs-out reports/demo/costs_fast-$(demo_fast).json)
+		--limit 1 --max-new-tokens 16 --timing-steps $(strip $(DEMO_COST_STEPS)) --costs-out reports/demo/costs_fast-$(demo_fast).json)
 
 demo-potential: demo-head demo-costs  # can the heads pay off? (dev split, no decoding)
 	$(PYTHON) -m infer.potential data/demo/bundled --split dev --costs reports/demo/costs.json \

@@ -71,10 +71,11 @@ def test_demo_draft_acceptance_is_above_a_floor(real_pair):
 
 @pytest.mark.slow
 def test_demo_pipeline_end_to_end_at_a_tiny_size(tmp_path, real_pair):
-    """make demo's stages on the real pair: data_gen, train, infer for every method, report."""
+    """make demo's stages on the real pair: data_gen, train, costs, potential, infer for every method, report
+    (each at its smallest: the costs' forwards timed 3 times a width, 8 new tokens a decoded prompt)."""
     env = {**os.environ, "SPECDECPP_CACHE": str(demo.cache_dir().parent)}
     sizes = ["DEMO_TRAIN_PROMPTS=4", "DEMO_DEV_PROMPTS=2", "DEMO_LABEL_TOKENS=16", "DEMO_TEST_PROMPTS=2",
-             "DEMO_HUMANEVAL_PROMPTS=1", "DEMO_TOKENS=12", "DEMO_THREADS=1"]
+             "DEMO_HUMANEVAL_PROMPTS=1", "DEMO_TOKENS=8", "DEMO_THREADS=1", "DEMO_COST_STEPS=3"]
     for name in ("Makefile", "conf", "specdecpp", "specdecpp_demo", "data_gen", "train", "infer", "demo", "scripts"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
