@@ -31,7 +31,16 @@ from specdecpp.fast.step import ModelSteps, model_steps, static_step
 from specdecpp.models.runner import ModelRunner
 from tests.helpers.tiny import tiny_lm
 from tests.models.test_static_batch_runner import run_random
-from tests.models.test_static_runner import DEVICES, MAX_LEN, VOCAB, close, on, run_both
+from tests.models.test_static_runner import (
+    COMPILED_SIZE,
+    COMPILED_VOCAB,
+    DEVICES,
+    MAX_LEN,
+    VOCAB,
+    close,
+    on,
+    run_both,
+)
 
 
 @pytest.fixture
@@ -219,8 +228,9 @@ def test_a_compiled_step_without_its_guards_agrees_and_refuses_a_recompile(resto
     graph (autograd on, where the step compiled with it off) is refused with an error, not run on the
     wrong graph; nothing compiles again."""
     set_compile_options("plain")
-    model = tiny_lm(VOCAB, 32, 2, seed=11)
-    runner = StaticRunner(model, VOCAB, want_hidden=False, max_len=MAX_LEN, buckets=(1,), fast="compile")
+    model = tiny_lm(COMPILED_VOCAB, 32, 2, seed=11)  # the compiled tests' model and cache (test_static_runner.py)
+    runner = StaticRunner(model, COMPILED_VOCAB, want_hidden=False, max_len=COMPILED_SIZE - 1, buckets=(1,),
+                          fast="compile")
     first = runner.feed(torch.tensor([5]))[0]  # the compile, under no_grad
     graphs = counters["stats"]["unique_graphs"]
     for token in (7, 9, 11):
@@ -267,13 +277,14 @@ def test_a_compiled_step_is_called_without_dynamo_and_writes_each_runners_own_ca
     bucket each read and write their own cache and agree with the eager static runner through random
     feeds; a call under another global state (autograd on) goes through dynamo, which refuses it."""
     set_compile_options("plain", device)
-    model = on(device, tiny_lm(VOCAB, 32, 2, seed=13))
+    model = on(device, tiny_lm(COMPILED_VOCAB, 32, 2, seed=13))  # the compiled tests' model and cache
     stances = []
     real = torch.compiler.set_stance
     monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or real(*a, **k))
-    runners = [StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="compile",
+    max_len = COMPILED_SIZE - 2
+    runners = [StaticRunner(model, COMPILED_VOCAB, want_hidden=True, max_len=max_len, buckets=(1, 2), fast="compile",
                             cover=False) for _ in range(2)]
-    eager = [StaticRunner(model, VOCAB, want_hidden=True, max_len=MAX_LEN, buckets=(1, 2), fast="static")
+    eager = [StaticRunner(model, COMPILED_VOCAB, want_hidden=True, max_len=max_len, buckets=(1, 2), fast="static")
              for _ in range(2)]
     for r in runners:
         r.feed(torch.tensor([3, 4], device=device))
