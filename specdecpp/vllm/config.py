@@ -36,7 +36,7 @@ OWNED_KEYS = ("method", "model", "num_speculative_tokens")
 
 
 def default_cache_dir() -> Path:
-    """Where bundles go: ``$SPECDECPP_CACHE/vllm`` (the project's cache), else ``~/.cache/specdecpp/vllm``."""
+    """Where bundles go: ``$SPECDECPP_CACHE/vllm`` (the project's cache), else ``specdecpp/vllm`` in the home cache."""
     root = os.environ.get("SPECDECPP_CACHE")
     return Path(root).expanduser() / "vllm" if root else Path.home() / ".cache" / "specdecpp" / "vllm"
 
