@@ -56,7 +56,7 @@ from .decoders.rounds import CallHooks
 from .models.fit import check_head_fit, config_hidden_size
 from .models.loading import check_vocab, token_set
 from .stopping.head import AcceptanceHead, load_head
-from .stopping.policies import SpecDecPP, StopPolicy, TargetOnly, check_threshold
+from .stopping.policies import SpecDecPP, StopPolicy, TargetOnly, check_policy_keywords
 
 # Processors applied position by position to both models' raw logits: pure functions of (prefix, scores).
 PROCESSORS = (
@@ -290,12 +290,7 @@ def resolve_policy(model, draft_model, head, threshold, stop_policy, sampling: S
     """The stop policy and the draft of a call: ``stop_policy`` as given, or SpecDec++ with ``head``
     (a directory, a hub id or a loaded head) at ``threshold``; a head is checked against the draft,
     the sampling and the rule (``specdecpp.models.fit``)."""
-    if stop_policy is not None and (head is not None or threshold is not None):
-        raise ValueError("give either stop_policy=... or head=... (with threshold=...), not both")
-    if threshold is not None:
-        check_threshold("specdecpp.hf.generate", "threshold", threshold)
-        if head is None:
-            raise ValueError("threshold=... is the SpecDec++ stop threshold of a head: give head=... as well")
+    check_policy_keywords("specdecpp.hf.generate", head, threshold, stop_policy)
     if head is not None:
         if isinstance(head, AcceptanceHead):
             artifact = "head"

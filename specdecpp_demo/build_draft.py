@@ -39,10 +39,8 @@ artifact ships only the layers and the projections (a few MB); specdecpp_demo re
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
-import sysconfig
 import time
 from pathlib import Path
 
@@ -71,6 +69,7 @@ from specdecpp_demo.projected import (
     OUTPUT_PROJECTION,
     ProjectedDraft,
 )
+from specdecpp_demo.text import text_files, text_windows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # this builder runs from a checkout (git, conf/distill)
 
@@ -167,31 +166,6 @@ def generate(recipe: dict, work: Path, part: tuple[int, int] = (0, 1)) -> None:
         path = shard_dir / f"{name}.safetensors"
         save_file(tensors, str(path.with_suffix(".part")), metadata={"prompt_len": str(prompt.shape[1])})
         path.with_suffix(".part").replace(path)
-
-
-def text_files(patterns: list[str]) -> list[Path]:
-    """Files matching the glob patterns; ``{stdlib}`` stands for this Python's standard library."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = set()
-    for pattern in patterns:
-        pattern = pattern.format(stdlib=stdlib)
-        files.update(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    return sorted(files)
-
-
-def text_windows(tokenizer, files: list[Path], count: int, window: int, seed: int):
-    """``count`` windows of ``window`` token ids from the files in a seeded order, EOS between files."""
-    order = np.random.default_rng(seed).permutation(len(files))
-    stream, windows = [], []
-    for i in order:
-        stream += tokenizer(files[i].read_text(errors="replace"), add_special_tokens=False)["input_ids"]
-        stream.append(tokenizer.eos_token_id)
-        while len(stream) >= window and len(windows) < count:
-            windows.append(stream[:window])
-            stream = stream[window:]
-        if len(windows) == count:
-            return windows
-    raise ValueError(f"the label files give only {len(windows)} windows of {window} tokens; {count} wanted")
 
 
 def label(recipe: dict, work: Path) -> None:

@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import json
 import os
-import sysconfig
 import time
 from pathlib import Path
 
@@ -61,6 +59,7 @@ from tqdm import tqdm
 
 from specdecpp.models.feature_draft import FeatureDraft, default_aux_layers
 from specdecpp.training.schedules import warmup_cosine
+from specdecpp_demo.text import text_files, text_windows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "conf" / "distill" / "feature.yaml"
@@ -163,30 +162,6 @@ def shard_plan(recipe: dict, tokenizer) -> list[dict]:
             plan.append(answer_shards.pop(0))
             planned["answers"] += est_answer
     return plan
-
-
-def text_files(patterns: list[str]) -> list[Path]:
-    """Files matching the glob patterns; ``{stdlib}`` stands for this Python's standard library."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = set()
-    for pattern in patterns:
-        files.update(Path(p) for p in glob.glob(pattern.format(stdlib=stdlib), recursive=True) if Path(p).is_file())
-    return sorted(files)
-
-
-def text_windows(tokenizer, files: list[Path], count: int, window: int, seed: int) -> list[list[int]]:
-    """``count`` windows of ``window`` token ids from the files in a seeded order, EOS between files."""
-    order = np.random.default_rng(seed).permutation(len(files))
-    stream, windows = [], []
-    for i in order:
-        stream += tokenizer(files[i].read_text(errors="replace"), add_special_tokens=False)["input_ids"]
-        stream.append(tokenizer.eos_token_id)
-        while len(stream) >= window and len(windows) < count:
-            windows.append(stream[:window])
-            stream = stream[window:]
-        if len(windows) == count:
-            return windows
-    raise ValueError(f"the text files give only {len(windows)} windows of {window} tokens; {count} wanted")
 
 
 def sample_answers(target, tokenizer, spec: dict, max_new_tokens: int, top_k: int) -> tuple[list, list]:

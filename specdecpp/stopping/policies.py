@@ -35,6 +35,17 @@ def check_threshold(where: str, key: str, value) -> float:
     return float(value)
 
 
+def check_policy_keywords(where: str, head, threshold, stop_policy) -> None:
+    """The stop-policy keywords of a call (``specdecpp.hf.generate``, ``specdecpp.vllm``): ``stop_policy``
+    or ``head`` with its ``threshold``, never both; a threshold only with a head, and in (0, 1)."""
+    if stop_policy is not None and (head is not None or threshold is not None):
+        raise ValueError("give either stop_policy=... or head=... (with threshold=...), not both")
+    if threshold is not None:
+        check_threshold(where, "threshold", threshold)
+        if head is None:
+            raise ValueError("threshold=... is the SpecDec++ stop threshold of a head: give head=... as well")
+
+
 def check_count(where: str, key: str, value, minimum: int = 1) -> int:
     """An integer >= ``minimum`` (not a bool): the one check of every count setting."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..models.fit import check_draft_fit, check_sampling_fit
 from ..stopping.head import AcceptanceHead, load_head
-from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_threshold
+from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_policy_keywords
 from .version import check_version
 
 POLICY_FILE = "specdecpp_stop_policy.json"
@@ -57,12 +57,7 @@ def resolve_policy(head, threshold, max_candidates, stop_policy) -> StopPolicy:
     hub id or a loaded head) at ``threshold``, or ``stop_policy`` (an object, or a name with its
     defaults). ``max_candidates`` bounds a head's drafts (SpecDecPP's default otherwise); a given
     policy carries its own."""
-    if stop_policy is not None and (head is not None or threshold is not None):
-        raise ValueError("give either stop_policy=... or head=... (with threshold=...), not both")
-    if threshold is not None:
-        check_threshold("specdecpp.vllm.speculative_config", "threshold", threshold)
-        if head is None:
-            raise ValueError("threshold=... is the SpecDec++ stop threshold of a head: give head=... as well")
+    check_policy_keywords("specdecpp.vllm.speculative_config", head, threshold, stop_policy)
     if max_candidates is not None:
         check_count("specdecpp.vllm.speculative_config", "max_candidates", max_candidates)
     if head is not None:
