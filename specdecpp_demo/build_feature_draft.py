@@ -5,6 +5,11 @@
     python -m specdecpp_demo.build_feature_draft export [--out DIR]
     python -m specdecpp_demo.build_feature_draft all    # data, then train, then export
 
+On two cores: ``data --worker 0/2`` and ``data --worker 1/2`` (each writes every other shard of the
+plan); ``train`` may start once the validation shards exist while one ``data`` goes on: it reads the
+shards written since at each eval. ``train.init`` continues a shipped artifact's training (a session's
+build starts from the last session's layers on fresh data).
+
 Work files go to ``$SPECDECPP_CACHE/demo/feature/<config stem>`` (default .cache/demo/feature/feature),
 or to the config's ``work``.
 
@@ -51,7 +56,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -224,7 +228,9 @@ def shard_tokens(path: Path) -> int:
         return int(f.metadata()["tokens"])
 
 
-def data(recipe: dict, work: Path) -> None:
+def data(recipe: dict, work: Path, worker: tuple[int, int] = (0, 1)) -> None:
+    """Write the planned shards that are missing. ``worker=(i, n)``: this process takes the plan's
+    shards i, i + n, i + 2n, ... (n processes on n cores share one plan; each shard is written by one)."""
     d = recipe["data"]
     shard_dir = shards_dir(recipe, work)
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +239,11 @@ def data(recipe: dict, work: Path) -> None:
     plan = shard_plan(recipe, tokenizer)
     windows = None
     t0, made, made_tokens = time.time(), 0, 0
-    progress_path = work / "data_progress.json"
+    index, workers = worker
+    if not 0 <= index < workers:
+        raise SystemExit(f"data: worker {index} of {workers} is out of range (want 0 <= i < n)")
+    plan = plan[index::workers]
+    progress_path = work / ("data_progress.json" if workers == 1 else f"data_progress_{index}of{workers}.json")
 
     def stored() -> tuple[int, int]:
         paths = [p for p in shard_dir.glob("*.safetensors") if not p.name.startswith("val_")]
@@ -322,64 +332,9 @@ def collate(rows: list[dict]) -> dict:
 
 # ---------------------------------------------------------------- the training-time test
 
-def _layer_step(layer, h, embeds, rope, keys: list, values: list, step: int, mask: torch.Tensor) -> torch.Tensor:
-    """FeatureDecoderLayer.forward for one unrolled step over all anchors, attending the step-0
-    entries causally and every later step's entry of the same anchor (``mask``)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    if layer.first:
-        normed = layer.hidden_norm(h)
-        residual = normed if layer.norm_before_residual else h
-        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
-    else:
-        residual, x = h, layer.input_layernorm(h)
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, *rope)
-    keys.append(k)
-    values.append(v)
-    group = attn.heads // attn.kv_heads
-    kk = torch.cat(keys, dim=2).repeat_interleave(group, dim=1)
-    vv = torch.cat(values, dim=2).repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask)
-    h = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
 def ttt_forward(draft: FeatureDraft, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The draft unrolled ``steps`` steps over every anchor i = 0..L-2 of ``tokens`` [B, L]
-    (x_0..x_{L-1}) with the target's ``features`` [B, L, F]: step k at anchor i reads the token
-    x_{i+1+k} at position i+k and, for k = 0, the feature g_i, for k > 0 its own output of step
-    k-1 at anchor i; it predicts x_{i+2+k} (the target's distribution at position i+1+k). Exactly
-    what drafting k+1 tokens after the prefix x_0..x_{i+1} computes (tests check it against
-    FeatureDraft.forward with a cache). Returns the normed outputs [B, L-1, H] of each step
-    (logits: ``draft.lm_head`` of them, over the draft vocabulary)."""
-    b, length = tokens.shape
-    t = length - 1
-    dev = tokens.device
-    g = features[:, :t].to(draft.dtype)
-    u = draft.fc(draft.input_norm(g) if draft.input_norm is not None else g)
-    keys = [[] for _ in draft.layers]
-    values = [[] for _ in draft.layers]
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    eye = torch.eye(t, dtype=torch.bool, device=dev)
-    outs = []
-    for k in range(steps):
-        ids = torch.cat([tokens[:, 1 + k:], tokens.new_zeros((b, k))], dim=1)[:, :t]
-        position_ids = (torch.arange(t, device=dev) + k).expand(b, t)
-        embeds = draft.embed_tokens(ids)
-        rope = draft.rotary_emb(embeds, position_ids)
-        mask = torch.cat([causal] + [eye] * k, dim=1)[None, None]
-        h = u
-        for i, layer in enumerate(draft.layers):
-            h = _layer_step(layer, h, embeds, rope, keys[i], values[i], k, mask)
-        normed = draft.norm(h)
-        outs.append(normed)
-        u = normed if draft.spec_config["norm_output"] else h
-    return outs
+    """The normed outputs [B, L-1, H] of each unrolled step (:meth:`FeatureDraft.unrolled`)."""
+    return [step.normed for step in draft.unrolled(tokens, features, steps)]
 
 
 class Teacher:
@@ -513,6 +468,24 @@ def save_atomic(obj, path: Path) -> None:
     path.with_suffix(".tmp").replace(path)
 
 
+def warm_start(draft: FeatureDraft, artifact: Path) -> int:
+    """Load a shipped artifact's trained layers into ``draft`` (a later session continues an earlier
+    one's training on fresh data); returns the positions that artifact had seen."""
+    weights = artifact / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"train.init {str(artifact)!r}: no model.safetensors there (the shipped form that "
+                                "`export` writes to <work>/export/artifact)")
+    tensors = load_file(str(weights))
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - set(FROZEN):
+        raise ValueError(f"train.init {str(artifact)!r} does not fit this draft: missing "
+                         f"{sorted(set(missing) - set(FROZEN))}, unexpected {sorted(unexpected)}")
+    info = artifact / "trained.json"
+    seen = int(json.loads(info.read_text()).get("tokens_seen", 0)) if info.is_file() else 0
+    print(f"warm start from {artifact} ({seen} positions seen before)", flush=True)
+    return seen
+
+
 def train(recipe: dict, work: Path) -> None:
     tr = recipe["train"]
     steps_ttt = tr["ttt_steps"]
@@ -526,6 +499,15 @@ def train(recipe: dict, work: Path) -> None:
     draft = build_draft(recipe, target)
     del target
     train_rows = sequences([read_shard(p) for p in train_paths])
+    loaded = set(train_paths)
+
+    def load_new_shards() -> None:
+        """Shards a `data` process still running has written since: training starts while data is made."""
+        new = sorted(p for p in shard_dir.glob("*.safetensors") if not p.name.startswith("val_") and p not in loaded)
+        if new:
+            train_rows.extend(sequences([read_shard(p) for p in new]))
+            loaded.update(new)
+            tqdm.write(f"train: {len(new)} new shards, {len(train_rows)} rows in all")
     val_rows = sequences([read_shard(p) for p in val_paths])[: tr.get("val_rows")]
     n_train_tokens = sum(r["token_ids"].numel() for r in train_rows)
     print(f"train: {len(train_rows)} rows, {n_train_tokens} positions from {len(train_paths)} shards; "
@@ -549,6 +531,8 @@ def train(recipe: dict, work: Path) -> None:
     else:
         with open(csv_path, "w", newline="") as f:
             csv.DictWriter(f, fields).writeheader()
+        if tr.get("init"):
+            state["tokens_seen"] = warm_start(draft, REPO_ROOT / tr["init"])
 
     def log_eval(train_loss: float | None, tok_s: float | None) -> None:
         draft.eval()
@@ -603,6 +587,7 @@ def train(recipe: dict, work: Path) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{n_tokens / dt:.0f}")
         if step % tr["eval_every"] == 0 or step == total:
+            load_new_shards()
             log_eval(window_loss / window_n, window_tokens / window_t)
             window_loss, window_n, window_tokens, window_t = 0.0, 0, 0, 0.0
             checkpoint()
@@ -641,6 +626,7 @@ def export(recipe: dict, work: Path, out: Path | None = None) -> Path:
     save_file(tensors, str(artifact / "model.safetensors"), metadata={"format": "pt"})
     (artifact / "config.json").write_text(json.dumps(draft.spec_config, indent=2) + "\n")
     (artifact / "trained.json").write_text(json.dumps({"rebuilt_from_target": [k for k in FROZEN if k not in tensors],
+                                                       "tokens_seen": best["state"]["tokens_seen"],
                                                        "best": best["metrics"], "recipe": recipe}, indent=1))
     size = sum(f.stat().st_size for f in artifact.iterdir()) / 1e6
     print(f"wrote {full} (speculators format, bf16) and {artifact} "
@@ -672,13 +658,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=None,
                         help="export: the full directory (default <work>/export/full)")
+    parser.add_argument("--worker", default="0/1", metavar="I/N",
+                        help="data: this process writes shards I, I+N, ... of the plan (run N processes, one per core)")
     args = parser.parse_args(argv)
+    try:
+        worker = tuple(int(x) for x in args.worker.split("/"))
+        assert len(worker) == 2 and worker[1] >= 1
+    except (ValueError, AssertionError):
+        parser.error(f"--worker {args.worker!r}: want I/N, e.g. 0/2")
     recipe = load_recipe(args.config)
     torch.set_num_threads(int(recipe.get("threads", 1)))
     work = work_dir(recipe, args.config)
     work.mkdir(parents=True, exist_ok=True)
     if args.stage in ("data", "all"):
-        data(recipe, work)
+        data(recipe, work, worker)
     if args.stage in ("train", "all"):
         train(recipe, work)
     if args.stage in ("export", "all"):

@@ -52,6 +52,11 @@ class FeatureDraftOutput(NamedTuple):
     hidden: torch.Tensor  # [B, T, H]: what the next step takes as ``hidden=`` (and what a head reads)
 
 
+class UnrolledStep(NamedTuple):
+    normed: torch.Tensor  # [B, L-1, H]: the final norm's output (``lm_head`` of it: logits over the draft's ids)
+    hidden: torch.Tensor  # [B, L-1, H]: what the next step reads (FeatureDraftOutput.hidden)
+
+
 class FeatureDraftCache:
     """The draft's KV cache: one preallocated [B, kv_heads, capacity, head_dim] buffer per layer for
     keys and values; ``length`` positions are valid. Rolling back is setting ``length`` (the stale
@@ -117,7 +122,8 @@ class FeatureAttention(torch.nn.Module):
         self.v_proj = torch.nn.Linear(in_size, kv_heads * head_dim, bias=bias)
         self.o_proj = torch.nn.Linear(heads * head_dim, layer["hidden_size"], bias=bias)
 
-    def forward(self, x, rope, mask, cache: FeatureDraftCache | None, layer: int, start: int) -> torch.Tensor:
+    def project(self, x, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, d], k and v [B, kv_heads, T, d] of ``x`` [B, T, in], rotated."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         b, t, _ = x.shape
@@ -125,12 +131,27 @@ class FeatureAttention(torch.nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
+        return q, k, v
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1).to(q.dtype), v.repeat_interleave(group, dim=1).to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, t, _ = q.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, rope, mask, cache: FeatureDraftCache | None, layer: int, start: int,
+                earlier: tuple[list, list] | None = None) -> torch.Tensor:
+        """``earlier``: the unrolled form's (keys, values) of the steps before this one: this step's
+        k, v are appended and every entry attended under ``mask`` (:meth:`FeatureDraft.unrolled`)."""
+        q, k, v = self.project(x, rope)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if earlier is not None:
+            earlier[0].append(k)
+            earlier[1].append(v)
+            k, v = torch.cat(earlier[0], dim=2), torch.cat(earlier[1], dim=2)
+        return self.attend(q, k, v, mask)
 
 
 class FeatureDecoderLayer(torch.nn.Module):
@@ -148,14 +169,14 @@ class FeatureDecoderLayer(torch.nn.Module):
         self.hidden_norm = _rms_norm(hidden, eps) if first else None
         self.post_attention_layernorm = _rms_norm(hidden, eps)
 
-    def forward(self, h, embeds, rope, mask, cache, layer: int, start: int) -> torch.Tensor:
+    def forward(self, h, embeds, rope, mask, cache, layer: int, start: int, earlier=None) -> torch.Tensor:
         if self.first:
             normed = self.hidden_norm(h)
             residual = normed if self.norm_before_residual else h
             x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         else:
             residual, x = h, self.input_layernorm(h)
-        h = residual + self.self_attn(x, rope, mask, cache, layer, start)
+        h = residual + self.self_attn(x, rope, mask, cache, layer, start, earlier)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -290,6 +311,40 @@ class FeatureDraft(torch.nn.Module):
         kept = normed if n_logits is None else normed[:, t - n_logits:]
         fed_back = normed if self.spec_config["norm_output"] else h
         return FeatureDraftOutput(self.full_logits(self.lm_head(kept)), fed_back)
+
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[UnrolledStep]:
+        """The draft unrolled ``steps`` steps over every anchor i = 0..L-2 of ``tokens`` [B, L]
+        (x_0..x_{L-1}, right-padded rows are fine) with the target's ``features`` [B, L, F*H] of
+        those positions, in one pass per step (the training-time test's form; data_gen's labels at
+        depth k + 1): step k at anchor i reads the token x_{i+1+k} at position i+k and, for k = 0,
+        the feature g_i, for k > 0 its own output of step k-1 at anchor i; it predicts x_{i+2+k}.
+        Attention: the step-0 entries causally, then each later step's entry of the same anchor,
+        which is exactly what drafting k+1 tokens after the prefix x_0..x_{i+1} with a cache
+        computes (tests/models/test_feature_draft.py checks it). Returns one :class:`UnrolledStep`
+        per step: ``normed`` [B, L-1, H] (``lm_head`` of it: the logits over the draft's ids) and
+        ``hidden`` (what the next step reads, and what a head reads)."""
+        b, length = tokens.shape
+        t = length - 1
+        dev = tokens.device
+        g = features[:, :t].to(self.dtype)
+        u = self.fc(self.input_norm(g) if self.input_norm is not None else g)
+        earlier = [([], []) for _ in self.layers]
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(t, dtype=torch.bool, device=dev)
+        outs = []
+        for k in range(steps):
+            ids = torch.cat([tokens[:, 1 + k:], tokens.new_zeros((b, k))], dim=1)[:, :t]
+            position_ids = (torch.arange(t, device=dev) + k).expand(b, t)
+            embeds = self.embed_tokens(ids)
+            rope = self.rotary_emb(embeds, position_ids)
+            mask = torch.cat([causal] + [eye] * k, dim=1)[None, None]
+            h = u
+            for i, layer in enumerate(self.layers):
+                h = layer(h, embeds, rope, mask, None, i, 0, earlier[i])
+            normed = self.norm(h)
+            u = normed if self.spec_config["norm_output"] else h
+            outs.append(UnrolledStep(normed, u))
+        return outs
 
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V_d] over the draft's ids as logits [..., V]: -inf off its vocabulary."""

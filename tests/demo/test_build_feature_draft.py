@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import csv
 
-import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
 from specdecpp.models.feature_draft import FeatureDraft
 from specdecpp_demo import build_feature_draft as build
-from tests.helpers.tiny import tiny_lm
 
 
 def tiny_recipe(tmp_path, target: str, steps: int) -> dict:
@@ -74,28 +72,3 @@ def test_data_train_resume_export(tmp_path, tiny_pair):
     again = FeatureDraft.from_pretrained(rebuilt, target=target)
     for k, v in draft.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v)
-
-
-@pytest.mark.parametrize("n_layers", [1, 2])
-def test_ttt_forward_equals_drafting_with_a_cache(n_layers):
-    target = tiny_lm(64, 48, 4, seed=3)
-    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 64, 2), num_layers=n_layers,
-                                   generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        feats = draft.fuse(target(tokens, output_hidden_states=True).hidden_states)
-        outs = build.ttt_forward(draft, tokens, feats, steps=3)
-        for i in (0, 3, 5):  # anchor i: prefix x_0..x_{i+1}, target features g_0..g_i
-            cache = draft.new_cache()
-            out = draft(tokens[:, 1:i + 2], features=feats[:, :i + 1], cache=cache)
-            hidden = out.hidden[:, -1:]
-            torch.testing.assert_close(outs[0][:, i], hidden[:, 0])
-            for k in (1, 2):
-                if i + 1 + k >= tokens.shape[1]:
-                    break
-                out = draft(tokens[:, i + 1 + k:i + 2 + k], hidden=hidden, cache=cache)
-                hidden = out.hidden
-                torch.testing.assert_close(outs[k][:, i], hidden[:, 0])

@@ -403,3 +403,35 @@ def test_speculators_model_gives_the_same_logits(speculators_pair):
                position_ids=torch.arange(1, 10)[None], ttt_steps=1)
         ours = draft(ids, features=feats).logits
     torch.testing.assert_close(ours[..., draft.token_ids], seen[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_unrolled_equals_drafting_with_a_cache(n_layers, device):
+    """FeatureDraft.unrolled (training-time test, data_gen's labels at depth k) at every step and
+    anchor computes what drafting after that prefix with a cache computes: the hidden state fed on
+    and the logits."""
+    target = tiny_lm(64, 48, 4, seed=3)
+    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 64, 2), num_layers=n_layers,
+                                   generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    target, draft = target.to(device), draft.to(device)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        feats = draft.fuse(target(tokens, output_hidden_states=True).hidden_states)
+        steps = draft.unrolled(tokens, feats, steps=3)
+        for i in (0, 3, 5):  # anchor i: prefix x_0..x_{i+1}, target features g_0..g_i
+            cache = draft.new_cache()
+            out = draft(tokens[:, 1:i + 2], features=feats[:, :i + 1], cache=cache, n_logits=1)
+            hidden = out.hidden[:, -1:]
+            for k in range(3):
+                if k:
+                    if i + 1 + k >= tokens.shape[1]:
+                        break
+                    out = draft(tokens[:, i + 1 + k:i + 2 + k], hidden=hidden, cache=cache)
+                hidden = out.hidden[:, -1:]
+                torch.testing.assert_close(steps[k].hidden[:, i], hidden[:, 0])
+                torch.testing.assert_close(draft.full_logits(draft.lm_head(steps[k].normed[:, i])), out.logits[:, -1],
+                                           atol=1e-4, rtol=1e-4)
