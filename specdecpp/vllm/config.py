@@ -23,13 +23,14 @@ from pathlib import Path
 from ..models.fit import check_draft_fit, check_sampling_fit
 from ..stopping.head import AcceptanceHead, load_head
 from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_policy_keywords
+from .acceptance import OnlineAcceptance
 from .version import check_version
 
 POLICY_FILE = "specdecpp_stop_policy.json"
 HEAD_DIR = "specdecpp_head"
 FORMAT = 1
 # The policies a bundle can name, by their ``name``; each is rebuilt from its settings (``policy_spec``).
-POLICIES = {"fixed_k": FixedK, "svip": SVIP, "specdecpp": SpecDecPP}
+POLICIES = {"fixed_k": FixedK, "svip": SVIP, "specdecpp": SpecDecPP, "online_acceptance": OnlineAcceptance}
 SPECDECPP_KEYS = ("threshold", "min_candidates", "max_candidates")
 # Keys of vLLM's speculative config this module sets itself.
 OWNED_KEYS = ("method", "model", "num_speculative_tokens")
@@ -47,8 +48,8 @@ def policy_by_name(name: str) -> type[StopPolicy]:
         raise ValueError("stop_policy 'target_only' drafts nothing: for target-only decoding pass no "
                          "speculative_config to vLLM at all")
     if name not in POLICIES:
-        raise ValueError(f"unknown stop policy {name!r}: choose one of {sorted(POLICIES)} (or pass a FixedK, SVIP "
-                         "or SpecDecPP object)")
+        raise ValueError(f"unknown stop policy {name!r}: choose one of {sorted(POLICIES)} (or pass a FixedK, SVIP, "
+                         "SpecDecPP or OnlineAcceptance object)")
     return POLICIES[name]
 
 
@@ -74,8 +75,8 @@ def resolve_policy(head, threshold, max_candidates, stop_policy) -> StopPolicy:
     if isinstance(stop_policy, str):
         stop_policy = policy_by_name(stop_policy)()
     if not isinstance(stop_policy, StopPolicy):
-        raise TypeError(f"stop_policy must be a specdecpp StopPolicy (FixedK, SVIP, SpecDecPP) or its name, got "
-                        f"{type(stop_policy).__name__}")
+        raise TypeError(f"stop_policy must be a specdecpp StopPolicy (FixedK, SVIP, SpecDecPP, OnlineAcceptance) or "
+                        f"its name, got {type(stop_policy).__name__}")
     policy_by_name(stop_policy.name)  # TargetOnly and policies a bundle cannot rebuild are refused by name
     if type(stop_policy) is not POLICIES[stop_policy.name]:
         raise TypeError(f"stop_policy {type(stop_policy).__name__} cannot be sent to vLLM: a bundle rebuilds only "

@@ -11,6 +11,7 @@ import torch
 from specdecpp import SVIP, FixedK, SpecDecPP, TargetOnly
 from specdecpp.vllm import config as vllm_config
 from specdecpp.vllm import read_policy, speculative_config, speculative_config_json
+from specdecpp.vllm.acceptance import OnlineAcceptance
 from specdecpp.vllm.version import SUPPORTED, check_version, release
 from tests.helpers.tiny import ConstantHead, random_next_head, tiny_lm
 
@@ -39,6 +40,16 @@ def test_a_policy_travels_in_a_bundle_beside_the_draft(draft_dir, tmp_path):
     assert json.loads(speculative_config_json(draft_dir, stop_policy="fixed_k", cache_dir=tmp_path))[
         "num_speculative_tokens"] == FixedK().k
     assert read_policy(draft_dir) is None  # a plain draft: vLLM's own proposer
+
+
+def test_the_online_acceptance_baseline_travels_in_a_bundle(draft_dir, tmp_path):
+    spec = speculative_config(draft_dir, stop_policy=OnlineAcceptance(0.6, max_candidates=3, refit_interval=20),
+                              cache_dir=tmp_path)
+    policy = read_policy(spec["model"])
+    assert isinstance(policy, OnlineAcceptance) and spec["num_speculative_tokens"] == 3
+    assert policy.settings() == {"threshold": 0.6, "max_candidates": 3, "refit_interval": 20}
+    assert isinstance(read_policy(speculative_config(draft_dir, stop_policy="online_acceptance",
+                                                     cache_dir=tmp_path)["model"]), OnlineAcceptance)
 
 
 @pytest.mark.parametrize("make_head", [lambda: ConstantHead(64, 2.0), lambda: random_next_head(64, 1, seed=3)])
