@@ -24,6 +24,7 @@ from ..models.fit import check_draft_fit, check_sampling_fit
 from ..stopping.head import AcceptanceHead, load_head
 from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_policy_keywords
 from .acceptance import OnlineAcceptance
+from .load_aware import DRAFT_MODES, StepCosts
 from .version import check_version
 
 POLICY_FILE = "specdecpp_stop_policy.json"
@@ -95,6 +96,38 @@ def policy_spec(policy: StopPolicy) -> dict:
     return {"format": FORMAT, "policy": policy.name, "settings": policy.settings()}
 
 
+def load_aware_spec(load_aware, mode: str) -> dict | None:
+    """What a bundle records of ``speculative_config(load_aware=...)``: None (off), or the draft-cost
+    mode with the step costs (a :class:`StepCosts`, a path to its JSON) or None (True: the proposer
+    measures them at start-up)."""
+    if load_aware is None or load_aware is False:
+        return None
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"load_aware_mode must be one of {DRAFT_MODES}, got {mode!r}")
+    if load_aware is True:
+        costs = None
+    elif isinstance(load_aware, StepCosts):
+        costs = load_aware.to_json()
+    elif isinstance(load_aware, (str, os.PathLike)):
+        costs = StepCosts.load(load_aware).to_json()
+    else:
+        raise TypeError(f"load_aware must be True (measure the step costs at start-up), a StepCosts or the path of "
+                        f"its JSON (StepCosts.save), got {type(load_aware).__name__}")
+    return {"mode": mode, "costs": costs}
+
+
+def read_load_aware(bundle: str | os.PathLike) -> dict | None:
+    """A bundle's load-aware setting (:func:`load_aware_spec`, its costs as a StepCosts), None if off."""
+    path = Path(bundle) / POLICY_FILE
+    if not path.is_file():
+        return None
+    spec = json.loads(path.read_text()).get("load_aware")
+    if spec is None:
+        return None
+    costs = spec.get("costs")
+    return {"mode": spec["mode"], "costs": None if costs is None else StepCosts.from_json(costs, where=str(path))}
+
+
 def read_policy(bundle: str | os.PathLike) -> StopPolicy | None:
     """The stop policy a bundle names (its head loaded from the bundle), or None for a plain draft
     directory (no :data:`POLICY_FILE`)."""
@@ -131,10 +164,12 @@ def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling)
         check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
 
 
-def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path) -> Path:
-    """The bundle of ``draft`` and ``policy`` under ``cache_dir``, named by a digest of both (written
-    once; an existing one with the same digest is reused)."""
+def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path, load_aware: dict | None = None) -> Path:
+    """The bundle of ``draft`` and ``policy`` (and the load-aware setting) under ``cache_dir``, named by
+    a digest of them (written once; an existing one with the same digest is reused)."""
     spec = policy_spec(policy)
+    if load_aware is not None:
+        spec["load_aware"] = load_aware
     digest = hashlib.sha256(json.dumps([str(draft), spec], sort_keys=True).encode())
     head_state = None
     if isinstance(policy, SpecDecPP):
@@ -165,7 +200,7 @@ def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path) -> Path:
 def speculative_config(draft: str | os.PathLike, head=None, threshold: float | None = None,
                        max_candidates: int | None = None, stop_policy: StopPolicy | str | None = None, *,
                        draft_name: str | None = None, sampling=None, cache_dir: str | os.PathLike | None = None,
-                       **vllm_options) -> dict:
+                       load_aware=False, load_aware_mode: str = "dense", **vllm_options) -> dict:
     """The ``speculative_config`` of ``vllm.LLM`` that drafts with ``draft`` (a local model directory)
     and stops each request's draft by a stop policy: SpecDec++ with ``head`` at ``threshold`` (within
     ``max_candidates``), or ``stop_policy`` (``SVIP(0.3)``, ``FixedK(2)``, or a name: ``"svip"``).
@@ -188,7 +223,9 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
     clash = sorted(set(vllm_options) & set(OWNED_KEYS))
     if clash:
         raise ValueError(f"speculative_config sets {', '.join(clash)} itself: drop them from the keywords")
-    bundle = write_bundle(draft_dir, policy, Path(cache_dir).expanduser() if cache_dir else default_cache_dir())
+    load_aware = load_aware_spec(load_aware, load_aware_mode)
+    bundle = write_bundle(draft_dir, policy, Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
+                          load_aware)
     # probabilistic: the draft samples from q as the project's decoders do (both are exact)
     return {"method": "draft_model", "model": str(bundle), "num_speculative_tokens": policy.max_candidates,
             "draft_sample_method": "probabilistic", **vllm_options}

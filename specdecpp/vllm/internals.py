@@ -25,6 +25,13 @@ What is touched, and why:
    no request of a step has a draft token left (each request's last token, e.g. ``max_tokens``
    reached). Where that raises (:func:`top_k_bug_present`), it is wrapped to return the empty
    logits as they are (:func:`install_top_k_fix`); ``SPECDECPP_VLLM_KEEP_CPU_TOP_K=1`` keeps vLLM's.
+5. Load-aware lengths and the online estimator (docs/vllm.md, "Load-aware lengths"): the subclass
+   also overrides ``prepare_next_token_ids_cpu`` / ``prepare_next_token_ids_padded`` (the runner calls
+   one with the step's sampled tokens before ``propose``; their valid counts are each request's
+   accepted + 1, by ``gpu_input_batch.req_ids``) to feed the online acceptance estimator, reads
+   ``runner.input_batch.req_ids`` after ``propose``, and, to measure the step costs at start-up
+   (``load_aware=True``), times ``runner._dummy_run(n, is_profile=True)`` (the target over n tokens)
+   and the proposer's own ``dummy_run(b)`` (its passes over b rows) at the end of ``load_model``.
 
 :func:`register` is the ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls it in
 every process before it builds a model runner.
@@ -38,8 +45,9 @@ import os
 
 import torch
 
-from .config import read_policy
-from .drafts import StoppedDrafts
+from .config import read_load_aware, read_policy
+from .drafts import LoadAware, Outcomes, StoppedDrafts
+from .load_aware import StepCosts, measure_step_costs
 from .version import SUPPORTED_BELOW, SUPPORTED_MIN, check_version, installed_version, release
 
 logger = logging.getLogger("specdecpp.vllm")
@@ -112,18 +120,63 @@ def proposer_class() -> type:
                                  "one token per pass: unset use_heterogeneous_vocab, parallel_drafting and "
                                  "use_local_argmax_reduction")
             logger.info("specdecpp.vllm: drafts stopped by %s %s", self.stop_policy.name, self.stop_policy.settings())
+            self._runner = runner
+            self._outcomes = Outcomes()
+            self._load_aware_spec = read_load_aware(self.speculative_config.draft_model_config.model)
+            self.load_aware: LoadAware | None = None
 
         def load_model(self, target_model) -> None:
             super().load_model(target_model)
+            if self.stop_policy is None:
+                return
+            self._view = DraftView(self.model, self.speculative_config.draft_model_config.hf_config)
+            spec = self._load_aware_spec
+            if spec is not None:
+                costs = spec["costs"] or self._measure_step_costs()
+                self.load_aware = LoadAware(costs, self.stop_policy, self.num_speculative_tokens, spec["mode"])
+                logger.info("specdecpp.vllm: load-aware lengths (%s draft passes) on step costs %s", spec["mode"],
+                            costs.to_json())
+
+        def _measure_step_costs(self):
+            """The target's seconds over its token counts and one draft pass's over batch sizes, with
+            vLLM's own dummy runs of the loaded models (``runner._dummy_run``, ``self.dummy_run``)."""
+            runner = self._runner
+            if runner is None or not hasattr(runner, "_dummy_run"):
+                raise ValueError("load_aware=True measures the step costs with the model runner's dummy runs, "
+                                 "which this proposer was built without: pass load_aware=StepCosts(...) or a JSON")
+            max_reqs = runner.max_num_reqs
+            k = self.num_speculative_tokens
+            tokens = sorted({1, max_reqs, max_reqs * (k + 1) // 2, max_reqs * (k + 1)} & set(
+                range(1, runner.max_num_tokens + 1)))
+            batches = sorted({1, max(1, max_reqs // 2), max_reqs})
+            with torch.inference_mode():
+                costs = measure_step_costs(lambda n: runner._dummy_run(n, is_profile=True),
+                                           lambda b: self.dummy_run(b), tokens, batches, repeats=3,
+                                           meta={"how": "vLLM dummy runs at proposer start-up (no KV cache); "
+                                                        "the draft's call of K passes divided by K", "K": k})
+            return StepCosts(costs.target_tokens, costs.target_seconds, costs.draft_batch,
+                             tuple(t / k for t in costs.draft_seconds), meta=costs.meta)
+
+        def prepare_next_token_ids_cpu(self, sampled_token_ids, requests, gpu_input_batch, num_scheduled_tokens):
+            out = super().prepare_next_token_ids_cpu(sampled_token_ids, requests, gpu_input_batch,
+                                                     num_scheduled_tokens)
             if self.stop_policy is not None:
-                self._view = DraftView(self.model, self.speculative_config.draft_model_config.hf_config)
+                self._outcomes.verified(gpu_input_batch.req_ids, [len(t) for t in sampled_token_ids])
+            return out
+
+        def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask):
+            next_ids, valid = super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+                                                                    discard_request_mask)
+            if self.stop_policy is not None and self._outcomes.pending:
+                self._outcomes.verified(gpu_input_batch.req_ids, valid.tolist())
+            return next_ids, valid
 
         def propose(self, num_speculative_tokens, *args, **kwargs):
             if self.stop_policy is None:
                 return super().propose(num_speculative_tokens, *args, **kwargs)
             metadata = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[5]
             batch_size = metadata.batch_size()
-            self._drafts = drafts = StoppedDrafts(self.stop_policy, num_speculative_tokens)
+            self._drafts = drafts = StoppedDrafts(self.stop_policy, num_speculative_tokens, self.load_aware)
             try:
                 super().propose(num_speculative_tokens, *args, **kwargs)
             except AllStopped:
@@ -131,6 +184,8 @@ def proposer_class() -> type:
             finally:
                 self._drafts = None
             self._last_draft_probs = drafts.stacked_probs()
+            if self._runner is not None:
+                self._outcomes.drafted(self._runner.input_batch.req_ids, drafts)
             return drafts.lists(batch_size)
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
@@ -138,6 +193,7 @@ def proposer_class() -> type:
             if drafts is None:
                 return super()._sample_draft_tokens(hidden_states, sampling_metadata)
             self._bind(sampling_metadata)
+            drafts.temperature = self._bound_temperature
             logits = self.model.compute_logits(hidden_states)
             raw = logits if sampling_metadata.all_greedy else logits.clone()  # sampling divides in place
             tokens, probs = self._sample_from_logits(logits, sampling_metadata)

@@ -68,3 +68,25 @@ def test_async_scheduling_is_off_on_the_cpu():
     from vllm.platforms import cpu
 
     assert "scheduler_config.async_scheduling = False" in inspect.getsource(cpu)
+
+
+def test_what_load_aware_lengths_and_the_online_estimator_touch():
+    """The verdicts reach the proposer through prepare_next_token_ids_* (called before propose with the
+    step's sampled tokens); start-up costs are measured with the runner's and the proposer's dummy runs."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    assert parameters(DraftModelProposer.prepare_next_token_ids_cpu) == [
+        "self", "sampled_token_ids", "requests", "gpu_input_batch", "num_scheduled_tokens"]
+    assert parameters(DraftModelProposer.prepare_next_token_ids_padded) == [
+        "self", "sampled_token_ids", "requests", "gpu_input_batch", "discard_request_mask"]
+    assert parameters(DraftModelProposer.dummy_run)[:2] == ["self", "num_tokens"]
+    source = inspect.getsource(gpu_model_runner.GPUModelRunner)
+    # the runner prepares the next token ids (the verdicts) before it calls propose, in the same step
+    assert source.index("self.drafter.prepare_next_token_ids_padded(") < source.rindex("self.drafter.propose(")
+    runner_run = parameters(gpu_model_runner.GPUModelRunner._dummy_run)
+    assert runner_run[:2] == ["self", "num_tokens"] and "is_profile" in runner_run
+    assert "self.max_num_reqs" in source and "self.max_num_tokens" in source
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    assert "req_ids" in dir(InputBatch)
