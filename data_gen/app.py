@@ -93,7 +93,7 @@ class _Progress:
 def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig, *, seed: int,
                 max_new_tokens: int, batch_size: int, vocab: int, progress: _Progress,
                 cascade: Cascade | None = None, fast: str | None = None,
-                skip: frozenset[str] = frozenset()) -> list[dict]:
+                skip: frozenset[str] = frozenset(), depths: int = 4) -> list[dict]:
     """Rows of one shard, in prompt order, none for the prompts in ``skip``. Responses are sampled
     with ``batch_size`` rows continuously batched (a finished row's place goes to the next prompt,
     shortest prompts first), keeping the target's p_i, on the fast path's static batch runner with
@@ -117,12 +117,15 @@ def label_shard(shard: Shard, draft, target, tokenizer, sampling: SamplingConfig
         labels = label_responses(draft, target, [encoded[i] for i in batch], [responses[i] for i in batch], sampling,
                                  [gens[i] for i in batch], vocab=vocab,
                                  target_probs=None if target_probs is None else [target_probs[i] for i in batch],
-                                 cascade=cascade)
+                                 cascade=cascade, depths=depths)
         for i, lab in zip(batch, labels, strict=True):
             prompt = prompts[i]
             rows[i] = {"id": prompt.id, "prompt": prompt.prompt, "prompt_ids": encoded[i],
                        "target_ids": responses[i], "draft_ids": lab.draft_ids.tolist(),
                        "p_acc": lab.p_acc.tolist(), "draft_entropy": lab.draft_entropy.tolist()}
+            if lab.depth_p_acc is not None:  # a feature draft: its labels at depths 1..D
+                rows[i].update(depth_draft_ids=lab.depth_draft_ids.tolist(), depth_p_acc=lab.depth_p_acc.tolist(),
+                               depth_draft_entropy=lab.depth_draft_entropy.tolist())
         progress.add_prompts(len(batch))
     return rows
 
@@ -203,7 +206,7 @@ def _label_shards(cfg: DictConfig, out: Path, existing: dict | None, todo: list[
                            max_new_tokens=int(cfg.max_new_tokens), batch_size=int(cfg.batch_size),
                            vocab=vocab, progress=progress,
                            cascade=Cascade(**spec) if (spec := cascade_of(cfg)) else None,
-                           fast=cfg.get("fast"), skip=frozenset(skip))
+                           fast=cfg.get("fast"), skip=frozenset(skip), depths=int(cfg.get("feature_depths", 4)))
         save_shard(out, shard.split, shard.index, rows, prompts=[[p.id, prompt_digest(p)] for p in shard.prompts],
                    skipped={p.id: skip[p.id] for p in shard.prompts if p.id in skip})
     progress.bar.close()

@@ -21,6 +21,7 @@ from specdecpp.data.prompts import (
     prompt_digest,
     source_file_digest,
 )
+from specdecpp.models.feature_draft import FeatureDraft
 from specdecpp.models.identity import portable_name, same_model
 from specdecpp.models.loading import dtype_name
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 # carry "split" fields (then pass splits=[train,dev,test]); evaluation sets keep prompts.split.
 DEFAULT_SPLITS = {"bundled": ["train", "dev", "test"], "alpaca": ["train", "dev", "test"], "jsonl": ["train"]}
 # What a meta key written before the key existed means (those datasets resume at that value)
-META_DEFAULTS = {"long_prompts": "error"}
+META_DEFAULTS = {"long_prompts": "error", "feature_depths": None}
 # Meta keys that may differ between a run and its resumption.
 VOLATILE_META = ("created", "code_version", "complete", "rows", "fast",  # fast: the same data, to rounding
                  "prompts_sha256")  # the file may change where the prompts labelled do not (check_same_prompts)
@@ -155,6 +156,8 @@ def build_meta(cfg: DictConfig, draft, target, vocab: int) -> dict:
         "sampler": SAMPLER,
         "prompts_sha256": source_file_digest(cfg.prompts.source, cfg.prompts.get("path")),  # the file read
         "draft_hidden_size": int(draft.config.hidden_size),
+        # a feature draft is labelled at depths 1..D (the depth_* columns; specdecpp.data.labels.TokenLabels)
+        "feature_depths": int(cfg.get("feature_depths", 4)) if isinstance(draft, FeatureDraft) else None,
         "vocab_size": int(vocab),
         "code_version": code_version(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

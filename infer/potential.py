@@ -58,9 +58,22 @@ def dataset_rows(data_dir: str | Path, split: str, limit: int | None = None) -> 
         raw += [dict(ds[i], row=i, split=name) for i in range(len(ds))]
     if limit:
         raw = raw[:limit]
-    rows = [{"p_acc": np.asarray(r["p_acc"], dtype=np.float64),
-             "draft_entropy": np.asarray(r["draft_entropy"], dtype=np.float64)} for r in raw if len(r["p_acc"])]
+    # a feature draft's labels by depth ([N, D]: a round's j-th candidate reads depth j; analysis.potential)
+    by_depth = bool(raw) and "depth_p_acc" in raw[0]
+    rows = [{"p_acc": np.asarray(r["depth_p_acc" if by_depth else "p_acc"], dtype=np.float64),
+             "draft_entropy": np.asarray(r["depth_draft_entropy" if by_depth else "draft_entropy"], dtype=np.float64)}
+            for r in raw if len(r["p_acc"])]
     return rows, meta, [r for r in raw if len(r["p_acc"])]
+
+
+def mean_p(rows: list[dict]) -> dict:
+    """mean P over the labelled positions (a feature draft's: at depth 1, the first candidate of a
+    round, and ``mean_p_acc_by_depth`` at each depth 1..D)."""
+    p = np.concatenate([r["p_acc"] for r in rows])
+    if p.ndim == 1:
+        return {"mean_p_acc": float(p.mean())}
+    by_depth = [float(np.nanmean(p[:, d])) for d in range(p.shape[1])]
+    return {"mean_p_acc": by_depth[0], "mean_p_acc_by_depth": by_depth}
 
 
 HEAD_CONTEXTS = ("mixed", "target")
@@ -109,6 +122,10 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
 
     if context not in HEAD_CONTEXTS:
         raise ValueError(f"--head-context must be one of {list(HEAD_CONTEXTS)}, got {context!r}")
+    if meta.get("feature_depths"):
+        raise ValueError("--head on a feature draft's labels: heads for feature drafts are not supported yet (their "
+                         "features need the target's; docs/feature_draft.md, 'What is missing'); the perfect-head and "
+                         "fixed-K rows of this tool do not need one")
     heads = [load_head(h) for h in head_dirs]
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
@@ -196,7 +213,10 @@ def report_markdown(records: list[dict], context: dict) -> str:
         cols += ["speedup, t_target(n)", "95% CI"]
     lines = [f"# Stop potential: {context['data']}", "",
              f"Split `{context['split']}`: {context['prompts']} prompts, {context['positions']} labelled positions, "
-             f"mean P = {context['mean_p_acc']:.3f}; {context['seeds']} seeds of Bernoulli(P_i) acceptances per prompt "
+             f"mean P = {context['mean_p_acc']:.3f}"
+             + (" (a feature draft's, at depths 1..{}: {})".format(len(context["mean_p_acc_by_depth"]), ", ".join(
+                 f"{v:.3f}" for v in context["mean_p_acc_by_depth"])) if "mean_p_acc_by_depth" in context else "")
+             + f"; {context['seeds']} seeds of Bernoulli(P_i) acceptances per prompt "
              f"(every policy sees the same draws). Cost ratio t_draft / t_target = {context['cost_ratio']:.4f} "
              f"({context['cost_source']}). Intervals: 95% bootstrap over prompts."
              + (f" Lag-free heads' features in the {context['head_context']} context."
@@ -330,7 +350,7 @@ def run(data_dir: str, config: PotentialConfig = PotentialConfig(), *, costs_fil
             f"--cost-ratio {costs.ratio:.3f} --whatif-gammas 1 0.6 0.3 0.1 --out WHATIF_DIR")
     context = {"data": str(data_dir), "split": split, "prompts": len(rows),
                "positions": int(sum(len(r["p_acc"]) for r in rows)),
-               "mean_p_acc": float(np.concatenate([r["p_acc"] for r in rows]).mean()),
+               **mean_p(rows),
                "seeds": seeds, "cost_ratio": costs.ratio, "head_context": head_context,
                "cost_source": "given" if costs_file is None else f"measured, {costs_file}",
                "best_lines": best_lines, "simulation_s": time.perf_counter() - t0}

@@ -101,6 +101,16 @@ def fixed_k(k: int) -> Policy:
                   policy.max_candidates)
 
 
+def round_values(values: np.ndarray, s: int, k: int) -> np.ndarray:
+    """A column's values for candidates 1..k of the round that starts at position s: ``values[s:s+k]``,
+    or for a feature draft's labels by depth ([N, D]) candidate j's entry at depth j (depth D
+    for the candidates past it)."""
+    if values.ndim == 1:
+        return values[s : s + k]
+    j = np.arange(k)
+    return values[s + j, np.minimum(j, values.shape[1] - 1)]
+
+
 def _algorithm2(name: str, column: str, threshold: float, min_candidates: int, max_candidates: int,
                 lag: int) -> Policy:
     """:class:`~specdecpp.stopping.policies.SpecDecPP`'s Algorithm 2 with the head's estimates read
@@ -111,7 +121,7 @@ def _algorithm2(name: str, column: str, threshold: float, min_candidates: int, m
     def rule(s: int, k: int, ctx: dict) -> bool:
         if k - lag < 1:  # the product over i <= k - lag is empty: nothing scored yet
             return False
-        return algorithm2_stops(float(np.prod(ctx[column][s : s + k - lag])), k, h, low)
+        return algorithm2_stops(float(np.prod(round_values(ctx[column], s, k - lag))), k, h, low)
 
     return Policy(name, {"threshold": h}, rule, high)
 
@@ -141,7 +151,8 @@ def svip(threshold: float, c: float = 0.15, max_candidates: int = 40) -> Policy:
     policy = SVIP(threshold, c, max_candidates)
     c, h = policy.c, policy.threshold
     return Policy(policy.name, {"threshold": h},
-                  lambda s, k, ctx: c * float(ctx["draft_entropy"][s + k - 1]) > h * h, policy.max_candidates)
+                  lambda s, k, ctx: c * float(round_values(ctx["draft_entropy"], s, k)[-1]) > h * h,
+                  policy.max_candidates)
 
 
 def oracle(max_candidates: int = 10_000) -> Policy:
@@ -179,17 +190,20 @@ def greedy_oracle(target_ids: Sequence[int], draft_predictions: Sequence[int]):
 
 
 def simulate_row(p_acc: np.ndarray, uniforms: np.ndarray, policy: Policy, ctx: dict | None = None) -> Counts:
-    """Replay rounds along one response of N = len(p_acc) tokens."""
+    """Replay rounds along one response of N = len(p_acc) tokens. ``p_acc`` [N], or a feature
+    draft's labels by depth [N, D]: a round's j-th candidate is accepted by its label at depth j
+    (:func:`round_values`), every depth of a position drawn with the same uniform."""
     n = len(p_acc)
-    accepted = uniforms < p_acc
+    accepted = (uniforms[:, None] < p_acc) if p_acc.ndim == 2 else uniforms < p_acc
     ctx = ctx if ctx is not None else {"p_acc": p_acc}
     counts = Counts(tokens=n)
     s = 0
     while s < n:
         k_max = min(policy.max_candidates, n - s - 1)
+        ok = round_values(accepted, s, k_max)
         if policy.name == "oracle":
             k = 0
-            while k < k_max and accepted[s + k]:
+            while k < k_max and ok[k]:
                 k += 1
         else:
             k = 0
@@ -198,7 +212,7 @@ def simulate_row(p_acc: np.ndarray, uniforms: np.ndarray, policy: Policy, ctx: d
                 if policy.rule(s, k, ctx):
                     break
         n_acc = 0
-        while n_acc < k and accepted[s + n_acc]:
+        while n_acc < k and ok[n_acc]:
             n_acc += 1
         counts.rounds += 1
         counts.drafted += k

@@ -40,6 +40,12 @@ FEATURES = Features({
     "p_acc": Sequence(Value("float32")),
     "draft_entropy": Sequence(Value("float32")),
 })
+# a feature draft's labels at depths 1..D of a round (specdecpp.data.labels.TokenLabels): [N][D] per row,
+# column 0 = the plain columns; NaN / -1 where the prompt is too short for that depth
+DEPTH_FEATURES = Features({**FEATURES, "depth_draft_ids": Sequence(Sequence(Value("int32"))),
+                           "depth_p_acc": Sequence(Sequence(Value("float32"))),
+                           "depth_draft_entropy": Sequence(Sequence(Value("float32")))})
+DEPTH_COLUMNS = ("depth_draft_ids", "depth_p_acc", "depth_draft_entropy")
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")  # one entry per response token
 META_FILE = "specdecpp_meta.json"
 SHARDS_DIR = "shards"
@@ -52,8 +58,9 @@ class DatasetError(ValueError):
 
 
 def rows_to_dataset(rows: list[dict]) -> Dataset:
-    """Rows (dicts with the FEATURES columns) to a Dataset with exactly that schema."""
-    return Dataset.from_list(rows, features=FEATURES)
+    """Rows (dicts with the FEATURES columns, or DEPTH_FEATURES' for a feature draft) to a Dataset
+    with exactly that schema."""
+    return Dataset.from_list(rows, features=DEPTH_FEATURES if rows and DEPTH_COLUMNS[0] in rows[0] else FEATURES)
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -174,8 +181,11 @@ def consolidate(directory: str | os.PathLike, shard_counts: dict[str, int], meta
                                    f"{damaged[1]}). Regenerate that shard: delete {shard} and "
                                    f"{shard.with_suffix('.done')}, then rerun the same data_gen command (it "
                                    "resumes and relabels only the missing shard)")
-    joined = {split: concatenate_datasets([load_from_disk(str(shard_path(directory, split, i))) for i in indices])
-              for split, indices in filled.items() if indices}
+    def parts(split: str, indices: list[int]) -> list[Dataset]:
+        loaded = [load_from_disk(str(shard_path(directory, split, i))) for i in indices]
+        return [d for d in loaded if len(d)] or loaded[:1]  # an empty shard has the plain schema
+
+    joined = {split: concatenate_datasets(parts(split, indices)) for split, indices in filled.items() if indices}
     # a split without rows is left out: `datasets` cannot save and reload an empty split
     splits = DatasetDict({split: ds for split, ds in joined.items() if len(ds)})
     if not splits:
@@ -201,18 +211,20 @@ def _fail(path: Path, what: str) -> DatasetError:
 def _check_split(path: Path, split: str, ds: Dataset) -> None:
     import pyarrow.compute as pc
 
-    if set(ds.column_names) != set(FEATURES):
-        missing, extra = sorted(set(FEATURES) - set(ds.column_names)), sorted(set(ds.column_names) - set(FEATURES))
+    schema = DEPTH_FEATURES if DEPTH_COLUMNS[0] in ds.column_names else FEATURES
+    if set(ds.column_names) != set(schema):
+        missing, extra = sorted(set(schema) - set(ds.column_names)), sorted(set(ds.column_names) - set(schema))
         raise _fail(path, f"split {split!r} has the wrong columns (missing {missing}, unexpected {extra}); "
                           "it was not written by data_gen")
-    for name, feature in FEATURES.items():
+    for name, feature in schema.items():
         if ds.features[name] != feature:
             raise _fail(path, f"split {split!r} column {name!r} has type {ds.features[name]}, expected {feature}")
     if len(ds) == 0:
         return
     table = ds.with_format("arrow")[:]  # respects a selection / indices mapping
-    lengths = {c: pc.list_value_length(table.column(c)) for c in TOKEN_COLUMNS}
-    for c in TOKEN_COLUMNS[1:]:
+    columns = TOKEN_COLUMNS + (DEPTH_COLUMNS if schema is DEPTH_FEATURES else ())
+    lengths = {c: pc.list_value_length(table.column(c)) for c in columns}
+    for c in columns[1:]:
         unequal = pc.not_equal(lengths[c], lengths["target_ids"])
         if pc.any(unequal).as_py():
             row = pc.index(unequal, True).as_py()
@@ -226,6 +238,12 @@ def _check_split(path: Path, split: str, ds: Dataset) -> None:
             raise _fail(path, f"split {split!r}: p_acc has non-finite values")
         if lo < 0 or hi > 1:
             raise _fail(path, f"split {split!r}: p_acc must lie in [0, 1], found range [{lo}, {hi}]")
+    if schema is DEPTH_FEATURES:
+        deep = pc.list_flatten(pc.list_flatten(table.column("depth_p_acc")))
+        deep = pc.drop_null(pc.if_else(pc.is_nan(deep), None, deep)) if len(deep) else deep
+        if len(deep) and (pc.min(deep).as_py() < 0 or pc.max(deep).as_py() > 1):
+            raise _fail(path, f"split {split!r}: depth_p_acc must lie in [0, 1] (or NaN where no round reaches "
+                              f"that depth), found range [{pc.min(deep).as_py()}, {pc.max(deep).as_py()}]")
 
 
 def load_labelled(path: str | os.PathLike) -> tuple[DatasetDict, dict]:

@@ -22,6 +22,7 @@ whether it runs alone or in a batch, so results do not depend on batch compositi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,11 +42,17 @@ from ..models.reduced_vocab import ScoredIds, output_vocab_size
 
 @dataclass
 class TokenLabels:
-    """Labels of one response, one entry per response token X_i."""
+    """Labels of one response, one entry per response token X_i. A feature draft's q_i depends on
+    the candidate's depth d in its round (d - 1 of its inputs are its own outputs, not the target's
+    features): ``depth_*`` [N, D] hold the labels at depths 1..D (column 0 = the plain columns,
+    depth 1; NaN / -1 where the prompt is too short for that depth); None for a plain draft."""
 
     draft_ids: torch.Tensor      # [N] long: Y_i ~ q_i
     p_acc: torch.Tensor          # [N] float32: min(1, p_i(Y_i) / q_i(Y_i))
     draft_entropy: torch.Tensor  # [N] float32: SVIP's H(q_i), full vocabulary, nats
+    depth_draft_ids: torch.Tensor | None = None      # [N, D] long
+    depth_p_acc: torch.Tensor | None = None          # [N, D] float32
+    depth_draft_entropy: torch.Tensor | None = None  # [N, D] float32
 
 
 def prompt_generator(seed: int, prompt_id: str, device: str | torch.device = "cpu") -> torch.Generator:
@@ -235,13 +242,57 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
     return lambda b, i, j: full[b, offsets[b] + i: offsets[b] + j]
 
 
+def feature_draft_logits(draft, target, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         vocab: int, depths: int) -> Callable[[int, int, int, int], torch.Tensor]:
+    """A feature draft's logits at every response token and depth: one target forward (its
+    decoder only: the fused features of the draft's aux layers, no logits) and the draft unrolled
+    ``depths`` steps (:meth:`~specdecpp.models.feature_draft.FeatureDraft.unrolled`) over prompt +
+    response, right-padded. Returns ``logits(b, d, i, j)``: row b's logits [j - i, vocab] at depth
+    ``d`` (1-based) for response tokens i..j-1: response token X_i (absolute position s = P + i)
+    drafted as a round's d-th candidate reads the target's features up to position s - 1 - d and
+    its own outputs after; rows where s - 1 - d < 0 (a prompt shorter than d + 1 tokens) are NaN."""
+    from ..models.feature_runner import AuxHidden
+
+    short = [j for j, p in enumerate(prompts) if len(p) < 2]
+    if short:
+        raise ValueError(f"labels with a feature draft need prompts of at least 2 tokens (its first candidate "
+                         f"reads the target's feature of the token before the prompt's last); prompt {short[0]} "
+                         f"has {len(prompts[short[0]])}")
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(len(q) for q in seqs)
+    device = target.device
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, q in enumerate(seqs):
+        ids[b, : len(q)] = torch.as_tensor(q, dtype=torch.long)
+    ids = ids.to(device)
+    with AuxHidden(target, draft.aux_layers) as aux:
+        target.get_decoder()(input_ids=ids, use_cache=False)
+        features = aux.fused()
+    steps = draft.unrolled(ids.to(draft.device), features.to(draft.device), depths)
+
+    def logits(b: int, d: int, i: int, j: int) -> torch.Tensor:
+        start = len(prompts[b]) + i - 1 - d  # the anchor of response token i at depth d
+        lo = max(start, 0)
+        normed = steps[d - 1].normed[b, lo: start + (j - i)]
+        out = draft.full_logits(draft.lm_head(normed))[:, :vocab].float()
+        if lo > start:  # anchors before the sequence: no such round
+            out = torch.cat([out.new_full((lo - start, vocab), float("nan")), out])
+        return out
+
+    return logits
+
+
 @torch.no_grad()
 def label_responses(draft, target, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], sampling: SamplingConfig,
                     generators: Sequence[torch.Generator], vocab: int | None = None,
                     target_probs: Sequence[SparseProbs] | None = None,
-                    cascade: Cascade | None = None) -> list[TokenLabels]:
+                    cascade: Cascade | None = None, depths: int = 4) -> list[TokenLabels]:
     """Draw Y_i ~ q_i and label it with min(1, p_i(Y_i) / q_i(Y_i)) for every response token.
+
+    A feature draft (:class:`~specdecpp.models.feature_draft.FeatureDraft`) is labelled at every
+    depth 1..``depths`` (:class:`TokenLabels`, :func:`feature_draft_logits`): the plain columns are
+    depth 1's, and each later depth's Y are drawn after depth 1's, in order of depth.
 
     ``cascade``: label with the cascade's acceptance min(1, pi_i(Y_i) / q_i(Y_i)) instead, pi_i =
     ``cascade.target(q_i, p_i)`` (specdecpp/decoders/cascade.py); sampled decoding only (temperature > 0).
@@ -256,8 +307,21 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
     if cascade is not None and sampling.greedy:
         raise ValueError("labels under a cascade need sampled decoding (temperature > 0): the greedy limit "
                          "of a cascade has no acceptance probability to learn")
+    from ..models.feature_draft import FeatureDraft
+
     vocab = vocab or shared_vocab(draft, target)
-    draft_logits = response_logits(draft, prompts, responses, vocab)
+    feature = isinstance(draft, FeatureDraft)
+    if feature:
+        if cascade is not None:
+            raise ValueError("labels under a cascade take a plain draft: a feature draft's cascade is not supported")
+        if depths < 1:
+            raise ValueError(f"label_responses: depths must be at least 1 for a feature draft, got {depths}")
+        at_depth = feature_draft_logits(draft, target, prompts, responses, vocab, depths)
+
+        def draft_logits(b: int, i: int, j: int) -> torch.Tensor:
+            return at_depth(b, 1, i, j)
+    else:
+        draft_logits = response_logits(draft, prompts, responses, vocab)
     support = ScoredIds(draft)  # a reduced output vocabulary: the entropy over its logits alone
     if target_probs is None:
         target_logits = response_logits(target, prompts, responses, vocab)
@@ -280,5 +344,36 @@ def label_responses(draft, target, prompts: Sequence[Sequence[int]],
             ys.append(y)
             ratios.append(acceptance_ratio(p if cascade is None else cascade.target(q, p), q, y).float())
             entropies.append(entropy(d_logits, sampling.temperature, support(d_logits)).float())
-        labels.append(TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies)))
+        lab = TokenLabels(draft_ids=torch.cat(ys), p_acc=torch.cat(ratios), draft_entropy=torch.cat(entropies))
+        if feature:
+            deep = [_label_chunks(functools.partial(at_depth, b, d), functools.partial(target_p, b), len(response),
+                                  chunk, sampling, gen, support) for d in range(2, depths + 1)]
+            lab.depth_draft_ids = torch.stack([lab.draft_ids] + [y for y, _, _ in deep], dim=1)
+            lab.depth_p_acc = torch.stack([lab.p_acc] + [r for _, r, _ in deep], dim=1)
+            lab.depth_draft_entropy = torch.stack([lab.draft_entropy] + [e for _, _, e in deep], dim=1)
+        labels.append(lab)
     return labels
+
+
+def _label_chunks(logits_of, target_p, n: int, chunk: int, sampling: SamplingConfig, gen: torch.Generator,
+                  support) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One depth's (Y, p_acc, entropy) of a feature draft's response of ``n`` tokens, drawn in
+    order; a position without an anchor at this depth (NaN logits) gets Y = -1 and NaN labels,
+    and draws nothing."""
+    ys, ratios, entropies = [], [], []
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        d_logits = logits_of(i, j)
+        ok = ~d_logits.isnan().any(-1)
+        y = torch.full((j - i,), -1, dtype=torch.long, device=d_logits.device)
+        ratio = torch.full((j - i,), float("nan"), device=d_logits.device)
+        ent = torch.full((j - i,), float("nan"), device=d_logits.device)
+        if ok.any():
+            q = warp(d_logits[ok], sampling)
+            y[ok] = sample(q, gen)
+            ratio[ok] = acceptance_ratio(target_p(i, j)[ok.to(q.device)], q, y[ok]).float()
+            ent[ok] = entropy(d_logits[ok], sampling.temperature, support(d_logits)).float()
+        ys.append(y)
+        ratios.append(ratio)
+        entropies.append(ent)
+    return torch.cat(ys), torch.cat(ratios), torch.cat(entropies)

@@ -60,6 +60,34 @@ def test_rounds_replayed_by_hand():
         assert c.drafted + c.rounds == c.tokens + c.discarded
 
 
+def test_a_feature_drafts_labels_by_depth_are_read_at_each_candidates_depth():
+    """Labels by depth [N, D]: a round's j-th candidate is accepted by its label at depth j (D past
+    it). Here depth 1 always accepts and deeper ones never: every round accepts exactly its first
+    candidate, whatever K; SVIP and the perfect head read the same depth's column; equal depths
+    replay the 1-D labels exactly."""
+    n = 12
+    p = np.zeros((n, 3))
+    p[:, 0] = 1.0
+    ent = np.zeros((n, 3))
+    ent[:, 1] = 100.0  # SVIP stops after a second candidate, never after a first
+    row = {"p_acc": p, "draft_entropy": ent}
+    res = pt.simulate([row], [pt.fixed_k(3), pt.svip(0.5), pt.informed_lag_free(0.5), pt.oracle()], seeds=[0])
+    for label, widths in (("fixed_k k=3", {3, 1}), (pt.svip(0.5).label, {2, 1}),
+                          ("informed_lag_free threshold=0.5", {2, 1}), ("oracle", {1})):
+        c = res[label][0]
+        assert c.drafted - c.discarded == c.rounds, label  # exactly the first candidate of each round accepted
+        assert set(c.widths) == widths, (label, c.widths)  # the last round is capped at 1 candidate
+    rng = np.random.default_rng(0)
+    flat = rng.random(40)
+    same = {"p_acc": np.repeat(flat[:, None], 4, axis=1), "draft_entropy": np.repeat(flat[:, None], 4, axis=1)}
+    policies = [pt.fixed_k(2), pt.fixed_k(6), pt.svip(0.3), pt.informed(0.4), pt.oracle()]
+    a = pt.simulate([same], policies, seeds=[0, 1])
+    b = pt.simulate([{"p_acc": flat, "draft_entropy": flat}], policies, seeds=[0, 1])
+    for policy in policies:
+        ca, cb = a[policy.label][0], b[policy.label][0]
+        assert (ca.rounds, ca.drafted, ca.discarded, ca.widths) == (cb.rounds, cb.drafted, cb.discarded, cb.widths)
+
+
 def test_informed_head_with_hard_labels_has_the_oracles_rounds_and_two_discards_per_rejection():
     rng = np.random.default_rng(0)
     rows = [{"p_acc": (rng.random(200) < 0.7).astype(float), "draft_entropy": np.ones(200)} for _ in range(5)]

@@ -126,3 +126,74 @@ def test_chunked_labels_equal_whole_ones_and_post_processed_logits_fall_back(mon
         reference.append(sample(q, torch.Generator().manual_seed(b)))
     assert [f.draft_ids.tolist() for f in fallback] == [y.tolist() for y in reference]
     assert [f.draft_ids.tolist() for f in fallback] != [w.draft_ids.tolist() for w in whole]
+
+
+def _feature_pair():
+    from specdecpp.models.feature_draft import FeatureDraft
+
+    target = tiny_lm(40, 32, 4, seed=11, scale=0.5)
+    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 40, 2),
+                                   generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return draft, target
+
+
+def _drafted_logits(draft, target, seq: list[int], s: int, d: int) -> torch.Tensor:
+    """q's logits for the token at absolute position ``s`` drafted as a round's d-th candidate, by
+    drafting with the draft's cache: target features up to s - 1 - d, then d - 1 own steps."""
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        feats = draft.fuse(target(ids, output_hidden_states=True).hidden_states)
+        a = s - 1 - d
+        cache = draft.new_cache()
+        out = draft(ids[:, 1:a + 2], features=feats[:, :a + 1], cache=cache)
+        for k in range(1, d):
+            out = draft(ids[:, a + 1 + k:a + 2 + k], hidden=out.hidden[:, -1:], cache=cache)
+    return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)],
+                         ids=["T1", "T0.7-top5"])
+def test_feature_draft_labels_at_each_depth_equal_drafting_with_a_cache(sampling):
+    """A feature draft's labels: at depth d the q of response token X_i is what drafting it as a
+    round's d-th candidate computes (features up to s - 1 - d, own outputs after), Y ~ q (q > 0 at
+    Y), p_acc = min(1, p(Y) / q(Y)); depth 1 fills the plain columns; a prompt too short for a depth
+    gives NaN there and no draw."""
+    draft, target = _feature_pair()
+    prompts, responses = [[3, 7, 1, 4, 9], [2, 5]], [[6, 6, 2, 8, 1, 0], [9, 3, 3, 1]]
+    gens = [torch.Generator().manual_seed(b) for b in range(2)]
+    labels = label_responses(draft, target, prompts, responses, sampling, gens, depths=3)
+    for b, (prompt, response, lab) in enumerate(zip(prompts, responses, labels, strict=True)):
+        seq = prompt + response
+        assert lab.depth_p_acc.shape == (len(response), 3)
+        assert torch.equal(lab.depth_p_acc[:, 0], lab.p_acc) and torch.equal(lab.depth_draft_ids[:, 0], lab.draft_ids)
+        with torch.no_grad():
+            p_all = warp(target(torch.tensor([seq])).logits[0], sampling)
+        for i in range(len(response)):
+            s = len(prompt) + i
+            for d in (1, 2, 3):
+                if s - 1 - d < 0:
+                    assert lab.depth_p_acc[i, d - 1].isnan() and lab.depth_draft_ids[i, d - 1] == -1, (b, i, d)
+                    continue
+                q = warp(_drafted_logits(draft, target, seq, s, d), sampling)
+                y = int(lab.depth_draft_ids[i, d - 1])
+                assert q[y] > 0, (b, i, d)
+                p = p_all[s - 1]
+                want = min(1.0, float(p[y] / q[y]))
+                assert abs(float(lab.depth_p_acc[i, d - 1]) - want) < 1e-4, (b, i, d)
+                assert not lab.depth_draft_entropy[i, d - 1].isnan()
+    assert labels[1].depth_p_acc[0, 2].isnan()  # prompt of 2: no round has X_0 as its third candidate
+
+
+def test_feature_draft_labels_refuse_what_they_cannot_label():
+    from specdecpp.decoders.cascade import Cascade
+
+    draft, target = _feature_pair()
+    sampling = SamplingConfig(temperature=1.0)
+    with pytest.raises(ValueError, match="at least 2 tokens.*prompt 0 has 1"):
+        label_responses(draft, target, [[4]], [[1, 2]], sampling, [torch.Generator()])
+    with pytest.raises(ValueError, match="cascade"):
+        label_responses(draft, target, [[4, 5]], [[1, 2]], sampling, [torch.Generator()],
+                        cascade=Cascade("opt", 0.1))

@@ -15,7 +15,7 @@ import torch
 
 import data_gen.app
 from data_gen import run
-from specdecpp.core.sampling import SamplingConfig
+from specdecpp.core.sampling import SamplingConfig, sample, warp
 from specdecpp.data.dataset import PROMPTS_FILE, DatasetError, load_labelled, shard_done
 from specdecpp.data.prompts import Prompt, encode_prompt, prompt_digest
 from specdecpp.models.loading import load_model
@@ -445,3 +445,55 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_model_runs(tiny_
     assert run(make_cfg(tiny_pair, path, out, "splits=null", "long_prompts=skip")).n_prompts == 0
     with pytest.raises(ValueError, match=r"other settings \(long_prompts: existing .skip. vs now .error.\)"):
         run(make_cfg(tiny_pair, path, out, "splits=null"))
+
+
+def test_a_feature_draft_is_labelled_at_each_depth(tiny_pair, prompts_file, models, tmp_path):
+    """A feature draft (EAGLE-3, speculators format) through data_gen: each row carries its labels at
+    depths 1..D (feature_depths), depth 1 in the plain columns, each depth's labels equal to
+    label_responses' on the same response and generator (its own test checks them against
+    drafting with a cache), the meta records D, and the dataset loads."""
+    from specdecpp.data.labels import label_responses, prompt_generator
+    from specdecpp.models.feature_draft import FeatureDraft
+
+    target = models[1]
+    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    draft.save_pretrained(tmp_path / "feature")
+    out = tmp_path / "data"
+    run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={tmp_path / 'feature'}", "feature_depths=3",
+                 "limit={train:2,dev:1}"))
+    splits, meta = load_labelled(out)
+    assert meta["feature_depths"] == 3
+    sampling = SamplingConfig(1.0, 50, 1.0)
+    draft = FeatureDraft.from_pretrained(tmp_path / "feature", target=target)
+    for row in (r for ds in splits.values() for r in ds):
+        n = len(row["target_ids"])
+        assert [len(d) for d in row["depth_p_acc"]] == [3] * n and len(row["depth_draft_ids"]) == n
+        assert [d[0] for d in row["depth_p_acc"]] == row["p_acc"]
+        assert [d[0] for d in row["depth_draft_ids"]] == row["draft_ids"]
+        gen = prompt_generator(meta["seed"], row["id"])
+        with torch.no_grad():  # the response's own draws come first: replay them to reach the labels' draws
+            for i in range(n):
+                prefix = row["prompt_ids"] + row["target_ids"][:i]
+                sample(warp(target(torch.tensor([prefix])).logits[0, -1], sampling), gen)
+        (lab,) = label_responses(draft, target, [row["prompt_ids"]], [row["target_ids"]], sampling, [gen], depths=3)
+        assert torch.equal(lab.depth_draft_ids, torch.tensor(row["depth_draft_ids"]))
+        torch.testing.assert_close(lab.depth_p_acc, torch.tensor(row["depth_p_acc"]), atol=1e-5, rtol=1e-5,
+                                   equal_nan=True)
+    # the potential tool reads each round's j-th candidate at depth j and reports mean P by depth
+    import numpy as np
+
+    from infer import potential
+
+    config = potential.PotentialConfig(split="train", seeds=2, max_k=3, thresholds=(0.5,), svip_thresholds=(0.3,),
+                                       n_boot=20, quiet=True, cost_ratio=0.1)
+    potential.run(str(out), config, out=str(tmp_path / "pot"))
+    context = json.loads((tmp_path / "pot" / "potential.json").read_text())["context"]
+    deep = np.concatenate([np.array(r["depth_p_acc"], dtype=float) for r in splits["train"]])
+    assert context["mean_p_acc_by_depth"] == pytest.approx(list(np.nanmean(deep, axis=0)))
+    assert context["mean_p_acc"] == pytest.approx(context["mean_p_acc_by_depth"][0])
+    assert "at depths 1..3" in (tmp_path / "pot" / "potential.md").read_text()
+    with pytest.raises(ValueError, match="heads for feature drafts are not supported yet"):
+        potential.heads_predictions([str(tmp_path)], [], meta)
