@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .pair import demo_draft_path, demo_target_path
+from .pair import FEATURE_ARTIFACT_DIR, demo_draft_path, demo_feature_draft_path, demo_target_path
 
 
 def main() -> None:
@@ -13,6 +13,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"target: {demo_target_path(args.gguf)}")
     print(f"draft:  {demo_draft_path()}")
+    if (FEATURE_ARTIFACT_DIR / "model.safetensors").is_file():  # pair=demo_feature (docs/feature_draft.md)
+        print(f"feature draft: {demo_feature_draft_path()}")
 
 
 if __name__ == "__main__":

@@ -615,10 +615,38 @@ def best_draft(recipe: dict, work: Path) -> tuple[FeatureDraft, dict, object]:
     return draft, best, target
 
 
+CHECK_ROWS, CHECK_MAX_TOKENS = 2, 256  # the held-out sample an artifact's figures are reproduced on
+
+
+def sample_metrics(draft: FeatureDraft, target, rows: list[list[int]], masks: list[list[bool]], steps: int,
+                   top_k: int = 50) -> dict:
+    """Held-out alpha_k and losses (:func:`evaluate`) of ``draft`` on token rows, their features and
+    the target's top-k logits computed afresh by a teacher-forced ``target`` forward: how an
+    artifact's recorded figures are reproduced (tests/demo/test_demo.py)."""
+    aux = list(draft.aux_layers)
+    t = teacher_forward(target, aux, rows, top_k, chunk_rows=len(rows))
+    out, start = [], 0
+    for row, mask in zip(rows, masks, strict=True):
+        n = len(row)
+        out.append({"token_ids": torch.tensor(row, dtype=torch.int32), "loss_mask": torch.tensor(mask),
+                    **{k: t[k][start:start + n] for k in ("features", "topk_ids", "topk_logits")}})
+        start += n
+    return evaluate(draft.float(), out, Teacher(draft), steps, top_k)
+
+
 def export(recipe: dict, work: Path, out: Path | None = None) -> Path:
     draft, best, _ = best_draft(recipe, work)
     full = out or work / "export" / "full"
     draft.save_pretrained(full, dtype=torch.bfloat16)
+    # a held-out sample (the first validation rows) and the exported draft's figures on it, recomputed
+    # from scratch, so that a later checkout can check the shipped layers reproduce them
+    val = sequences([read_shard(p) for p in sorted(shards_dir(recipe, work).glob("val_*.safetensors"))[:1]])
+    check_rows = [r["token_ids"][:CHECK_MAX_TOKENS].tolist() for r in val[:CHECK_ROWS]]
+    check_masks = [r["loss_mask"][:CHECK_MAX_TOKENS].tolist() for r in val[:CHECK_ROWS]]
+    teacher, _ = load_target(recipe)
+    exported = FeatureDraft.from_pretrained(full, target=teacher)
+    check = {"token_ids": check_rows, "loss_mask": check_masks, "teacher_dtype": str(teacher.dtype),
+             "metrics": sample_metrics(exported, teacher, check_rows, check_masks, recipe["train"]["ttt_steps"])}
     artifact = work / "export" / "artifact"
     artifact.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
@@ -627,6 +655,7 @@ def export(recipe: dict, work: Path, out: Path | None = None) -> Path:
     (artifact / "config.json").write_text(json.dumps(draft.spec_config, indent=2) + "\n")
     (artifact / "trained.json").write_text(json.dumps({"rebuilt_from_target": [k for k in FROZEN if k not in tensors],
                                                        "tokens_seen": best["state"]["tokens_seen"],
+                                                       "check_sample": check,
                                                        "best": best["metrics"], "recipe": recipe}, indent=1))
     size = sum(f.stat().st_size for f in artifact.iterdir()) / 1e6
     print(f"wrote {full} (speculators format, bf16) and {artifact} "

@@ -237,14 +237,60 @@ def _demo_draft_path(artifact: Path) -> Path:
     return materialise_draft(demo_target_path(), out, artifact)
 
 
+# -- the feature draft (EAGLE-3, speculators format; docs/feature_draft.md) -------------------------
+FEATURE_ARTIFACT_DIR = ARTIFACT_DIR / "feature"  # trained layers, d2t/t2d, config.json (build_feature_draft export)
+FEATURE_NAME = "specdecpp-demo-feature-draft"
+
+
+def feature_artifact_digest(artifact: Path = FEATURE_ARTIFACT_DIR) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        h.update(name.encode() + (Path(artifact) / name).read_bytes())
+    return h.hexdigest()
+
+
+def demo_feature_draft_path(artifact: Path = FEATURE_ARTIFACT_DIR) -> Path:
+    """The materialised feature draft (a speculators directory: the artifact's layers with the
+    target's embedding and output rows); rebuilt whenever the shipped artifact changes."""
+    if not (Path(artifact) / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no demo feature draft artifact in {str(artifact)!r} (built by "
+                                "python -m specdecpp_demo.build_feature_draft all, then shipped there)")
+    with _one_builder("feature_draft"):
+        out = cache_dir() / "feature_draft"
+        stamp = out / STAMP
+        digest = feature_artifact_digest(artifact)
+        if stamp.is_file() and json.loads(stamp.read_text()).get("artifact_sha256") == digest:
+            return out
+        from transformers import AutoModelForCausalLM
+
+        from .build_feature_draft import materialize
+
+        target_dir = demo_target_path()
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+
+        def build(tmp: Path) -> None:
+            materialize(artifact, target, tmp)
+            (tmp / STAMP).write_text(json.dumps({"artifact_sha256": digest}, indent=1))
+            write_identity(tmp, f"{FEATURE_NAME}@{digest}")
+
+        return _publish(build, out)
+
+
 # -- the resolver: identity -> directory ---------------------------------------------------------
 def resolve(identity: str) -> Path:
     """``specdecpp-demo-target@<sha>`` / ``specdecpp-demo-draft@<sha>`` -> the materialised directory
     (materialised on first use). An identity of another build raises LookupError saying which."""
     parsed = parse_identity(identity)
-    if parsed is None or parsed[0] not in (TARGET_NAME, DRAFT_NAME):
-        raise LookupError(f"{identity!r} is not a demo pair identity ({TARGET_NAME}@... or {DRAFT_NAME}@...)")
+    if parsed is None or parsed[0] not in (TARGET_NAME, DRAFT_NAME, FEATURE_NAME):
+        raise LookupError(f"{identity!r} is not a demo pair identity ({TARGET_NAME}@..., {DRAFT_NAME}@... or "
+                          f"{FEATURE_NAME}@...)")
     name, digest = parsed
+    if name == FEATURE_NAME:
+        current = feature_artifact_digest()
+        if digest != current:
+            raise LookupError(f"the installed demo feature draft is {FEATURE_NAME}@{current}; {identity!r} names "
+                              "another build of it (check out the commit that shipped that draft)")
+        return demo_feature_draft_path()
     if name == TARGET_NAME:
         if digest != TARGET_GGUF_SHA256:
             raise LookupError(f"this demo makes its target from the GGUF with SHA-256 {TARGET_GGUF_SHA256}; "

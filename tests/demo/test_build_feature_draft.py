@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 
+import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
@@ -72,3 +73,29 @@ def test_data_train_resume_export(tmp_path, tiny_pair):
     again = FeatureDraft.from_pretrained(rebuilt, target=target)
     for k, v in draft.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v)
+    # the artifact records a held-out sample and the exported draft's figures on it: reproducible
+    import json
+
+    info = json.loads((work / "export" / "artifact" / "trained.json").read_text())
+    check = info["check_sample"]
+    assert len(check["token_ids"]) == 2 and check["metrics"]["val_positions"] > 0
+    again_metrics = build.sample_metrics(again, target, check["token_ids"], check["loss_mask"], 3)
+    for k, v in check["metrics"].items():
+        assert again_metrics[k] == pytest.approx(v, abs=1e-5), k
+
+    # a later session continues the artifact's training (train.init): its first eval is the artifact's draft
+    recipe = tiny_recipe(tmp_path, tiny_pair.target, steps=0)
+    recipe["work"], recipe["shards_dir"] = str(tmp_path / "work2"), str(work / "shards")
+    recipe["train"]["init"] = str(work / "export" / "artifact")
+    run(tmp_path, recipe, "train")
+    best = torch.load(tmp_path / "work2" / "best.pt", weights_only=False)
+    assert best["state"]["tokens_seen"] == info["tokens_seen"] > 0
+    shipped = again.state_dict()
+    for k, v in best["model"].items():
+        assert torch.equal(v, shipped[k].to(v.dtype)), k  # the artifact's bf16 values, exactly
+    recipe["train"]["init"] = str(tmp_path)
+    (tmp_path / "work2" / "checkpoint.pt").unlink(missing_ok=True)
+    (tmp_path / "work3").mkdir()
+    recipe["work"] = str(tmp_path / "work3")
+    with pytest.raises(FileNotFoundError, match="train.init .*no model.safetensors"):
+        run(tmp_path, recipe, "train")

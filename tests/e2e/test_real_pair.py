@@ -46,6 +46,28 @@ def real_pair():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (demo.FEATURE_ARTIFACT_DIR / "model.safetensors").is_file(),
+                    reason="no demo feature draft shipped in specdecpp_demo/artifact/feature")
+def test_shipped_feature_draft_loads_and_reproduces_its_recorded_figures(real_pair):
+    """pair=demo_feature: the shipped layers rebuild into a speculators directory that load_pair takes
+    as a feature draft, and give the held-out figures recorded at export on the recorded sample
+    (its features and the target's logits recomputed here, in the recorded precision)."""
+    from specdecpp import FeatureDraft, load_pair
+    from specdecpp_demo.build_feature_draft import sample_metrics
+
+    info = json.loads((demo.FEATURE_ARTIFACT_DIR / "trained.json").read_text())
+    check = info["check_sample"]
+    dtype = {"torch.bfloat16": "bfloat16", "torch.float32": "float32"}[check["teacher_dtype"]]
+    draft, target, _ = load_pair(str(demo.demo_feature_draft_path()), str(demo.demo_target_path()), device="cpu",
+                                 dtype=dtype)
+    assert isinstance(draft, FeatureDraft)
+    assert draft.aux_layers == (info["recipe"]["aux_layers"] or [2, 15, 27])
+    got = sample_metrics(draft, target, check["token_ids"], check["loss_mask"], info["recipe"]["train"]["ttt_steps"])
+    for k in ("alpha_1", "alpha_2", "alpha_3"):
+        assert got[k] == pytest.approx(check["metrics"][k], abs=0.01), k
+
+
+@pytest.mark.slow
 def test_dequantised_target_answers_sensibly(real_pair):
     _, target, tokenizer = real_pair
 
