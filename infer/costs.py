@@ -73,6 +73,9 @@ def table(result: dict) -> str:
               "Eq. 2.3 fixed-K speedup: " + ", ".join(f"K={k}: {result['fixed_k_speedup'][k]:.2f}x"
                                                       for k in (1, 2, 3, 4, 6, 8)),
               f"best K = {result['best_k']}: {result['best_fixed_k_speedup']:.2f}x over target-only"]
+    for source, by_depth in (result.get("acceptance_by_depth") or {}).items():  # a feature draft
+        lines.append(f"feature draft, {source}: acceptance at depths 1..{len(by_depth)} of a round: "
+                     + ", ".join(f"{a:.3f}" for a in by_depth) + " (the fixed-K line assumes depth 1's at every depth)")
     for b, curve in sorted((result.get("target_by_batch_s") or {}).items()):
         lines.append(f"batch {b}: draft step {result['draft_by_batch_s'][b] * 1e3:.1f} ms; "
                      "target, n tokens per row (ms): "

@@ -39,16 +39,48 @@ def sample_response(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
     return ids
 
 
-def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def position_acceptance(draft, target, ids: torch.Tensor, prompt_len: int,
+                        depths: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """alpha_i = sum_v min(p_i(v), q_i(v)) at each response position i, and the target's mass
-    p_i(S) on the draft's output set S (1 for a full-vocabulary draft)."""
+    p_i(S) on the draft's output set S (1 for a full-vocabulary draft). A feature draft's q at
+    depth d (a round's d-th candidate, :func:`specdecpp.data.labels.feature_draft_logits`): alpha
+    [N, depths] then, column 0 the first candidate's (NaN where the prompt is too short for d)."""
+    from specdecpp.data.labels import feature_draft_logits
+    from specdecpp.models.feature_draft import FeatureDraft
+
     with torch.no_grad():
         p = warp(target(ids[:, :-1]).logits[0, prompt_len - 1:], SAMPLING)
+        if isinstance(draft, FeatureDraft):
+            prompt, response = ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist()
+            at = feature_draft_logits(draft, target, [prompt], [response], p.shape[-1], depths)
+            alpha = torch.stack([torch.minimum(p, warp(at(0, d, 0, len(response)).to(p.device), SAMPLING)).sum(-1)
+                                 for d in range(1, depths + 1)], dim=1)
+            return alpha if depths > 1 else alpha[:, 0], p[:, draft.token_ids.to(p.device)].sum(-1)
         q = warp(draft(ids[:, :-1]).logits[0, prompt_len - 1:, : p.shape[-1]], SAMPLING)
     layer = draft.get_output_embeddings()
     covered = (p[:, layer.token_ids].sum(-1) if isinstance(layer, ReducedOutput)
                else torch.ones(p.shape[0], device=p.device))
     return torch.minimum(p, q).sum(-1), covered
+
+
+FEATURE_DEPTHS = 4  # a feature draft's acceptance is measured at depths 1..4 of a round
+
+
+def _feature_draft_calls(draft, target, context: torch.Tensor, tail: torch.Tensor, widths: list[int]):
+    """A feature draft's timed call: one drafting step (one token on its own previous output, over
+    a cache of the context read on the target's features), what a round's candidates after the
+    first cost; its reset rolls the cache back. Only width 1: trees and batches refuse it."""
+    if any(w != 1 for w in widths):
+        raise ValueError("a feature draft is timed at width 1 only (token trees do not take it yet); "
+                         "give --max-width 1 for its draft curve or measure the target alone")
+    ids = context[0].to(draft.device)
+    cache = draft.new_cache()
+    with torch.no_grad():
+        feats = draft.fuse(target(ids[None], output_hidden_states=True).hidden_states)
+        out = draft(ids[None, 1:], features=feats[:, :-1], cache=cache, n_logits=1)
+    length, hidden = cache.length, out.hidden[:, -1:]
+    return ((lambda: draft(tail[None, :1], hidden=hidden, cache=cache, n_logits=1)),
+            (lambda: cache.rollback(length)))
 
 
 def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str, list[int]] | None = None,
@@ -67,9 +99,19 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
     backends = fast if isinstance(fast, dict) else dict.fromkeys(models, fast)
     runners = {b: CallRunners(b, models.values(), cover=False)  # each width timed in its own bucket
                for b in {backends.get(name) for name in models}}
+    from specdecpp.models.feature_draft import FeatureDraft
+
     with torch.no_grad():
         for name, model in models.items():
             tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
+            if isinstance(model, FeatureDraft):
+                if backends.get(name) is not None:
+                    raise ValueError("a feature draft runs eager only (the fast path does not feed it yet)")
+                target = next(m for m in models.values() if not isinstance(m, FeatureDraft))
+                call, reset = _feature_draft_calls(model, target, context[:, :-tail_len],
+                                                   context[0, -tail_len:].to(model.device), [1])
+                calls[(name, 1)], resets[(name, 1)] = call, reset
+                continue
             runner = runners[backends.get(name)](context.shape[1])(model, output_vocab_size(model), False)
             runner.feed(context[0, :-tail_len].to(model.device))
             length, tail = runner.length, context[0, -tail_len:].to(model.device)
@@ -150,20 +192,33 @@ class MeasureConfig:
 def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
     """Acceptance, per-forward costs and the fixed-K speedups of the pair (``config``: what and how)."""
     c = config
+    from specdecpp.models.feature_draft import FeatureDraft
+
     draft, target, tokenizer = load_pair(draft_path, target_path, device=c.device, dtype=c.dtype)
-    per_source = {}
+    feature = isinstance(draft, FeatureDraft)
+    if feature and (c.batch_sizes or c.compare_dtypes or c.fast):
+        raise ValueError("a feature draft is measured eager, batch 1, at its own precision: --batch-sizes, "
+                         "--compare-dtype and --fast do not take it yet (docs/feature_draft.md)")
+    per_source, depth_info = {}, {}
     for source in c.sources:
         split = "test"
         prompts = load_prompts(source, split=split, limit=c.limit)
-        alphas, covers, n_tokens = [], [], 0
+        alphas, covers, n_tokens, by_depth = [], [], 0, []
         for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance on {source}/{split}")):
             prompt_ids = encode_prompt(tokenizer, prompt.prompt)
             ids = sample_response(target, prompt_ids, c.max_new_tokens, tokenizer.eos_token_id, c.seed + i)
-            alpha, covered = position_acceptance(draft, target, ids, len(prompt_ids))
+            alpha, covered = position_acceptance(draft, target, ids, len(prompt_ids),
+                                                 FEATURE_DEPTHS if feature else 1)
+            if feature:
+                by_depth.append(alpha)
+                alpha = alpha[:, 0]
             alphas.append(alpha)
             covers.append(covered)
             n_tokens += alpha.numel()
         alpha = torch.cat(alphas)
+        if feature:
+            deep = torch.cat(by_depth)
+            depth_info[source] = [float(deep[:, d].nanmean()) for d in range(deep.shape[1])]
         per_source[source] = {"split": split, "prompts": len(prompts), "positions": n_tokens,
                               "acceptance": alpha.mean().item(), "target_mass_covered": torch.cat(covers).mean().item(),
                               "acceptance_per_prompt_std": (torch.stack([a.mean() for a in alphas]).std().item()
@@ -177,7 +232,8 @@ def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
     widths = measured_widths(c.max_width)
-    timed = step_times(models, context, c.timing_steps, {name: widths for name in models}, c.fast)
+    timed = step_times(models, context, c.timing_steps,
+                       {name: [1] if feature and name == "draft" else widths for name in models}, c.fast)
     times = {name: t[1] for name, t in timed.items()}
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],
@@ -200,10 +256,15 @@ def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
             "draft_step_s": times["draft"], "target_step_s": times["target"], "cost_ratio": ratio,
             "target_by_width_s": timed["target"], "draft_by_width_s": timed["draft"],
             "draft_output_vocab": output_vocab_info(draft),
-            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k], **batched}
+            "fixed_k_speedup": speedups, "best_k": best_k, "best_fixed_k_speedup": speedups[best_k], **batched,
+            **({"acceptance_by_depth": depth_info} if feature else {})}
 
 
 def output_vocab_info(draft) -> dict:
+    from specdecpp.models.feature_draft import FeatureDraft
+
+    if isinstance(draft, FeatureDraft):
+        return {"scored_tokens": int(draft.draft_vocab_size), "vocab_size": int(draft.vocab_size)}
     layer = draft.get_output_embeddings()
     scored = int(layer.token_ids.numel()) if isinstance(layer, ReducedOutput) else int(layer.weight.shape[0])
     return {"scored_tokens": scored, "vocab_size": output_vocab_size(draft)}

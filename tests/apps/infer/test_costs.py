@@ -155,3 +155,39 @@ def test_cli_bad_input_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--draft", str(tmp_path / "missing"), "--target", str(tmp_path), "--costs-out", "c.json"])
     assert "missing' does not exist" in capsys.readouterr().err
+
+
+def test_a_feature_draft_is_measured_at_each_depth_and_timed_on_its_own_output(costly_pair, tmp_path, capsys):
+    """A feature draft (EAGLE-3) through infer.costs: its acceptance at depth d is the overlap of p with
+    the q of drafting as a round's d-th candidate (labels' feature_draft_logits), depth 1 in the
+    overall figure, the other depths in acceptance_by_depth; its step is a drafting step on its own
+    previous output, cheaper than the 6-layer target's; options it does not take are refused."""
+    from specdecpp.data.labels import feature_draft_logits
+    from specdecpp.models.feature_draft import FeatureDraft
+    from specdecpp.models.loading import load_model
+
+    target = load_model(costly_pair.target, "cpu")
+    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, target.config.vocab_size, 2),
+                                   generator=torch.Generator().manual_seed(0))
+    draft.save_pretrained(tmp_path / "feature")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    alpha, covered = measure.position_acceptance(draft, target, ids, 3, depths=2)
+    with torch.no_grad():
+        p = measure.warp(target(ids[:, :-1]).logits[0, 2:], measure.SAMPLING)
+    at = feature_draft_logits(draft, target, [[1, 2, 3]], [[4, 5, 6, 7]], p.shape[-1], 2)
+    for d in (1, 2):
+        want = torch.minimum(p, measure.warp(at(0, d, 0, 4), measure.SAMPLING)).sum(-1)
+        torch.testing.assert_close(alpha[:, d - 1], want)
+    torch.testing.assert_close(covered, p[:, ::2].sum(-1))
+    costs_path, out = tmp_path / "costs.json", tmp_path / "pair.json"
+    cli.main(["--draft", str(tmp_path / "feature"), "--target", costly_pair.target, "--sources", "bundled",
+              "--limit", "1", "--max-new-tokens", "6", "--timing-steps", "9", "--dtype", "float32",
+              "--costs-out", str(costs_path), "--out", str(out)])
+    assert "acceptance at depths 1..4" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert len(result["acceptance_by_depth"]["bundled"]) == 4
+    assert result["acceptance"] == pytest.approx(result["acceptance_by_depth"]["bundled"][0])
+    assert 0 < result["draft_step_s"] < result["target_step_s"] and set(result["draft_by_width_s"]) == {"1"}
+    with pytest.raises(ValueError, match="feature draft is measured eager"):
+        cli.main(["--draft", str(tmp_path / "feature"), "--target", costly_pair.target, "--limit", "1",
+                  "--batch-sizes", "2", "--costs-out", str(tmp_path / "c2.json")])
