@@ -7,7 +7,9 @@ to every file of the draft, ``specdecpp_stop_policy.json`` (the policy's name an
 for a head, the head's own files. vLLM loads the draft from the bundle as from any local model
 directory; the proposer of :mod:`specdecpp.vllm.internals` (registered in every vLLM process by
 the ``vllm.general_plugins`` entry point) finds the policy file beside it and stops each request's
-draft by it. Without that file the proposer is vLLM's own ``draft_model``.
+draft by it. Without that file the proposer is vLLM's own ``draft_model``. A feature draft (EAGLE-3,
+speculators format) is sent as vLLM's ``eagle3`` method, the same bundle read by the same subclass of
+vLLM's EAGLE proposer.
 
 Everything is checked here, before vLLM starts: the installed vLLM's version, the policy, the
 draft, and a head against the draft (``specdecpp.models.fit``).
@@ -20,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from ..models.feature_draft import is_feature_draft
 from ..models.fit import check_draft_fit, check_sampling_fit
 from ..stopping.head import AcceptanceHead, load_head
 from ..stopping.policies import SVIP, FixedK, SpecDecPP, StopPolicy, TargetOnly, check_count, check_policy_keywords
@@ -164,6 +167,24 @@ def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling)
         check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
 
 
+def check_feature_draft(draft: Path, policy: StopPolicy, load_aware) -> None:
+    """What a feature draft (EAGLE-3, the speculators format: vLLM's ``eagle3`` method) is sent with:
+    an EAGLE-3 config this project reads, and a policy on the draft's logits alone (FixedK, SVIP,
+    OnlineAcceptance); a head is refused (none is trained on a feature draft's states yet), and so are
+    load-aware lengths (not tested with vLLM's EAGLE proposer)."""
+    from ..models.feature_draft import read_config
+
+    read_config(draft)  # a ValueError names what is not an EAGLE-3 speculators config
+    if isinstance(policy, SpecDecPP):
+        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): acceptance heads for feature drafts are not built "
+                         "yet (a head is trained on a plain draft's hidden states); use stop_policy=FixedK(k), "
+                         "SVIP(...) or OnlineAcceptance(...) with it")
+    if load_aware is not None:
+        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): load-aware lengths are not supported with vLLM's "
+                         "EAGLE proposer yet; pass load_aware=False (FixedK, SVIP and OnlineAcceptance stop each "
+                         "request's draft)")
+
+
 def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path, load_aware: dict | None = None) -> Path:
     """The bundle of ``draft`` and ``policy`` (and the load-aware setting) under ``cache_dir``, named by
     a digest of them (written once; an existing one with the same digest is reused)."""
@@ -210,7 +231,11 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
     to check the head's training sampling against. ``vllm_options``: further keys of vLLM's
     speculative config (e.g. ``draft_sample_method="greedy"``); the method, the model and the
     number of speculative tokens are set here. Writes the policy bundle (module docstring) under
-    ``cache_dir`` and returns the dict; nothing of vLLM is started or imported."""
+    ``cache_dir`` and returns the dict; nothing of vLLM is started or imported.
+
+    A feature draft (EAGLE-3 in the speculators format, :class:`~specdecpp.FeatureDraft`'s
+    ``save_pretrained``; detected by ``is_feature_draft``) gets vLLM's ``eagle3`` method, its requests
+    stopped by FixedK, SVIP or OnlineAcceptance (:func:`check_feature_draft` says what is refused)."""
     check_version()
     policy = resolve_policy(head, threshold, max_candidates, stop_policy)
     draft_dir = Path(draft).expanduser()
@@ -218,17 +243,20 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
         raise ValueError(f"draft {str(draft)!r} is not a local model directory (no config.json): vLLM's draft_model "
                          "method loads a directory; download the draft first (hf download ...)")
     draft_dir = draft_dir.resolve()
-    if isinstance(policy, SpecDecPP):
+    feature = is_feature_draft(draft_dir)
+    if isinstance(policy, SpecDecPP) and not feature:
         check_head(policy, draft_dir, draft_name, sampling)
     clash = sorted(set(vllm_options) & set(OWNED_KEYS))
     if clash:
         raise ValueError(f"speculative_config sets {', '.join(clash)} itself: drop them from the keywords")
     load_aware = load_aware_spec(load_aware, load_aware_mode)
+    if feature:
+        check_feature_draft(draft_dir, policy, load_aware)
     bundle = write_bundle(draft_dir, policy, Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
                           load_aware)
     # probabilistic: the draft samples from q as the project's decoders do (both are exact)
-    return {"method": "draft_model", "model": str(bundle), "num_speculative_tokens": policy.max_candidates,
-            "draft_sample_method": "probabilistic", **vllm_options}
+    return {"method": "eagle3" if feature else "draft_model", "model": str(bundle),
+            "num_speculative_tokens": policy.max_candidates, "draft_sample_method": "probabilistic", **vllm_options}
 
 
 def speculative_config_json(*args, **kwargs) -> str:

@@ -1,5 +1,5 @@
-"""Every vLLM internal that specdecpp touches, in one module (vLLM 0.32; tests/vllm/test_internals.py
-fails loudly when one of them changes shape).
+"""Every vLLM internal that specdecpp touches, in one module (vLLM 0.32; tests/vllm/test_vllm_internals.py
+and, for the EAGLE proposer, tests/vllm/test_vllm_feature_draft.py fail loudly when one changes shape).
 
 What is touched, and why:
 
@@ -11,9 +11,16 @@ What is touched, and why:
    (:class:`~specdecpp.vllm.drafts.StoppedDrafts`), leaves the loop once every row has stopped,
    and returns one list per request of its own length (the runner takes lists as it does from
    ngram; ``_last_draft_probs`` carries the distributions to the rejection sampler).
-2. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer``, the name the model runner (the CPU
-   runner is its subclass) builds its draft proposer from, is rebound to the subclass
-   (:func:`install_proposer`). Without a policy bundle the subclass is vLLM's own proposer.
+   The same subclass of ``vllm.v1.spec_decode.eagle.EagleProposer`` (``proposer_class("eagle3")``;
+   it adds nothing to that loop but passing the target's hidden states to the draft) stops a
+   feature draft's (EAGLE-3) requests; the draft's logits come from ``Eagle3LlamaForCausalLM.
+   compute_logits`` (its draft vocabulary scattered into the target's, -inf elsewhere).
+2. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer`` and ``.EagleProposer``, the names the model
+   runner (the CPU runner is its subclass) builds its draft proposer from, are rebound to the
+   subclasses (:func:`install_proposer`). Without a policy bundle a subclass is vLLM's own proposer.
+   The runner also asserts ``isinstance(drafter, EagleProposer)`` by that name, which vLLM's other
+   subclass of it (``Step3p5MTPProposer``, built by its own name) must still pass: the EAGLE
+   subclass's metaclass answers ``isinstance`` for ``EagleProposer`` itself.
 3. ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, the CPU stand-in of the rejection
    sampler's ``expand_kernel``, converts its float output to an int64 copy and never writes the
    real output back: per-token temperature, top-k and top-p are uninitialised memory in sampled
@@ -96,13 +103,40 @@ def temperature_of(sampling_metadata) -> float:
     return float(sampling_metadata.temperature[0])
 
 
-@functools.cache
-def proposer_class() -> type:
-    """vLLM's ``DraftModelProposer`` with each request's draft stopped by the bundle's stop policy."""
-    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+# The proposers that take a bundle's stop policy: vLLM's class for each, by the method that builds it.
+PROPOSER_BASES = {"draft_model": ("vllm.v1.spec_decode.draft_model", "DraftModelProposer"),
+                  "eagle3": ("vllm.v1.spec_decode.eagle", "EagleProposer")}
 
-    class StopPolicyProposer(DraftModelProposer):
-        """DraftModelProposer that stops each request's draft by a specdecpp stop policy."""
+
+class _CoversBase(type):
+    """The metaclass of the EAGLE subclass: ``isinstance(x, subclass)`` is ``isinstance(x, EagleProposer)``,
+    so the runner's checks against the name it rebinds still pass for vLLM's other subclasses of
+    ``EagleProposer`` (``Step3p5MTPProposer``), which are built under their own names."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls.__mro__[1])
+
+
+def proposer_class(method: str = "draft_model") -> type:
+    """vLLM's proposer of ``method`` (``"draft_model"``: ``DraftModelProposer``; ``"eagle3"``:
+    ``EagleProposer``, which drafts with a feature draft) with each request's draft stopped by the
+    bundle's stop policy. Both run ``SpecDecodeBaseProposer.propose``'s loop, sampling every pass
+    through ``_sample_draft_tokens``, which the subclass overrides. One class per method."""
+    return _proposer_class(method)
+
+
+@functools.cache
+def _proposer_class(method: str) -> type:
+    import importlib
+
+    if method not in PROPOSER_BASES:
+        raise ValueError(f"no stop-policy proposer for vLLM method {method!r}: one of {sorted(PROPOSER_BASES)}")
+    module, name = PROPOSER_BASES[method]
+    base = getattr(importlib.import_module(module), name)
+    meta = _CoversBase if method == "eagle3" else type
+
+    class StopPolicyProposer(base, metaclass=meta):
+        """vLLM's proposer that stops each request's draft by a specdecpp stop policy."""
 
         def __init__(self, vllm_config, device, runner=None) -> None:
             super().__init__(vllm_config=vllm_config, device=device, runner=runner)
@@ -207,14 +241,17 @@ def proposer_class() -> type:
                 self.stop_policy.bind(self._view, temperature)
                 self._bound_temperature = temperature
 
+    StopPolicyProposer.__name__ = StopPolicyProposer.__qualname__ = f"StopPolicy{name}"
     return StopPolicyProposer
 
 
 def install_proposer() -> None:
-    """The model runner builds ``StopPolicyProposer`` where it would build ``DraftModelProposer``."""
+    """The model runner builds a ``StopPolicyProposer`` where it would build ``DraftModelProposer``
+    (method ``draft_model``) or ``EagleProposer`` (``eagle``, ``eagle3``)."""
     from vllm.v1.worker import gpu_model_runner
 
-    gpu_model_runner.DraftModelProposer = proposer_class()
+    gpu_model_runner.DraftModelProposer = proposer_class("draft_model")
+    gpu_model_runner.EagleProposer = proposer_class("eagle3")
 
 
 def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803

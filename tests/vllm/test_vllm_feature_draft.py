@@ -1,0 +1,324 @@
+"""A FeatureDraft (EAGLE-3, speculators format) loads and decodes in vLLM: vLLM's own ``eagle3``
+method gives target-only's greedy tokens with drafts accepted, its draft model's logits equal
+``FeatureDraft.forward``'s on the same inputs, and ``specdecpp.vllm.speculative_config`` sends a
+feature draft with FixedK and SVIP (each request's own length) to vLLM's EAGLE proposer.
+
+The pair is built so that the draft tracks the target (module ``tracking_pair``): a random tiny
+Llama target whose next token depends mostly on its last token (its layers scaled down, its
+embedding in 64 of 128 dimensions plus a constant one), and a ``FeatureDraft.init_from`` it, over
+every other id (the d2t mapping is exercised), whose attention is rebuilt to read the current
+token's embedding (queries and keys from the constant dimension peak at distance 0 under RoPE) and
+whose other weights are perturbed. Acceptance is then high but below 1, and a wrong id mapping or
+wrong inputs in vLLM would bring it to about 0.
+
+One engine at a time (vLLM starts in ~10-20 s here); each is closed before the next starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from tests.helpers.vllm import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+
+from specdecpp import SVIP, FixedK  # noqa: E402
+from specdecpp.core.sampling import entropy  # noqa: E402
+from specdecpp.models.feature_draft import FeatureDraft  # noqa: E402
+from specdecpp.vllm import speculative_config  # noqa: E402
+from tests.helpers.tiny import build_tokenizer, tiny_lm  # noqa: E402
+from tests.helpers.vllm import VLLM_WARNINGS, close, recorded_lengths, spec_metrics, start  # noqa: E402
+
+pytestmark = VLLM_WARNINGS
+
+PROMPTS = ["Write a short poem about the sea.", "Explain how a binary search works.", "def add(a, b):",
+           "The quick brown fox", "What is 12 times 7?", "Give three tips for staying healthy."]
+MAX_TOKENS = 24
+HIDDEN, HALF, HEAD_DIM = 128, 64, 32  # the target's width, the embedding's used dimensions, vLLM's CPU head size
+CONST = 3.0  # the embedding's constant dimension (index HALF)
+K = 3  # vLLM's num_speculative_tokens for its own eagle3 method
+
+
+def perturb(module: torch.nn.Module, scale: float, generator: torch.Generator) -> None:
+    """Add noise of ``scale`` times each weight's std (at least 1e-3) to the weights of ``module`` but its
+    embedding (a draft's frozen copy of the target's: vLLM then shares the target's)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.is_floating_point() and p.numel() > 1 and not name.startswith("embed_tokens"):
+                p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().clamp_min(1e-3))
+
+
+def tracking_pair(root):
+    """The target (with the tests' tokenizer) and a FeatureDraft of it that tracks it, saved under
+    ``root``; returns (target_dir, draft_dir, target, draft)."""
+    tok = build_tokenizer()
+    vocab = len(tok)
+    target = tiny_lm(vocab, HIDDEN, 4, seed=12, scale=0.15, heads=4)  # head_dim 32, 2 KV heads
+    with torch.no_grad():
+        embed = target.model.embed_tokens.weight
+        embed[:, HALF:] = 0.0
+        embed[:, HALF] = CONST
+        for layer in target.model.layers:  # a little context on top of the last token's bigram
+            layer.self_attn.o_proj.weight.mul_(0.003)
+            layer.mlp.down_proj.weight.mul_(0.003)
+        head = target.lm_head.weight
+        head[:, HALF:] = 0.0
+        head[1::2] *= 0.5  # the draft keeps the even ids: the target prefers them
+    target.config.update({"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+                          "pad_token_id": tok.pad_token_id})
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+
+    generator = torch.Generator().manual_seed(3)
+    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, vocab, 2), generator=generator)
+    layer, attn = draft.layers[0], draft.layers[0].self_attn
+    heads, kv_heads = attn.heads, attn.kv_heads
+    perturb(draft, 0.05, generator)
+    with torch.no_grad():
+        # queries and keys: one constant direction (from the embedding's constant dimension), so the
+        # scores peak at distance 0 under RoPE and each position reads its own token
+        c = torch.full((HEAD_DIM,), 1.5) + 0.05 * torch.randn(HEAD_DIM, generator=generator)
+        attn.q_proj.weight.mul_(0.01)[:, HALF] = c.repeat(heads)
+        attn.k_proj.weight.mul_(0.01)[:, HALF] = c.repeat(kv_heads)
+        # values: the embedding's used dimensions; out: KV head g to dimensions g*32.. (one query head of each)
+        attn.v_proj.weight.mul_(0.01)[:, :HALF] += torch.eye(HALF)
+        attn.o_proj.weight.mul_(0.01)
+        for g in range(kv_heads):
+            q_head = g * (heads // kv_heads)
+            attn.o_proj.weight[g * HEAD_DIM:(g + 1) * HEAD_DIM, q_head * HEAD_DIM:(q_head + 1) * HEAD_DIM] += torch.eye(
+                HEAD_DIM)
+        layer.mlp.down_proj.weight.mul_(0.01)
+        layer.hidden_norm.weight.fill_(0.05)  # the target's features: a small part of the residual
+        draft.norm.weight.mul_(8.0)  # peakier draft distributions (SVIP's entropies spread)
+    draft.save_pretrained(root / "draft")
+    return root / "target", root / "draft", target, draft.eval()
+
+
+def greedy_tokens(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)  # the pair's outputs hit EOS soon
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tracking_pair(tmp_path_factory.mktemp("vllm_feature_pair"))
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """vLLM target-only's greedy tokens."""
+    llm = start(pair[0])
+    try:
+        return greedy_tokens(llm)
+    finally:
+        close(llm)
+
+
+def test_the_eagle_proposer_internals():
+    """What the EAGLE subclass relies on (specdecpp/vllm/internals.py): EagleProposer runs the base
+    class's draft loop unchanged, the runner builds it by the name rebound, vLLM's other subclass of
+    it still passes the runner's isinstance checks, and the EAGLE-3 model scatters its logits."""
+    import inspect
+
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.spec_decode.step3p5 import Step3p5MTPProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    from specdecpp.vllm import internals
+
+    assert EagleProposer.__bases__ == (SpecDecodeBaseProposer,)
+    assert list(inspect.signature(EagleProposer.__init__).parameters) == ["self", "vllm_config", "device", "runner"]
+    for name in ("propose", "_sample_draft_tokens", "_sample_from_logits", "load_model", "prepare_next_token_ids_cpu",
+                 "prepare_next_token_ids_padded"):
+        assert name not in vars(EagleProposer), name  # the loop and the hooks the subclass overrides are the base's
+    source = inspect.getsource(gpu_model_runner.GPUModelRunner)
+    assert "self.drafter = EagleProposer(self.vllm_config, self.device, self)" in source
+    assert re.search(r"isinstance\(\s*self\.drafter,\s*EagleProposer", source)
+    internals.install_proposer()
+    eagle = internals.proposer_class("eagle3")
+    assert gpu_model_runner.EagleProposer is eagle and issubclass(eagle, EagleProposer)
+    assert gpu_model_runner.DraftModelProposer is internals.proposer_class("draft_model")
+    assert issubclass(Step3p5MTPProposer, EagleProposer)
+    assert isinstance(object.__new__(Step3p5MTPProposer), eagle)  # built by its own name, checked by the rebound one
+    assert not isinstance(object.__new__(DraftModelProposer), eagle)
+    assert list(inspect.signature(Eagle3LlamaForCausalLM.compute_logits).parameters) == ["self", "hidden_states"]
+    assert 'float("-inf")' in inspect.getsource(Eagle3LlamaForCausalLM.compute_logits)
+
+
+def test_speculative_config_sends_a_feature_draft_as_eagle3(pair, tmp_path):
+    from specdecpp.vllm.config import POLICY_FILE, read_policy
+    from tests.vllm.test_vllm_greedy import varied_head
+
+    draft_dir = pair[1]
+    spec = speculative_config(draft_dir, stop_policy=SVIP(0.5, max_candidates=4), cache_dir=tmp_path)
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 4
+    bundle = tmp_path / spec["model"].rsplit("/", 1)[-1]
+    assert (bundle / POLICY_FILE).is_file() and (bundle / "config.json").resolve() == (draft_dir / "config.json")
+    assert json.loads((bundle / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    assert read_policy(bundle).settings() == SVIP(0.5, max_candidates=4).settings()
+    assert speculative_config(draft_dir, stop_policy=FixedK(2), cache_dir=tmp_path)["method"] == "eagle3"
+    with pytest.raises(ValueError, match="heads for feature drafts are not built yet"):
+        speculative_config(draft_dir, head=varied_head("next", 2), threshold=0.5, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="load-aware lengths are not supported with vLLM's EAGLE proposer"):
+        speculative_config(draft_dir, stop_policy=FixedK(2), load_aware=True, cache_dir=tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    config = json.loads((draft_dir / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "speculators_model_type": "eagle"}))
+    with pytest.raises(ValueError, match="only 'eagle3'"):
+        speculative_config(broken, stop_policy=FixedK(2), cache_dir=tmp_path)
+
+
+class DraftCalls:
+    """What vLLM's EAGLE-3 draft model is handed and returns, recorded call by call: the fused target
+    states its fc reads (``combine_hidden_states``' input) and the logits of every drafting pass."""
+
+    def __init__(self, monkeypatch) -> None:
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        self.features: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        combine, logits = Eagle3LlamaForCausalLM.combine_hidden_states, Eagle3LlamaForCausalLM.compute_logits
+
+        def combine_hidden_states(model, hidden_states):
+            self.features.append(hidden_states.detach().clone())
+            return combine(model, hidden_states)
+
+        def compute_logits(model, hidden_states):
+            out = logits(model, hidden_states)
+            self.logits.append(out.detach().clone())
+            return out
+
+        monkeypatch.setattr(Eagle3LlamaForCausalLM, "combine_hidden_states", combine_hidden_states)
+        monkeypatch.setattr(Eagle3LlamaForCausalLM, "compute_logits", compute_logits)
+
+
+def replay(draft: FeatureDraft, prompt: list[int], first: int, features: torch.Tensor, proposed: list[int]):
+    """FeatureDraft.forward's logits [K, V] for vLLM's first propose call after the prefill of ``prompt``
+    (the target's token ``first``): the prompt shifted by one with ``features`` [n, F*H], then one
+    step per proposed token, fed its own hidden output (the module docstring's shift convention)."""
+    cache = draft.new_cache()
+    with torch.no_grad():
+        out = draft(torch.tensor([prompt[1:] + [first]]), features=features[None], cache=cache, n_logits=1)
+        logits = [out.logits[0, -1]]
+        for token in proposed:
+            out = draft(torch.tensor([[token]]), hidden=out.hidden[:, -1:], cache=cache)
+            logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def vllm_eagle3(pair):
+    """vLLM's own eagle3 method with our checkpoint (no bundle: vLLM's proposer as it is): the greedy
+    tokens and spec-decode counters on PROMPTS, then one prompt's first propose call recorded."""
+    from vllm import SamplingParams
+
+    llm = start(pair[0], {"method": "eagle3", "model": str(pair[1]), "num_speculative_tokens": K})
+    try:
+        tokens = greedy_tokens(llm)
+        metrics = spec_metrics(llm)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            calls = DraftCalls(monkeypatch)
+            out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)[0]
+    finally:
+        close(llm)
+    return {"tokens": tokens, "metrics": metrics, "calls": calls, "prompt": list(out.prompt_token_ids),
+            "first": out.outputs[0].token_ids[0]}
+
+
+def test_vllm_eagle3_decodes_our_checkpoint_losslessly(pair, reference, vllm_eagle3):
+    """vLLM's own eagle3 method with our checkpoint: target-only's tokens, drafts accepted, and its
+    draft's features and logits equal ours (FeatureDraft.forward on the same inputs)."""
+    _, _, target, draft = pair
+    metrics = vllm_eagle3["metrics"]
+    assert vllm_eagle3["tokens"] == reference
+    accepted, drafted = metrics["num_accepted_tokens"], metrics["num_draft_tokens"]
+    print(f"eagle3 acceptance {accepted}/{drafted}, per position {metrics['num_accepted_tokens_per_pos']}")
+    # the pair tracks: a wrong id mapping, aux layer or shift in vLLM would bring this to about 0
+    assert drafted > 0 and 0.3 < accepted / drafted < 1.0, metrics
+
+
+def test_vllm_eagle3_draft_logits_equal_feature_draft_forward(pair, vllm_eagle3):
+    """The first propose call after a prefill: vLLM's fused target states equal ``draft.fuse`` of
+    transformers' hidden states, and its K passes' logits equal FeatureDraft.forward's on those
+    features and vLLM's own draft tokens."""
+    _, _, target, draft = pair
+    calls, prompt, first = vllm_eagle3["calls"], vllm_eagle3["prompt"], vllm_eagle3["first"]
+    k = K
+    features, logits = calls.features[0], torch.cat(calls.logits[:k])
+    assert features.shape == (len(prompt), len(draft.aux_layers) * HIDDEN) and logits.shape == (k, draft.vocab_size)
+    with torch.no_grad():
+        expected = draft.fuse(target(torch.tensor([prompt]), output_hidden_states=True).hidden_states)[0]
+    torch.testing.assert_close(features, expected, atol=1e-4, rtol=1e-4)  # vLLM's aux layers are our ids
+    proposed = logits.argmax(-1).tolist()  # vLLM's greedy drafts
+    assert all(t % 2 == 0 for t in proposed)  # through d2t: the draft's ids are the even target ids
+    ours = replay(draft, prompt, first, features, proposed[:-1])
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(logits))  # -inf off the draft vocabulary, both
+    kept = torch.isfinite(logits)
+    assert int(kept[0].sum()) == draft.draft_vocab_size
+    print(f"max |ours - vLLM's| over the draft vocabulary: {(ours[kept] - logits[kept]).abs().max():.2e}")
+    torch.testing.assert_close(ours[kept], logits[kept], atol=2e-4, rtol=1e-4)
+    # the check can fail: the features of other layers move the logits far beyond its tolerance
+    shifted = draft.fuse(target(torch.tensor([prompt]), output_hidden_states=True).hidden_states[1:])[0]
+    wrong = replay(draft, prompt, first, shifted, proposed[:-1])
+    print(f"with the features of the layers above: {(wrong[kept] - logits[kept]).abs().max():.2e}")
+    assert (wrong[kept] - logits[kept]).abs().max() > 50 * 2e-4
+
+
+# SVIP's threshold: the median of c*H over the draft's logits on the reference (set in the test)
+POLICIES = {"fixed_k": lambda threshold: FixedK(K), "svip": lambda threshold: SVIP(threshold, max_candidates=4)}
+
+
+def svip_median_threshold(pair, reference, c: float = 0.15) -> float:
+    """sqrt(c * median H) of the draft's entropies along the reference outputs (teacher-forced with
+    the target's features), so that SVIP stops about half of the rows at each pass."""
+    target_dir, _, target, draft = pair
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    values = []
+    with torch.no_grad():
+        for prompt, out in zip(PROMPTS, reference, strict=True):
+            ids = tok(prompt)["input_ids"] + out
+            features = draft.fuse(target(torch.tensor([ids]), output_hidden_states=True).hidden_states)
+            logits = draft(torch.tensor([ids[1:]]), features=features[:, :-1]).logits[0]
+            values.append(entropy(logits))
+    return math.sqrt(c * float(torch.cat(values).median()))
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_speculative_config_with_a_feature_draft_gives_target_only_tokens(pair, reference, vllm_eagle3, tmp_path,
+                                                                          name):
+    policy = POLICIES[name](svip_median_threshold(pair, reference) if name == "svip" else None)
+    spec = speculative_config(pair[1], stop_policy=policy, cache_dir=tmp_path)
+    assert spec["method"] == "eagle3"
+    llm = start(pair[0], spec)
+    try:
+        with recorded_lengths() as lengths:
+            tokens = greedy_tokens(llm)
+        metrics = spec_metrics(llm)
+    finally:
+        close(llm)
+    assert tokens == reference
+    assert lengths, "specdecpp.vllm's EAGLE proposer did not run (is the vllm.general_plugins entry point installed?)"
+    print(f"{name}: acceptance {metrics['num_accepted_tokens']}/{metrics['num_draft_tokens']}, lengths {lengths[:4]}")
+    assert all(0 < n <= spec["num_speculative_tokens"] for step in lengths for n in step)
+    assert metrics["num_accepted_tokens"] > 0
+    assert metrics["num_draft_tokens"] <= sum(map(sum, lengths))
+    if name == "fixed_k":  # FixedK(K) is vLLM's own eagle3 method, draft for draft
+        assert all(n == K for step in lengths for n in step)
+        assert metrics == vllm_eagle3["metrics"]
+    else:  # per-request lengths reach vLLM's scheduler: they differ within one step
+        assert any(len(set(step)) > 1 for step in lengths), lengths
