@@ -167,11 +167,11 @@ def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling)
         check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
 
 
-def check_feature_draft(draft: Path, policy: StopPolicy, load_aware) -> None:
+def check_feature_draft(draft: Path, policy: StopPolicy) -> None:
     """What a feature draft (EAGLE-3, the speculators format: vLLM's ``eagle3`` method) is sent with:
     an EAGLE-3 config this project reads, and a policy on the draft's logits alone (FixedK, SVIP,
-    OnlineAcceptance); a head is refused (none is trained on a feature draft's states yet), and so are
-    load-aware lengths (not tested with vLLM's EAGLE proposer)."""
+    OnlineAcceptance, with or without load-aware lengths); a head is refused (none is trained on a
+    feature draft's states yet)."""
     from ..models.feature_draft import read_config
 
     read_config(draft)  # a ValueError names what is not an EAGLE-3 speculators config
@@ -179,10 +179,6 @@ def check_feature_draft(draft: Path, policy: StopPolicy, load_aware) -> None:
         raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): acceptance heads for feature drafts are not built "
                          "yet (a head is trained on a plain draft's hidden states); use stop_policy=FixedK(k), "
                          "SVIP(...) or OnlineAcceptance(...) with it")
-    if load_aware is not None:
-        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): load-aware lengths are not supported with vLLM's "
-                         "EAGLE proposer yet; pass load_aware=False (FixedK, SVIP and OnlineAcceptance stop each "
-                         "request's draft)")
 
 
 def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path, load_aware: dict | None = None) -> Path:
@@ -244,14 +240,14 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
                          "method loads a directory; download the draft first (hf download ...)")
     draft_dir = draft_dir.resolve()
     feature = is_feature_draft(draft_dir)
-    if isinstance(policy, SpecDecPP) and not feature:
+    if feature:
+        check_feature_draft(draft_dir, policy)
+    elif isinstance(policy, SpecDecPP):
         check_head(policy, draft_dir, draft_name, sampling)
     clash = sorted(set(vllm_options) & set(OWNED_KEYS))
     if clash:
         raise ValueError(f"speculative_config sets {', '.join(clash)} itself: drop them from the keywords")
     load_aware = load_aware_spec(load_aware, load_aware_mode)
-    if feature:
-        check_feature_draft(draft_dir, policy, load_aware)
     bundle = write_bundle(draft_dir, policy, Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
                           load_aware)
     # probabilistic: the draft samples from q as the project's decoders do (both are exact)

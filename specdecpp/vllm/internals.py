@@ -38,7 +38,11 @@ What is touched, and why:
    accepted + 1, by ``gpu_input_batch.req_ids``) to feed the online acceptance estimator, reads
    ``runner.input_batch.req_ids`` after ``propose``, and, to measure the step costs at start-up
    (``load_aware=True``), times ``runner._dummy_run(n, is_profile=True)`` (the target over n tokens)
-   and the proposer's own ``dummy_run(b)`` (its passes over b rows) at the end of ``load_model``.
+   and the proposer's own ``dummy_run(b)`` (its passes over b rows) at the end of ``load_model``. With an
+   EAGLE-3 draft the runner sets the target's aux hidden-state layers only after the drafter's
+   ``load_model``, and its dummy run then fails to unpack the target's outputs, so the proposer calls
+   ``runner._setup_eagle3_aux_hidden_state_outputs()`` (idempotent: it sets the layer ids) before
+   measuring, where ``runner.use_aux_hidden_state_outputs`` is set.
 
 :func:`register` is the ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls it in
 every process before it builds a model runner.
@@ -178,6 +182,10 @@ def _proposer_class(method: str) -> type:
             if runner is None or not hasattr(runner, "_dummy_run"):
                 raise ValueError("load_aware=True measures the step costs with the model runner's dummy runs, "
                                  "which this proposer was built without: pass load_aware=StepCosts(...) or a JSON")
+            if getattr(runner, "use_aux_hidden_state_outputs", False):
+                # EAGLE-3: the runner sets the target's aux layers after the drafter's load_model, and its
+                # dummy run unpacks (hidden, aux) from the target: set them now (the runner's call repeats it)
+                runner._setup_eagle3_aux_hidden_state_outputs()
             max_reqs = runner.max_num_reqs
             k = self.num_speculative_tokens
             tokens = sorted({1, max_reqs, max_reqs * (k + 1) // 2, max_reqs * (k + 1)} & set(

@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from specdecpp import SVIP, FixedK  # noqa: E402
 from specdecpp.core.sampling import entropy  # noqa: E402
 from specdecpp.models.feature_draft import FeatureDraft  # noqa: E402
-from specdecpp.vllm import speculative_config  # noqa: E402
+from specdecpp.vllm import internals, speculative_config  # noqa: E402
+from specdecpp.vllm.acceptance import OnlineAcceptance, OnlineAcceptanceEstimator  # noqa: E402
 from tests.helpers.tiny import build_tokenizer, tiny_lm  # noqa: E402
 from tests.helpers.vllm import VLLM_WARNINGS, close, recorded_lengths, spec_metrics, start  # noqa: E402
 
@@ -153,6 +154,14 @@ def test_the_eagle_proposer_internals():
     assert isinstance(object.__new__(Step3p5MTPProposer), eagle)  # built by its own name, checked by the rebound one
     assert not isinstance(object.__new__(DraftModelProposer), eagle)
     assert list(inspect.signature(Eagle3LlamaForCausalLM.compute_logits).parameters) == ["self", "hidden_states"]
+    # measuring step costs at the drafter's load_model: the aux layers are set after it, by a method it can call
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    load = inspect.getsource(CPUModelRunner.load_model)
+    assert load.index("self.drafter.load_model(") < load.index("self._setup_eagle3_aux_hidden_state_outputs()")
+    assert list(inspect.signature(gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs).parameters) \
+        == ["self"]
+    assert "self.use_aux_hidden_state_outputs = (" in source
     assert 'float("-inf")' in inspect.getsource(Eagle3LlamaForCausalLM.compute_logits)
 
 
@@ -170,8 +179,6 @@ def test_speculative_config_sends_a_feature_draft_as_eagle3(pair, tmp_path):
     assert speculative_config(draft_dir, stop_policy=FixedK(2), cache_dir=tmp_path)["method"] == "eagle3"
     with pytest.raises(ValueError, match="heads for feature drafts are not built yet"):
         speculative_config(draft_dir, head=varied_head("next", 2), threshold=0.5, cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="load-aware lengths are not supported with vLLM's EAGLE proposer"):
-        speculative_config(draft_dir, stop_policy=FixedK(2), load_aware=True, cache_dir=tmp_path)
     broken = tmp_path / "broken"
     broken.mkdir()
     config = json.loads((draft_dir / "config.json").read_text())
@@ -322,3 +329,54 @@ def test_speculative_config_with_a_feature_draft_gives_target_only_tokens(pair, 
         assert metrics == vllm_eagle3["metrics"]
     else:  # per-request lengths reach vLLM's scheduler: they differ within one step
         assert any(len(set(step)) > 1 for step in lengths), lengths
+
+
+def test_load_aware_lengths_and_the_online_estimator_with_a_feature_draft(pair, reference, tmp_path, monkeypatch):
+    """As tests/vllm/test_vllm_load_aware.py does for a plain draft: a flat step-cost curve keeps
+    FixedK's lengths, a steep one cuts them (some to 0), and with OnlineAcceptance and costs measured
+    at start-up (vLLM's dummy runs of the target and the EAGLE draft) the estimator is fed the target's
+    verdicts; greedy output is target-only's throughout."""
+    from tests.vllm.test_vllm_load_aware import FLAT, STEEP
+
+    measured, fed = [], []
+    original_measure, original_observe = internals.measure_step_costs, OnlineAcceptanceEstimator.observe
+
+    def measure(*args, **kwargs):
+        measured.append(original_measure(*args, **kwargs))
+        return measured[-1]
+
+    def observe(self, features, num_drafted, num_accepted, predictions=None):
+        fed.append((list(num_drafted), list(num_accepted)))
+        return original_observe(self, features, num_drafted, num_accepted, predictions)
+
+    monkeypatch.setattr(internals, "measure_step_costs", measure)
+    monkeypatch.setattr(OnlineAcceptanceEstimator, "observe", observe)
+    runs = {}
+    for name, spec in (("flat", {"stop_policy": FixedK(3), "load_aware": FLAT}),
+                       ("steep", {"stop_policy": FixedK(3), "load_aware": STEEP}),
+                       ("online", {"stop_policy": OnlineAcceptance(0.7, max_candidates=3, refit_interval=5),
+                                   "load_aware": True})):
+        fed.clear()
+        llm = start(pair[0], speculative_config(pair[1], cache_dir=tmp_path, **spec))
+        try:
+            with recorded_lengths() as lengths:
+                tokens = greedy_tokens(llm)
+            metrics = spec_metrics(llm)
+        finally:
+            close(llm)
+        assert tokens == reference, name
+        assert lengths, name
+        runs[name] = (lengths, metrics, list(fed))
+    assert all(n == 3 for step in runs["flat"][0] for n in step)
+    steep = [n for step in runs["steep"][0] for n in step]
+    assert all(0 <= n <= 3 for n in steep) and 0 in steep and sum(steep) / len(steep) < 2.0, runs["steep"][0]
+    assert len(measured) == 1 and measured[0].target_seconds[-1] > 0 and measured[0].draft_seconds[-1] > 0
+    _, online_metrics, fed = runs["online"]
+    assert len(fed) >= 5, fed
+    drafted = [d for step, _ in fed for d in step]
+    accepted = [a for _, step in fed for a in step]
+    print(f"online: fed {sum(accepted)}/{sum(drafted)}, vLLM counted {online_metrics['num_accepted_tokens']}/"
+          f"{online_metrics['num_draft_tokens']}")
+    # the verdicts fed are vLLM's (less those of the last step, never verified before the end)
+    assert all(0 < d <= 3 for d in drafted) and 0 < sum(accepted) <= online_metrics["num_accepted_tokens"]
+    assert sum(drafted) <= online_metrics["num_draft_tokens"] + len(PROMPTS) * 3
