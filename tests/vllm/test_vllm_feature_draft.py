@@ -1,7 +1,9 @@
 """A FeatureDraft (EAGLE-3, speculators format) loads and decodes in vLLM: vLLM's own ``eagle3``
 method gives target-only's greedy tokens with drafts accepted, its draft model's logits equal
 ``FeatureDraft.forward``'s on the same inputs, and ``specdecpp.vllm.speculative_config`` sends a
-feature draft with FixedK and SVIP (each request's own length) to vLLM's EAGLE proposer.
+feature draft with FixedK, SVIP (each request's own length), OnlineAcceptance and load-aware lengths
+to vLLM's EAGLE proposer: greedy output is target-only's, and sampled output (T=1, top-k 50) follows
+the target's distribution.
 
 The pair is built so that the draft tracks the target (module ``tracking_pair``): a random tiny
 Llama target whose next token depends mostly on its last token (its layers scaled down, its
@@ -54,11 +56,11 @@ def perturb(module: torch.nn.Module, scale: float, generator: torch.Generator) -
                 p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().clamp_min(1e-3))
 
 
-def tracking_pair(root):
-    """The target (with the tests' tokenizer) and a FeatureDraft of it that tracks it, saved under
-    ``root``; returns (target_dir, draft_dir, target, draft)."""
-    tok = build_tokenizer()
-    vocab = len(tok)
+def tracking_pair(root, vocab: int | None = None):
+    """The target (with the tests' tokenizer, or over ``vocab`` ids without one) and a FeatureDraft of
+    it that tracks it, saved under ``root``; returns (target_dir, draft_dir, target, draft)."""
+    tok = build_tokenizer() if vocab is None else None
+    vocab = len(tok) if tok is not None else vocab
     target = tiny_lm(vocab, HIDDEN, 4, seed=12, scale=0.15, heads=4)  # head_dim 32, 2 KV heads
     with torch.no_grad():
         embed = target.model.embed_tokens.weight
@@ -70,10 +72,14 @@ def tracking_pair(root):
         head = target.lm_head.weight
         head[:, HALF:] = 0.0
         head[1::2] *= 0.5  # the draft keeps the even ids: the target prefers them
-    target.config.update({"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
-                          "pad_token_id": tok.pad_token_id})
+        if tok is None:
+            head *= 6.0  # for sampling: peakier target distributions (at T=1 the tokenizer pair's are near uniform)
+    if tok is not None:
+        target.config.update({"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+                              "pad_token_id": tok.pad_token_id})
     target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
+    if tok is not None:
+        tok.save_pretrained(root / "target")
 
     generator = torch.Generator().manual_seed(3)
     draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, vocab, 2), generator=generator)
@@ -380,3 +386,39 @@ def test_load_aware_lengths_and_the_online_estimator_with_a_feature_draft(pair, 
     # the verdicts fed are vLLM's (less those of the last step, never verified before the end)
     assert all(0 < d <= 3 for d in drafted) and 0 < sum(accepted) <= online_metrics["num_accepted_tokens"]
     assert sum(drafted) <= online_metrics["num_draft_tokens"] + len(PROMPTS) * 3
+
+
+def test_sampled_decoding_with_a_feature_draft_follows_the_target(tmp_path):
+    """T=1, top-k 50 (the paper's setting) with SVIP stopping a feature draft's requests: the first two
+    tokens follow the target's distribution (chi-square against exact enumeration, as
+    tests/vllm/test_vllm_sampling.py does for a plain draft). The draft scores only the even ids
+    (q = 0 elsewhere), so the target's odd tokens come only from the rejection sampler's residual."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.helpers.stats import chi_square_pvalue
+    from tests.vllm.test_vllm_sampling import PROMPT, SAMPLES, exact_pairs
+
+    target_dir, draft_dir, target, draft = tracking_pair(tmp_path, vocab=64)
+    ids = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = draft.fuse(target(ids, output_hidden_states=True).hidden_states)
+        h = entropy(draft(ids[:, 1:], features=features[:, :-1]).logits[0])
+    spec = speculative_config(draft_dir, stop_policy=SVIP(math.sqrt(0.15 * float(h.median())), max_candidates=3),
+                              cache_dir=tmp_path / "bundles")
+    llm = start(target_dir, spec, skip_tokenizer_init=True, max_model_len=64, max_num_seqs=64)
+    try:
+        with recorded_lengths() as lengths:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * SAMPLES,
+                                SamplingParams(temperature=1.0, top_k=50, max_tokens=3, detokenize=False,
+                                               ignore_eos=True), use_tqdm=False)
+        metrics = spec_metrics(llm)
+    finally:
+        close(llm)
+    samples = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    print(f"sampled: acceptance {metrics['num_accepted_tokens']}/{metrics['num_draft_tokens']}, "
+          f"odd first tokens {sum(s[0] % 2 for s in samples)}/{len(samples)}")
+    assert chi_square_pvalue(samples, exact_pairs(target_dir)) > 1e-3
+    assert any(len(set(step)) > 1 for step in lengths)  # rows stopped at their own lengths
+    assert metrics["num_accepted_tokens"] > 0.1 * metrics["num_drafts"]
+    assert any(s[0] % 2 for s in samples)  # tokens off the draft's vocabulary, from the residual
