@@ -122,11 +122,9 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
 
     if context not in HEAD_CONTEXTS:
         raise ValueError(f"--head-context must be one of {list(HEAD_CONTEXTS)}, got {context!r}")
-    if meta.get("feature_depths"):
-        raise ValueError("--head on a feature draft's labels: heads for feature drafts are not supported yet (their "
-                         "features need the target's; docs/feature_draft.md, 'What is missing'); the perfect-head and "
-                         "fixed-K rows of this tool do not need one")
     heads = [load_head(h) for h in head_dirs]
+    if meta.get("feature_depths"):
+        return feature_heads_predictions(heads, raw_rows, meta, draft_ref, batch_size)
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref:
         raise ValueError("--head needs the draft: the dataset's meta names none; pass --draft PATH")
@@ -179,6 +177,45 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
                                                                    pos - len(raw_rows[j]["prompt_ids"]))
                         out[j][new] = torch.sigmoid(head(x.float())).reshape(-1).double().numpy()[fill]
                     filled[j][new] = True
+    return preds
+
+
+def feature_heads_predictions(heads, raw_rows: list[dict], meta: dict, draft_ref: str | None,
+                              batch_size: int) -> list[list[np.ndarray]]:
+    """A feature draft's labels: each lag-free head's P_hat at every (position, depth) [N, D] (NaN where
+    there is no label), from the features train computes (the labels' own context,
+    specdecpp.training.mixing.feature_draft_head_features)."""
+    import torch
+
+    from specdecpp.models.feature_draft import FeatureDraft
+    from specdecpp.models.identity import resolve_model
+    from specdecpp.models.loading import load_model
+    from specdecpp.training.mixing import feature_draft_head_features
+
+    if any(head.lag for head in heads):
+        raise ValueError("--head on a feature draft's labels: lag-free heads (head=next) only; the paper's head is not "
+                         "trained for feature drafts (docs/feature_draft.md)")
+    draft_ref = draft_ref or meta.get("draft")
+    if not draft_ref or not meta.get("target"):
+        raise ValueError("--head on a feature draft's labels needs its draft and target (the dataset's meta, or "
+                         "--draft)")
+    dtype = meta.get("dtype", "float32")
+    target = load_model(str(meta["target"]), device="cpu", dtype=dtype)
+    draft = FeatureDraft.from_pretrained(resolve_model(str(draft_ref)), target=target)
+    for head in heads:
+        head.attach(draft)
+    preds = [[] for _ in heads]
+    for a in range(0, len(raw_rows), batch_size):
+        chunk = raw_rows[a:a + batch_size]
+        for head, out in zip(heads, preds, strict=True):
+            feats, _ = feature_draft_head_features(draft, target, chunk, {**head.feature_spec(), "context": "target"})
+            for r, f in zip(chunk, feats, strict=True):
+                p_acc = np.asarray(r["depth_p_acc"], dtype=np.float64)
+                pred = np.full(p_acc.shape, np.nan)
+                if len(f):
+                    with torch.no_grad():
+                        pred[~np.isnan(p_acc)] = torch.sigmoid(head(f.float())).reshape(-1).double().numpy()
+                out.append(pred)
     return preds
 
 

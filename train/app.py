@@ -171,6 +171,28 @@ def validation_split(splits, data: DictConfig):
     return splits, HOLDOUT_SPLIT, record
 
 
+def feature_draft_loaders(cfg: DictConfig, meta: dict, draft_ref: str):
+    """(load target, load draft) for a feature draft's labels, after the settings it needs are
+    checked: the lag-free head in the labels' own context, on cached features (its features come
+    from the target's forward and the draft unrolled by depth, specdecpp.training.mixing)."""
+    kind, context = str(cfg.head.get("kind", "resnet")), str(cfg.data.get("feature_context", "mixed"))
+    if kind != "next" or context != "target" or not cfg.data.cache_features:
+        raise ValueError(f"dataset {str(cfg.data.path)!r} labels a feature draft (depths 1..{meta['feature_depths']}): "
+                         "its heads train as head=next with data.feature_context=target and data.cache_features=true "
+                         f"(got head {kind!r}, feature_context {context!r}, cache_features {cfg.data.cache_features}); "
+                         "docs/feature_draft.md")
+    if not meta.get("target"):
+        raise ValueError(f"dataset {str(cfg.data.path)!r} records no target in its meta: a feature draft's "
+                         "features need it")
+    from specdecpp.models.feature_draft import FeatureDraft
+    from specdecpp.models.identity import resolve_model
+
+    load_target = functools.cache(lambda: load_model(str(meta["target"]), device=cfg.pair.device,
+                                                     dtype=cfg.pair.dtype))
+    return load_target, functools.cache(lambda: FeatureDraft.from_pretrained(resolve_model(draft_ref),
+                                                                             target=load_target()))
+
+
 def run(cfg: DictConfig) -> dict:
     """Train, evaluate on every split, save the head to ``cfg.out``; return a summary dict."""
     data, loss = cfg.data, cfg.loss
@@ -192,6 +214,9 @@ def run(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     # the weights load only where the draft runs: building a feature cache, or raw batches
     load_draft = functools.cache(lambda: load_model(draft_ref, device=cfg.pair.device, dtype=cfg.pair.dtype))
+    load_target = None
+    if meta.get("feature_depths"):  # a feature draft's labels: its features need the target too
+        load_target, load_draft = feature_draft_loaders(cfg, meta, draft_ref)
     draft_config = load_config(draft_ref)
     hidden_size = config_hidden_size(draft_config)
     check_draft_matches(meta, draft_ref, hidden_size, str(data.path), data.allow_draft_mismatch)
@@ -204,7 +229,8 @@ def run(cfg: DictConfig) -> dict:
     spec = training_spec(head, feature_context)
     check_context(spec)  # a bad context, or the paper's head in the target context: an error before any work
     datamodule = instantiate(cfg.datamodule)(splits, HeadDataConfig.from_cfg(cfg, val_split), draft=load_draft,
-                                             draft_ref=draft_ref, feature_spec=spec, feature_size=head.feature_size)
+                                             draft_ref=draft_ref, feature_spec=spec, feature_size=head.feature_size,
+                                             target=load_target)
     module = instantiate(cfg.model)(head=head, draft=None if data.cache_features else load_draft())
 
     callbacks = _instantiate_all(cfg.get("callbacks"))

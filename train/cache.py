@@ -35,6 +35,7 @@ from specdecpp.models.loading import load_config
 from specdecpp.training.mixing import (
     FIXED_MIXING_EPOCH,
     check_context,
+    feature_label_positions,
     loss_positions,
     mixed_features,
 )
@@ -104,12 +105,13 @@ def _write_json(path: Path, obj: dict) -> None:
 def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str | os.PathLike,
                   mix_ratio: float, mix_seed: int, dtype: str = "float32", batch_size: int = 8,
                   spec: dict | None = None, feature_size: int | None = None,
-                  draft_precision: str = "float32") -> FeatureCache:
+                  draft_precision: str = "float32", target=None) -> FeatureCache:
     """Open the cache for this (split, draft, mixing, head features), building or finishing it
     first if needed. ``draft`` is the loaded draft or a function that loads it: called only to
     build. ``spec``/``feature_size``: the head's :meth:`feature_spec` and feature size (None: the
     paper's head, the draft's hidden states). ``draft_precision``: the dtype the draft computes in
-    (features of a bf16 draft differ from a float32 one's, so they key another cache)."""
+    (features of a bf16 draft differ from a float32 one's, so they key another cache). ``target``:
+    a feature draft's target (or a function that loads it), which its features need; called only to build."""
     if dtype not in DTYPES:
         raise ValueError(f"data.cache_dtype must be one of {list(DTYPES)}, got {dtype!r}")
     loaded = hasattr(draft, "config")
@@ -129,17 +131,21 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
         fcntl.flock(lock, fcntl.LOCK_EX)  # a parallel sweep job building this cache: wait for it
         state_file = directory / "cache.json"
         if not (state_file.is_file() and json.loads(state_file.read_text()).get("complete")):
-            _build(split, split_name, draft if loaded else draft(), directory, {**info, "key": key}, batch_size)
+            _build(split, split_name, draft if loaded else draft(), directory, {**info, "key": key}, batch_size,
+                   target() if callable(target) else target)
     return FeatureCache(directory)
 
 
-def _build(split, split_name: str, draft, directory: Path, info: dict, batch_size: int) -> None:
+def _build(split, split_name: str, draft, directory: Path, info: dict, batch_size: int, target=None) -> None:
     """Write the features chunk by chunk, recording progress; continue a build that was cut off."""
     mix_ratio, mix_seed = info["mix_ratio"], info["mix_seed"]
     state_file, progress_file = directory / "cache.json", directory / "progress.json"
     n_tokens = pc.list_value_length(arrow_column(split, "target_ids")).to_numpy(zero_copy_only=False)
     context = check_context(info.get("features"))
-    kept = [loss_positions(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j, context) for j, n in enumerate(n_tokens)]
+    by_depth = "depth_p_acc" in split.column_names  # a feature draft's labels: a row per (position, depth)
+    kept = ([feature_label_positions(r) for r in split["depth_p_acc"]] if by_depth else
+            [loss_positions(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j, context)
+             for j, n in enumerate(n_tokens)])
     offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
     shape = (int(offsets[-1]), int(info.get("feature_size", draft.config.hidden_size)))
     resume = state_file.is_file() and progress_file.is_file()
@@ -153,13 +159,15 @@ def _build(split, split_name: str, draft, directory: Path, info: dict, batch_siz
         _write_json(state_file, {**info, "positions": shape[0], "complete": False})
         _write_json(progress_file, {"rows_done": 0})
 
-    rows = split.select_columns(["prompt_ids", "target_ids", "draft_ids", "p_acc"]).with_format("torch")
+    columns = ["prompt_ids", "target_ids", "draft_ids", "p_acc"] + (["depth_draft_ids", "depth_p_acc"] * by_depth)
+    rows = split.select_columns(columns).with_format("torch")
     with tqdm(total=len(split), initial=done, desc=f"draft features ({split_name})", unit="prompt") as bar:
         for start in range(done, len(split), batch_size):
             stop = min(start + batch_size, len(split))
             chunk = [{**rows[j], "row": j} for j in range(start, stop)]
             hidden, chunk_labels = mixed_features(draft, chunk, mix_ratio, mix_seed, FIXED_MIXING_EPOCH,
-                                                  info.get("features"))
+                                                  info.get("features"),
+                                                  **({"target": target} if target is not None else {}))
             a, b = int(offsets[start]), int(offsets[stop])
             if b > a:
                 features[a:b] = torch.cat(hidden).float().cpu().numpy()

@@ -132,11 +132,6 @@ def check_split(split, name: str, path: str, vocab_size: int) -> None:
 
 def check_draft_matches(meta: dict, draft_ref: str, hidden_size: int, path: str, allow_mismatch: bool) -> None:
     """The dataset's labels belong to the draft that made them: refuse another draft
-    (``specdecpp.models.fit``, the check a head gets in infer), another name for it only unless allowed.
-    A feature draft's labels (data_gen's depth_* columns) are refused: its heads are not supported yet."""
-    if meta.get("feature_depths"):
-        raise ValueError(f"dataset {path!r} labels a feature draft ({meta.get('draft')!r}, depths 1.."
-                         f"{meta['feature_depths']}): training heads for feature drafts is not supported yet (a head's "
-                         "features there need the target's hidden states; docs/feature_draft.md, 'What is missing')")
+    (``specdecpp.models.fit``, the check a head gets in infer), another name for it only unless allowed."""
     check_draft_fit(f"dataset {path!r}", "dataset", meta.get("draft"), meta.get("draft_hidden_size"), draft_ref,
                     hidden_size, "data.allow_draft_mismatch", allow_mismatch)

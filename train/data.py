@@ -171,14 +171,14 @@ class HeadDataModule(L.LightningDataModule):
     ``feature_size``: the head's (see specdecpp.stopping.head; None: the paper's head)."""
 
     def __init__(self, splits, config: HeadDataConfig, *, draft, draft_ref: str,
-                 feature_spec: dict | None = None, feature_size: int | None = None) -> None:
+                 feature_spec: dict | None = None, feature_size: int | None = None, target=None) -> None:
         super().__init__()
         for name in (config.train_split, config.val_split):
             if name is not None and name not in splits:
                 raise ValueError(f"dataset has no split {name!r} (it has {list(splits)}); set "
                                  "data.train_split / data.val_split (null for no validation)")
         self.splits, self.config = splits, config
-        self.draft, self.draft_ref = draft, draft_ref
+        self.draft, self.draft_ref, self.target = draft, draft_ref, target  # target: a feature draft's
         self.feature_spec, self.feature_size = feature_spec, feature_size
         self._sets: dict[str, Dataset] = {}
 
@@ -199,7 +199,7 @@ class HeadDataModule(L.LightningDataModule):
         c = self.config
         return feature_cache(self.splits[name], name, self.draft, self.draft_ref, c.cache_dir, c.mix_ratio, c.mix_seed,
                              c.cache_dtype, c.feature_batch_size, self.feature_spec, self.feature_size,
-                             c.draft_precision)
+                             c.draft_precision, target=self.target)
 
     def dataset(self, name: str) -> Dataset:
         if name not in self._sets:

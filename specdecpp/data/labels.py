@@ -244,42 +244,14 @@ def response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence
 
 def feature_draft_logits(draft, target, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          vocab: int, depths: int) -> Callable[[int, int, int, int], torch.Tensor]:
-    """A feature draft's logits at every response token and depth: one target forward (its
-    decoder only: the fused features of the draft's aux layers, no logits) and the draft unrolled
-    ``depths`` steps (:meth:`~specdecpp.models.feature_draft.FeatureDraft.unrolled`) over prompt +
-    response, right-padded. Returns ``logits(b, d, i, j)``: row b's logits [j - i, vocab] at depth
-    ``d`` (1-based) for response tokens i..j-1: response token X_i (absolute position s = P + i)
-    drafted as a round's d-th candidate reads the target's features up to position s - 1 - d and
-    its own outputs after; rows where s - 1 - d < 0 (a prompt shorter than d + 1 tokens) are NaN."""
-    from ..models.feature_runner import AuxHidden
+    """A feature draft's logits at every response token and depth
+    (:class:`~specdecpp.models.feature_runner.FeaturePass`): ``logits(b, d, i, j)`` is row b's
+    logits [j - i, vocab] at depth ``d`` (1-based) for response tokens i..j-1, NaN rows where the
+    prompt is too short for that depth."""
+    from ..models.feature_runner import FeaturePass
 
-    short = [j for j, p in enumerate(prompts) if len(p) < 2]
-    if short:
-        raise ValueError(f"labels with a feature draft need prompts of at least 2 tokens (its first candidate "
-                         f"reads the target's feature of the token before the prompt's last); prompt {short[0]} "
-                         f"has {len(prompts[short[0]])}")
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
-    width = max(len(q) for q in seqs)
-    device = target.device
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
-    for b, q in enumerate(seqs):
-        ids[b, : len(q)] = torch.as_tensor(q, dtype=torch.long)
-    ids = ids.to(device)
-    with AuxHidden(target, draft.aux_layers) as aux:
-        target.get_decoder()(input_ids=ids, use_cache=False)
-        features = aux.fused()
-    steps = draft.unrolled(ids.to(draft.device), features.to(draft.device), depths)
-
-    def logits(b: int, d: int, i: int, j: int) -> torch.Tensor:
-        start = len(prompts[b]) + i - 1 - d  # the anchor of response token i at depth d
-        lo = max(start, 0)
-        normed = steps[d - 1].normed[b, lo: start + (j - i)]
-        out = draft.full_logits(draft.lm_head(normed))[:, :vocab].float()
-        if lo > start:  # anchors before the sequence: no such round
-            out = torch.cat([out.new_full((lo - start, vocab), float("nan")), out])
-        return out
-
-    return logits
+    unrolled = FeaturePass(draft, target, prompts, responses, depths)
+    return lambda b, d, i, j: unrolled.logits(b, d, i, j, vocab)
 
 
 @torch.no_grad()

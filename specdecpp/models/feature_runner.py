@@ -196,6 +196,60 @@ class FeatureDraftRunner:
         return self.cache
 
 
+class FeaturePass:
+    """A feature draft over whole responses at every depth of a round, for labels and heads: one
+    target forward over prompt + response (its decoder only: the fused features of the draft's aux
+    layers, no logits) and the draft unrolled ``depths`` steps
+    (:meth:`~specdecpp.models.feature_draft.FeatureDraft.unrolled`), rows right-padded. Response
+    token X_i (absolute position s = P + i) drafted as a round's d-th candidate reads the target's
+    features up to position s - 1 - d and its own outputs after: :meth:`logits` and :meth:`hidden`
+    give what drafting it there computes (the state is what a stop head reads), NaN rows where
+    s - 1 - d < 0 (a prompt shorter than d + 1 tokens)."""
+
+    @torch.no_grad()
+    def __init__(self, draft: FeatureDraft, target, prompts, responses, depths: int) -> None:
+        short = [j for j, p in enumerate(prompts) if len(p) < 2]
+        if short:
+            raise ValueError(f"a feature draft over responses needs prompts of at least 2 tokens (its first candidate "
+                             f"reads the target's feature of the token before the prompt's last); prompt {short[0]} "
+                             f"has {len(prompts[short[0]])}")
+        if depths < 1:
+            raise ValueError(f"a feature draft's depths must be at least 1, got {depths}")
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, q in enumerate(seqs):
+            ids[b, : len(q)] = torch.as_tensor(q, dtype=torch.long)
+        ids = ids.to(target.device)
+        with AuxHidden(target, draft.aux_layers) as aux:
+            target.get_decoder()(input_ids=ids, use_cache=False)
+            features = aux.fused()
+        self.draft, self.prompt_lengths, self.depths = draft, [len(p) for p in prompts], depths
+        self.steps = draft.unrolled(ids.to(draft.device), features.to(draft.device), depths)
+
+    def _rows(self, x: torch.Tensor, b: int, d: int, i: int, j: int) -> tuple[torch.Tensor, int]:
+        start = self.prompt_lengths[b] + i - 1 - d  # the anchor of response token i at depth d
+        lo = max(start, 0)
+        return x[b, lo: start + (j - i)], lo - start
+
+    @staticmethod
+    def _pad(out: torch.Tensor, missing: int) -> torch.Tensor:
+        if not missing:
+            return out
+        return torch.cat([out.new_full((missing, *out.shape[1:]), float("nan")), out])
+
+    def hidden(self, b: int, d: int, i: int, j: int) -> torch.Tensor:
+        """[j - i, H]: the draft's state that produced q of response tokens i..j-1 at depth d."""
+        rows, missing = self._rows(self.steps[d - 1].hidden, b, d, i, j)
+        return self._pad(rows.float(), missing)
+
+    @torch.no_grad()
+    def logits(self, b: int, d: int, i: int, j: int, vocab: int) -> torch.Tensor:
+        """[j - i, vocab] float32: the draft's logits for response tokens i..j-1 at depth d."""
+        rows, missing = self._rows(self.steps[d - 1].normed, b, d, i, j)
+        return self._pad(self.draft.full_logits(self.draft.lm_head(rows))[:, :vocab].float(), missing)
+
+
 def feature_pair(draft, target) -> bool:
     """Whether ``draft`` is a feature draft (it needs :func:`feature_runners`)."""
     return isinstance(draft, FeatureDraft)

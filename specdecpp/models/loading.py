@@ -77,10 +77,20 @@ def _source(path: str) -> tuple[str, dict]:
 
 
 def load_config(path: str):
-    """The model's transformers config alone (no weights): for checks before anything loads."""
+    """The model's transformers config alone (no weights): for checks before anything loads. A
+    feature draft's (speculators format) is its decoder layer's LlamaConfig, as
+    :attr:`FeatureDraft.config <specdecpp.models.feature_draft.FeatureDraft>` is."""
     from transformers import AutoConfig
 
     src, kw = _source(path)
+    if not kw and is_feature_draft(src):
+        from transformers import LlamaConfig
+
+        from .feature_draft import _llama_kwargs, read_config
+
+        config = LlamaConfig(**_llama_kwargs(read_config(Path(src))["transformer_layer_config"]))
+        config._name_or_path = str(path)
+        return config
     try:
         return AutoConfig.from_pretrained(src, **kw)
     except OSError as exc:
@@ -104,6 +114,9 @@ def load_model(path: str, device: str | torch.device = "auto", dtype: str | torc
 
     dev = resolve_device(device)
     src, kw = _source(path)
+    if not kw and is_feature_draft(src):
+        raise ValueError(f"{str(path)!r} is a feature draft (speculators format): it loads with its target, "
+                         "load_pair(draft, target) or FeatureDraft.from_pretrained(directory, target=...)")
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=resolve_dtype(dtype, dev), **kw)
     except OSError as exc:

@@ -68,13 +68,20 @@ def mixed_example(prompt_ids, target_ids, draft_ids, p_acc, take_target: torch.T
 
 
 def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int = FIXED_MIXING_EPOCH,
-                   spec: dict | None = None):
+                   spec: dict | None = None, target=None):
     """Features and labels of the Y-positions of several dataset rows under the mixing of ``epoch``.
 
     ``rows``: dicts with ``row`` (index in its split), ``prompt_ids``, ``target_ids``, ``draft_ids``,
     ``p_acc``. ``spec``: the head's :meth:`feature_spec` (None: the paper's head). Returns (list of
-    features [n_j, F], list of labels [n_j]), one entry per row.
+    features [n_j, F], list of labels [n_j]), one entry per row. A feature draft's rows (their
+    ``depth_*`` labels) need its ``target``: :func:`feature_draft_head_features`.
     """
+    from ..models.feature_draft import FeatureDraft
+
+    if isinstance(draft, FeatureDraft):
+        if target is None:
+            raise ValueError("a feature draft's head features need its target (the features it reads)")
+        return feature_draft_head_features(draft, target, rows, spec or {})
     context = check_context(spec)
     if context == "target":
         return target_context_features(draft, rows, spec)
@@ -88,6 +95,46 @@ def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int 
     return ([lag_free_features(draft, h, seq[pos], spec, pos - len(r["prompt_ids"]))
              for h, seq, pos, r in zip(hidden, sequences, positions, rows, strict=True)],
             [e[2] for e in examples])
+
+
+def feature_draft_head_features(draft, target, rows: list[dict], spec: dict):
+    """The lag-free head's features and labels for a feature draft's labels by depth (data_gen's
+    ``depth_*`` columns): every response token X_i at every depth d of a round where it has a label
+    (row order: position i, then depth d), scored from the draft state that produced q^(d)_i, its
+    logits there and the candidate Y^(d)_i, exactly what the engine hands the head when a round
+    drafts X_i as its d-th candidate (:class:`specdecpp.models.feature_runner.FeaturePass`). The
+    labels' own context (``feature_context=target``) only: token mixing would need a draft state
+    after rejected tokens, which feature drafts never read."""
+    from ..models.feature_runner import FeaturePass
+
+    if spec.get("kind", "resnet") == "resnet" or check_context(spec) != "target":
+        raise ValueError("a feature draft's heads: the lag-free head (head=next) with data.feature_context=target "
+                         "only (the paper's head reads the state after each candidate, which no feature draft pass "
+                         "computes yet)")
+    unrolled = FeaturePass(draft, target, [r["prompt_ids"] for r in rows], [r["target_ids"] for r in rows],
+                           max(len(r["depth_p_acc"][0]) for r in rows if len(r["depth_p_acc"])))
+    feats, labels = [], []
+    for b, r in enumerate(rows):
+        n = len(r["target_ids"])
+        p_acc = torch.as_tensor(r["depth_p_acc"], dtype=torch.float32).reshape(n, -1)
+        ids = torch.as_tensor(r["depth_draft_ids"], dtype=torch.long).reshape(n, -1)
+        valid = ~p_acc.isnan()  # [n, D]: the (position, depth) pairs with a label, row-major
+        out = None
+        for d in range(1, p_acc.shape[1] + 1):
+            at = valid[:, d - 1].nonzero().squeeze(-1)
+            if not len(at):
+                continue
+            f = lag_free_features(draft, unrolled.hidden(b, d, 0, n)[at], ids[at, d - 1], spec, at)
+            out = f.new_zeros((n, p_acc.shape[1], f.shape[-1])) if out is None else out
+            out[at, d - 1] = f
+        feats.append(out[valid] if out is not None else torch.zeros((0, 0)))
+        labels.append(p_acc[valid])
+    return feats, labels
+
+
+def feature_label_positions(depth_p_acc) -> int:
+    """How many (position, depth) pairs of a feature draft's row carry a label."""
+    return int((~torch.as_tensor(depth_p_acc, dtype=torch.float32).isnan()).sum())
 
 
 def check_context(spec: dict | None) -> str:
@@ -134,7 +181,13 @@ def lag_free_features(draft, hidden: torch.Tensor, tokens: torch.Tensor, spec: d
     """The lag-free head's features of candidates ``tokens`` [n] drafted from the states ``hidden``
     [n, H] (the draft's logits recomputed from them by its output layer); ``positions`` [n] are the
     candidates' 0-based indices in the response (read by the ``position`` feature only)."""
-    logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
+    from ..models.feature_draft import FeatureDraft
+
+    if isinstance(draft, FeatureDraft):  # its logits over the whole vocabulary, -inf off its own ids
+        normed = hidden.to(draft.dtype) if draft.spec_config["norm_output"] else draft.norm(hidden.to(draft.dtype))
+        logits = draft.full_logits(draft.lm_head(normed))
+    else:
+        logits = draft.get_output_embeddings()(hidden.to(draft.dtype))
     return next_token_features(hidden, logits, tokens.to(hidden.device), draft.get_input_embeddings(),
                                float(spec["temperature"]), tuple(spec["features"]),
                                **({"top_m": int(spec["top_m"])} if "top_m" in spec else {}),

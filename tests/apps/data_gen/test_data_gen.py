@@ -495,5 +495,4 @@ def test_a_feature_draft_is_labelled_at_each_depth(tiny_pair, prompts_file, mode
     assert context["mean_p_acc_by_depth"] == pytest.approx(list(np.nanmean(deep, axis=0)))
     assert context["mean_p_acc"] == pytest.approx(context["mean_p_acc_by_depth"][0])
     assert "at depths 1..3" in (tmp_path / "pot" / "potential.md").read_text()
-    with pytest.raises(ValueError, match="heads for feature drafts are not supported yet"):
-        potential.heads_predictions([str(tmp_path)], [], meta)
+

@@ -105,12 +105,6 @@ def test_draft_mismatch_can_be_overridden_for_a_renamed_draft(tiny_pair):
     check_draft_matches({"draft": tiny_pair.draft + "/", "draft_hidden_size": 32}, tiny_pair.draft, 32, "DIR", False)
 
 
-def test_a_feature_drafts_labels_are_refused_with_the_reason(tiny_pair):
-    meta = {"draft": tiny_pair.draft, "draft_hidden_size": 32, "feature_depths": 4}
-    with pytest.raises(ValueError, match=r"dataset 'DIR' labels a feature draft .*depths 1..4.*not supported yet"):
-        check_draft_matches(meta, tiny_pair.draft, 32, "DIR", allow_mismatch=True)
-
-
 @pytest.mark.parametrize("case, message", [
     ("sampling", r"differ in sampling"),
     ("draft", r"differ in draft"),
