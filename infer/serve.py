@@ -53,11 +53,11 @@ from pathlib import Path
 
 from .pairs import command_pair
 from .serve_report import (
-    TARGET_ONLY,
     Method,
     block_order,
     block_prompts,
     check_concurrency,
+    greedy_mismatches,
     parse_methods,
     plot,
     report,
@@ -273,13 +273,10 @@ def measure(args, run: dict, log=print) -> dict:
                                        "position": position, "prompt_indices": ids, **record})
                         log(f"repeat {repeat} T={temperature:g} c={c} {name}: {record['tokens_per_s']:.1f} tok/s")
                     if temperature == 0:
-                        for name in names:
-                            wrong = [(repeat, q) for q, (a, b) in enumerate(zip(outputs[name], outputs[TARGET_ONLY],
-                                                                                strict=True)) if a != b]
-                            if wrong:
-                                mismatches.setdefault((temperature, c, name), []).extend(wrong)
-                                log(f"WARNING {name} at c={c}, repeat {repeat}: greedy output differs from "
-                                    f"target-only's on {len(wrong)} of {c} requests")
+                        for name, wrong in greedy_mismatches(outputs).items():
+                            mismatches.setdefault((temperature, c, name), []).extend((repeat, q) for q in wrong)
+                            log(f"WARNING {name} at c={c}, repeat {repeat}: greedy output differs from "
+                                f"target-only's on {len(wrong)} of {c} requests")
     finally:
         for llm in engines.values():
             close_engine(llm)

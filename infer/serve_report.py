@@ -138,6 +138,20 @@ def block_prompts(n_prompts: int, concurrency: int, repeat: int) -> list[int]:
     return [(start + i) % n_prompts for i in range(concurrency)]
 
 
+def greedy_mismatches(outputs: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+    """For one greedy block, the requests (indices) whose tokens differ from target-only's, by method;
+    methods that match everywhere are left out."""
+    reference = outputs[TARGET_ONLY]
+    out = {}
+    for name, tokens in outputs.items():
+        if len(tokens) != len(reference):
+            raise ValueError(f"{name}: {len(tokens)} outputs for {len(reference)} requests")
+        wrong = [q for q, (a, b) in enumerate(zip(tokens, reference, strict=True)) if list(a) != list(b)]
+        if wrong:
+            out[name] = wrong
+    return out
+
+
 def interval(values, level: float = 0.95, seed: int = 0) -> tuple[float, float] | None:
     """Percentile-bootstrap interval of the median of ``values`` (repeats resampled); None below 2 values."""
     values = np.asarray(values, dtype=float)
