@@ -37,7 +37,7 @@ from ..core.timing import Clock
 from ..core.verify import residual
 from ..fast.buckets import check_fast
 from ..fast.calls import CallRunners
-from ..models.feature_runner import refuse_feature_draft
+from ..models.feature_runner import feature_pair, feature_runners, refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
 from .rounds import (
@@ -297,9 +297,11 @@ class SequoiaDecoder(FastPlanned):
                  fast: str | None = None) -> None:
         self.tree = TokenTree.coerce(tree)
         self.device = check_pair_devices(draft, target)
-        refuse_feature_draft(draft, "SequoiaDecoder", "token trees do not hand it the target's features of the "
-                             "tree's positions yet")
-        for model, role in ((draft, "draft"), (target, "target")):
+        self.feature = feature_pair(draft, target)  # a FeatureDraft: its levels read their parents' states
+        if self.feature and fast is not None:
+            refuse_feature_draft(draft, f"SequoiaDecoder(fast={fast!r})", "the fast path's runners do not hand it "
+                                 "the target's features yet (fast=None takes it)")
+        for model, role in ((target, "target"),) if self.feature else ((draft, "draft"), (target, "target")):
             check_tree_model(model, role)
         self.fast = check_fast("SequoiaDecoder", fast, self.device, draft, target)
         self.buckets = tree_buckets(self.tree)
@@ -328,14 +330,18 @@ class SequoiaDecoder(FastPlanned):
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile, models=(self.draft, self.target))
         tokens, ((_, draft_buckets), (_, target_buckets)) = self.fast_plan(seq.prompt_len, max_new_tokens)
-        draft = self.runners(tokens, draft_buckets)(self.draft, self.vocab, False)
-        target = self.runners(tokens, target_buckets)(self.target, self.vocab, False)
+        draft_runners, target_runners = (feature_runners(self.draft, self.target) if self.feature else
+                                         (self.runners(tokens, draft_buckets), self.runners(tokens, target_buckets)))
+        draft = draft_runners(self.draft, self.vocab, False)
+        target = target_runners(self.target, self.vocab, False)
         drafter = TreeDrafter(draft, self.sampling, marks)
         stats = SequoiaStats(tree_size=self.tree.size, tree_depth=self.tree.depth)
         t_start = clock.now()
 
         while not seq.finished:
-            n, plan = seq.n, self.plan(seq.room - 1)  # committed: seq.tokens[:n]; the root tokens[n - 1]
+            n = seq.n  # committed: seq.tokens[:n]; the root tokens[n - 1]
+            # a feature draft before the target's first forward has nothing to read: no tree that round
+            plan = self.plan(seq.room - 1 if draft.ready(n) else 0)
             block = drafter.grow(seq.tokens, n, plan, gen)
             logits = score_tree(target, seq.tokens, n, plan, block.tokens)
             path, token = self.rule(plan.tree, block.tokens, block.q, logits, gen)

@@ -137,6 +137,7 @@ class FeatureDraftRunner:
         self.read = 0  # tokens read; x_0 has no entry, so entries = read - 1
         self.from_target = 0  # leading entries made from the target's features
         self.last: tuple[int, torch.Tensor] | None = None  # (entry, its output state)
+        self.tree: list[torch.Tensor] = []  # a token tree's fed nodes' output states [1, H], by slot
 
     def __enter__(self) -> FeatureDraftRunner:
         return self
@@ -155,8 +156,13 @@ class FeatureDraftRunner:
 
     def feed(self, ids: torch.Tensor, n_logits: int = 1, position_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None):
-        if position_ids is not None or attention_mask is not None:
-            raise ValueError("a feature draft's runner feeds a chain; token trees compact its cache instead")
+        if attention_mask is not None:
+            return self._feed_tree(ids, n_logits, position_ids, attention_mask)
+        if position_ids is not None:
+            raise ValueError("a feature draft's runner feeds a chain (positions follow its cache) or a token tree's "
+                             "level (positions with a tree mask)")
+        if self.tree:
+            raise RuntimeError("feature draft: a chain feed after a token tree's levels, before compact()")
         if self.read == 0:
             ids, self.read = ids[1:], 1  # x_0: no entry reads it
         j, n = self.read - 1, ids.shape[0]
@@ -182,6 +188,35 @@ class FeatureDraftRunner:
         self.read += n
         logits = torch.cat(logits)[-n_logits:, : self.vocab]
         return logits, (torch.cat(hidden)[-n_logits:] if self.want_hidden else None)
+
+    def _feed_tree(self, ids: torch.Tensor, n_logits: int, position_ids: torch.Tensor,
+                   attention_mask: torch.Tensor):
+        """One level of a token tree (specdecpp.decoders.sequoia.TreeDrafter): ``ids`` [m] are fed
+        nodes, ``attention_mask`` [m, n + slots] their rows over the committed tokens x_0..x_{n-1}
+        (read, all of them) and the tree's fed slots (its ancestors and itself), ``position_ids``
+        [m] their token positions. Each node reads its parent's output state (a node of depth 1: the
+        root's, the last entry read), as a chain's drafted position reads the entry before; its
+        entry goes after the committed ones, at position (token position - 1), x_0 having none."""
+        m, before = ids.shape[0], len(self.tree)
+        n = attention_mask.shape[1] - before - m
+        if n != self.read or self.last is None or self.last[0] != n - 2:
+            raise RuntimeError(f"feature draft: a tree level after {n} committed tokens, but the runner has read "
+                               f"{self.read} (its last state at entry {None if self.last is None else self.last[0]})")
+        states = []
+        for j in range(m):
+            ancestors = attention_mask[j, n: n + before].nonzero()
+            states.append(self.tree[int(ancestors[-1])] if len(ancestors) else self.last[1][0, -1])
+        mask = torch.cat([attention_mask[:, 1:n], attention_mask[:, n:]], dim=1)  # x_0 has no entry
+        out = self.model(ids[None], hidden=torch.stack(states)[None], position_ids=(position_ids - 1)[None],
+                         cache=self.cache, attention_mask=mask[None], n_logits=n_logits)
+        self.tree += list(out.hidden[0])
+        return out.logits[0, :, : self.vocab], (out.hidden[0, -n_logits:] if self.want_hidden else None)
+
+    def compact(self, keep) -> None:
+        """After a token tree's verification: its entries go (the accepted path is fed again over the
+        target's features of those positions, as a chain's kept tokens are)."""
+        self.tree = []
+        self.cache.rollback(self.from_target)
 
     def rollback(self, length: int) -> None:
         """Keep at most ``length`` tokens read, and of the entries only those made from the target's

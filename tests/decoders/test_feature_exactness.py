@@ -30,6 +30,7 @@ from specdecpp import (
     TargetOnly,
 )
 from specdecpp.decoders import chain as chain_module
+from specdecpp.decoders import sequoia as sequoia_module
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.models.feature_draft import FeatureDraft
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
@@ -44,6 +45,9 @@ FEATURE_DECODERS = {
     "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
     "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(
         d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    # token trees: each level's nodes read their parents' states (a chain of three, and two levels)
+    "sequoia-chain3": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, 0, 1], s),
+    "sequoia-two_level": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s),
 }
 ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head")
 
@@ -145,13 +149,14 @@ SAMPLINGS = [
 # fixed K under each sampling, each adaptive policy and target-only under one (a case is 1,200 decodes,
 # about 50 s on one CPU core); make test runs three of them
 GRID = {"chain-fixed_k3-T1", "chain-fixed_k3-T0.8-top3-eos2", "chain-fixed_k3-T1-top_p0.99", "chain-svip-T1",
-        "chain-paper_head-T0.8-top3-eos2", "chain-lag_free_head-T1-top_p0.99", "chain-target_only-T1"}
+        "chain-paper_head-T0.8-top3-eos2", "chain-lag_free_head-T1-top_p0.99", "chain-target_only-T1",
+        "sequoia-two_level-T1", "sequoia-chain3-T0.8-top3-eos2", "sequoia-two_level-T1-top_p0.99"}
 
 
 @pytest.mark.parametrize("name,sampling,eos,device", [
     case for case in sampled_grid([pytest.param(n, id=n) for n in FEATURE_DECODERS], SAMPLINGS, DEVICES,
                                   fast={"chain-fixed_k3-T1", "chain-paper_head-T0.8-top3-eos2",
-                                        "chain-lag_free_head-T1-top_p0.99"})
+                                        "chain-lag_free_head-T1-top_p0.99", "sequoia-two_level-T1"})
     if case.id.removesuffix("-cpu").removesuffix("-cuda") in GRID])
 def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, eos, device):
     """The first 3 generated tokens follow the target's exact warped distribution. The chain
@@ -192,22 +197,24 @@ def test_same_seed_same_output(feature_pair32, name, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
                          ids=["greedy", "T1"])
-@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-svip", "chain-lag_free_head"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-svip", "chain-lag_free_head", "sequoia-two_level"])
 def test_features_handed_to_the_draft_equal_a_fresh_target_forward(feature_pair32, monkeypatch, name, sampling,
                                                                    device):
-    """After many rounds of accepts and rejections, the target's features the round core keeps equal
-    a fresh teacher-forced target forward over the kept prefix, and the draft's cache equals a fresh
-    draft forward over those features and tokens (each entry j: feature g_j, token x_{j+1})."""
+    """After many rounds of accepts and rejections (a tree's: after its compaction), the target's
+    features the round core keeps equal a fresh teacher-forced target forward over the kept prefix,
+    and the draft's cache equals a fresh draft forward over those features and tokens (each entry j:
+    feature g_j, token x_{j+1})."""
     draft, target, heads = on(device, feature_pair32)
     made = []
-    real = chain_module.feature_runners
+    module = sequoia_module if name.startswith("sequoia") else chain_module
+    real = module.feature_runners
 
     def recording(d, t):
         draft_runners, target_runners = real(d, t)
         return (lambda *a: made.append(draft_runners(*a)) or made[-1],
                 lambda *a: made.append(target_runners(*a)) or made[-1])
 
-    monkeypatch.setattr(chain_module, "feature_runners", recording)
+    monkeypatch.setattr(module, "feature_runners", recording)
     decoder = FEATURE_DECODERS[name](draft, target, sampling, heads)
     out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40, generator=torch.Generator().manual_seed(3))
     tokens, s = out.tokens[0], out.stats
@@ -233,8 +240,8 @@ def test_decoders_that_cannot_feed_a_feature_draft_refuse_it(feature_pair32):
     draft, target, _ = feature_pair32
     with pytest.raises(ValueError, match=r"PEARLDecoder does not take a feature draft.*aux layers"):
         PEARLDecoder(draft, target, 2)
-    with pytest.raises(ValueError, match=r"SequoiaDecoder does not take a feature draft"):
-        SequoiaDecoder(draft, target, [-1, 0, 1])
+    with pytest.raises(ValueError, match=r"SequoiaDecoder\(fast='static'\) does not take a feature draft"):
+        SequoiaDecoder(draft, target, [-1, 0, 1], fast="static")
     with pytest.raises(ValueError, match=r"fast='static'.*does not take a feature draft.*fast=None"):
         SpeculativeDecoder(draft, target, FixedK(2), fast="static")
     with pytest.raises(ValueError, match=r"a cascade does not take a feature draft"):
@@ -249,3 +256,47 @@ def test_a_feature_draft_for_another_target_is_refused(feature_pair32):
     other = tiny_lm(32, 16, 4, seed=9)
     with pytest.raises(ValueError, match=r"hidden_size"):
         SpeculativeDecoder(draft, other, FixedK(2)).generate(torch.tensor([[1, 2]]), 4)
+
+
+def test_a_tree_levels_nodes_read_their_parents_states(feature_pair32):
+    """SequoiaDecoder's draft levels on a feature draft: each fed node reads the output state of its
+    parent (a depth-1 node: the root's), so its children's logits equal drafting along the node's
+    path as a chain (features up to the root's entry, then the draft's own states); compact() drops
+    the tree's entries."""
+    from specdecpp.core.timing import Clock
+    from specdecpp.decoders.sequoia import TreeDrafter, TreePlan
+    from specdecpp.decoders.tree import TokenTree
+    from specdecpp.models.feature_runner import feature_runners
+
+    draft, target, _ = feature_pair32
+    draft_runners, target_runners = feature_runners(draft, target)
+    runner, verifier = draft_runners(draft, 32, False), target_runners(target, 32, False)
+    seq = torch.tensor([3, 1, 4, 1, 5])
+    verifier.feed(seq[:-1], 1)  # the target has read x_0..x_3: features g_0..g_3
+    tree = TokenTree([-1, -1, 0, 0, 1, 2, 5])  # two children of the root, their children, two deeper levels
+    plan = TreePlan.build(tree, "cpu")
+    calls = []
+    real = runner.feed
+
+    def spy(ids, n_logits=1, position_ids=None, attention_mask=None):
+        out = real(ids, n_logits, position_ids, attention_mask)
+        calls.append((ids.clone(), out[0].clone()))
+        return out
+
+    runner.feed = spy
+    block = TreeDrafter(runner, SamplingConfig(temperature=0), Clock("cpu")).grow(
+        seq, seq.shape[0], plan, None)
+    assert len(calls) == 1 + len(plan.fed)
+    with torch.no_grad():
+        feats = draft.fuse(target(seq[None, :-1], output_hidden_states=True).hidden_states)
+        for level, (_ids, logits) in zip(plan.fed, calls[1:], strict=True):
+            for j, v in enumerate(level):
+                path = [int(block.tokens[a]) for a in tree.path(v)]  # the node's tokens from depth 1 down
+                cache = draft.new_cache()
+                out = draft(seq[None, 1:], features=feats, cache=cache, n_logits=1)  # entries 0..3: the root's last
+                for tok in path:
+                    out = draft(torch.tensor([[tok]]), hidden=out.hidden[:, -1:], cache=cache)
+                torch.testing.assert_close(logits[j], out.logits[0, -1], atol=1e-4, rtol=1e-4)
+    assert runner.cache.length > runner.from_target
+    runner.compact(None)
+    assert runner.cache.length == runner.from_target and not runner.tree
