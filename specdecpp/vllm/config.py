@@ -167,18 +167,50 @@ def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling)
         check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
 
 
-def check_feature_draft(draft: Path, policy: StopPolicy) -> None:
+def check_feature_draft(draft: Path, policy: StopPolicy, draft_name: str | None = None, sampling=None) -> None:
     """What a feature draft (EAGLE-3, the speculators format: vLLM's ``eagle3`` method) is sent with:
     an EAGLE-3 config this project reads, and a policy on the draft's logits alone (FixedK, SVIP,
-    OnlineAcceptance, with or without load-aware lengths); a head is refused (none is trained on a
-    feature draft's states yet)."""
+    OnlineAcceptance) or SpecDec++ with a lag-free head trained on this draft (:func:`check_feature_head`);
+    with or without load-aware lengths."""
     from ..models.feature_draft import read_config
 
-    read_config(draft)  # a ValueError names what is not an EAGLE-3 speculators config
+    config = read_config(draft)  # a ValueError names what is not an EAGLE-3 speculators config
     if isinstance(policy, SpecDecPP):
-        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): acceptance heads for feature drafts are not built "
-                         "yet (a head is trained on a plain draft's hidden states); use stop_policy=FixedK(k), "
-                         "SVIP(...) or OnlineAcceptance(...) with it")
+        check_feature_head(policy, draft, config, draft_name, sampling)
+
+
+def check_feature_head(policy: SpecDecPP, draft: Path, config: dict, draft_name: str | None, sampling) -> None:
+    """A head sent with a feature draft: the lag-free head (kind ``next``), of the draft's hidden size and
+    trained on this draft by name (``specdecpp.models.fit``; every feature draft of a target has the
+    target's hidden size, so the size alone cannot tell another one), on a draft that hands its
+    final-normed state to the next step (``norm_output``: vLLM gives the draft loop that state, and the
+    library's head reads the state fed back). ``draft_name``: the name the head's training recorded for
+    this draft where it differs from the directory (a hub id; default: the directory, by identity or path)."""
+    head = policy.head
+    if head.lag != 0:
+        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): the paper's head (kind {head.kind!r}, lag "
+                         f"{head.lag}) is not trained for feature drafts (it reads the draft's state after each "
+                         "candidate, which no feature-draft pass computes; train refuses it): train a lag-free head "
+                         "on this draft's labels (python -m train head=next data.feature_context=target) or use "
+                         "stop_policy=FixedK(k), SVIP(...) or OnlineAcceptance(...)")
+    if head.needs_position:
+        raise ValueError("this lag-free head reads each candidate's position in the response (feature `position`), "
+                         "which specdecpp.vllm does not pass yet: use a head trained without it")
+    if not config["norm_output"]:
+        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3) has norm_output=false: its heads read the pre-norm "
+                         "state it feeds back, and vLLM's draft loop hands the proposer only the final-normed one; "
+                         "heads are sent with norm_output=true drafts only (FeatureDraft.init_from's default), "
+                         "stop policies on the logits (FixedK, SVIP, OnlineAcceptance) with any")
+    name = draft_name or str(draft)
+    try:
+        check_draft_fit("head", "head", head.draft, head.hidden_size, name,
+                        config["transformer_layer_config"]["hidden_size"])
+    except ValueError as exc:
+        hint = "" if draft_name else (" (if the head recorded this draft under another name, e.g. its hub id, pass "
+                                      "draft_name=<that name>)")
+        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): {exc}{hint}") from None
+    if sampling is not None:
+        check_sampling_fit("head", head.dataset_meta.get("sampling"), sampling, "allow_sampling_mismatch")
 
 
 def write_bundle(draft: Path, policy: StopPolicy, cache_dir: Path, load_aware: dict | None = None) -> Path:
@@ -231,7 +263,8 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
 
     A feature draft (EAGLE-3 in the speculators format, :class:`~specdecpp.FeatureDraft`'s
     ``save_pretrained``; detected by ``is_feature_draft``) gets vLLM's ``eagle3`` method, its requests
-    stopped by FixedK, SVIP or OnlineAcceptance (:func:`check_feature_draft` says what is refused)."""
+    stopped by FixedK, SVIP, OnlineAcceptance or a lag-free head trained on that draft (its recorded
+    draft compared by name even without ``draft_name``; :func:`check_feature_draft` says what is refused)."""
     check_version()
     policy = resolve_policy(head, threshold, max_candidates, stop_policy)
     draft_dir = Path(draft).expanduser()
@@ -241,7 +274,7 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
     draft_dir = draft_dir.resolve()
     feature = is_feature_draft(draft_dir)
     if feature:
-        check_feature_draft(draft_dir, policy)
+        check_feature_draft(draft_dir, policy, draft_name, sampling)
     elif isinstance(policy, SpecDecPP):
         check_head(policy, draft_dir, draft_name, sampling)
     clash = sorted(set(vllm_options) & set(OWNED_KEYS))

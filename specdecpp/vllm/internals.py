@@ -14,7 +14,12 @@ What is touched, and why:
    The same subclass of ``vllm.v1.spec_decode.eagle.EagleProposer`` (``proposer_class("eagle3")``;
    it adds nothing to that loop but passing the target's hidden states to the draft) stops a
    feature draft's (EAGLE-3) requests; the draft's logits come from ``Eagle3LlamaForCausalLM.
-   compute_logits`` (its draft vocabulary scattered into the target's, -inf elsewhere).
+   compute_logits`` (its draft vocabulary scattered into the target's through ``d2t``, -inf elsewhere,
+   as ``FeatureDraft.full_logits``), and the state handed to ``_sample_draft_tokens`` is the model's
+   first output, ``last_hidden_states``: the final-normed state (its second, fed back, is that state
+   only with ``norm_output``). A lag-free head therefore reads exactly ``FeatureDraftOutput.hidden``
+   and the logits the library's engine hands it; a head with a ``norm_output=false`` draft is
+   refused (by ``speculative_config`` and again here).
 2. ``vllm.v1.worker.gpu_model_runner.DraftModelProposer`` and ``.EagleProposer``, the names the model
    runner (the CPU runner is its subclass) builds its draft proposer from, are rebound to the
    subclasses (:func:`install_proposer`). Without a policy bundle a subclass is vLLM's own proposer.
@@ -157,6 +162,12 @@ def _proposer_class(method: str) -> type:
                 raise ValueError("specdecpp's stop policies run with a draft of the target's vocabulary, drafting "
                                  "one token per pass: unset use_heterogeneous_vocab, parallel_drafting and "
                                  "use_local_argmax_reduction")
+            draft_config = self.speculative_config.draft_model_config.hf_config
+            if (self.method == "eagle3" and getattr(self.stop_policy, "head", None) is not None
+                    and not getattr(draft_config, "norm_output", False)):
+                raise ValueError("a head with a feature draft of norm_output=false: the head reads the pre-norm state "
+                                 "the draft feeds back, and vLLM's draft loop hands the proposer only the "
+                                 "final-normed one; send it with stop_policy=FixedK, SVIP or OnlineAcceptance")
             logger.info("specdecpp.vllm: drafts stopped by %s %s", self.stop_policy.name, self.stop_policy.settings())
             self._runner = runner
             self._outcomes = Outcomes()

@@ -3,7 +3,10 @@ method gives target-only's greedy tokens with drafts accepted, its draft model's
 ``FeatureDraft.forward``'s on the same inputs, and ``specdecpp.vllm.speculative_config`` sends a
 feature draft with FixedK, SVIP (each request's own length), OnlineAcceptance and load-aware lengths
 to vLLM's EAGLE proposer: greedy output is target-only's, and sampled output (T=1, top-k 50) follows
-the target's distribution.
+the target's distribution. A lag-free head trained on the feature draft is sent too: greedy output is
+target-only's, each request stops at its own length, and the features it scores vLLM's candidates from
+equal those the library's SpeculativeDecoder hands it for the same prefix and depth; heads for another
+draft, the paper's head and a norm_output=false draft are refused before vLLM starts.
 
 The pair is built so that the draft tracks the target (module ``tracking_pair``): a random tiny
 Llama target whose next token depends mostly on its last token (its layers scaled down, its
@@ -29,9 +32,10 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from specdecpp import SVIP, FixedK  # noqa: E402
+from specdecpp import SVIP, FixedK, NextTokenHead, SamplingConfig, SpecDecPP, SpeculativeDecoder  # noqa: E402
 from specdecpp.core.sampling import entropy  # noqa: E402
 from specdecpp.models.feature_draft import FeatureDraft  # noqa: E402
+from specdecpp.models.identity import portable_name  # noqa: E402
 from specdecpp.vllm import internals, speculative_config  # noqa: E402
 from specdecpp.vllm.acceptance import OnlineAcceptance, OnlineAcceptanceEstimator  # noqa: E402
 from tests.helpers.tiny import build_tokenizer, tiny_lm  # noqa: E402
@@ -183,7 +187,7 @@ def test_speculative_config_sends_a_feature_draft_as_eagle3(pair, tmp_path):
     assert json.loads((bundle / "config.json").read_text())["speculators_model_type"] == "eagle3"
     assert read_policy(bundle).settings() == SVIP(0.5, max_candidates=4).settings()
     assert speculative_config(draft_dir, stop_policy=FixedK(2), cache_dir=tmp_path)["method"] == "eagle3"
-    with pytest.raises(ValueError, match="heads for feature drafts are not built yet"):
+    with pytest.raises(ValueError, match="its draft had hidden_size 64 .* has hidden_size 128"):  # a plain draft's
         speculative_config(draft_dir, head=varied_head("next", 2), threshold=0.5, cache_dir=tmp_path)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -422,3 +426,203 @@ def test_sampled_decoding_with_a_feature_draft_follows_the_target(tmp_path):
     assert any(len(set(step)) > 1 for step in lengths)  # rows stopped at their own lengths
     assert metrics["num_accepted_tokens"] > 0.1 * metrics["num_drafts"]
     assert any(s[0] % 2 for s in samples)  # tokens off the draft's vocabulary, from the residual
+
+
+# -- a lag-free head with the feature draft -------------------------------------------------------------------
+HEAD_THRESHOLD, HEAD_K = 0.5, 4
+
+
+def feature_head(recorded, seed: int = 5) -> NextTokenHead:
+    """A lag-free head of the pair's width recorded as trained on draft ``recorded`` (what train records:
+    ``portable_name`` of pair.draft), its output scaled so its predictions vary from candidate to
+    candidate and requests stop at different lengths (a random head's logits are small)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = NextTokenHead(HIDDEN, depth=1, draft=None if recorded is None else portable_name(recorded))
+    with torch.no_grad():
+        head.out.weight.mul_(20.0)
+        head.out.bias.fill_(1.5)
+    return head.eval()
+
+
+def test_a_head_is_checked_against_the_feature_draft_before_vllm_starts(pair, tmp_path):
+    """A lag-free head trained on this feature draft (recorded by path or, with draft_name, by another
+    name) is sent as eagle3 with its head in the bundle; one trained on another feature draft of the same
+    target (the same hidden size: only the name tells them apart), on a plain draft of another size, the
+    paper's head and a norm_output=false draft are refused with the reason. No engine is started."""
+    from specdecpp.vllm.config import HEAD_DIR, read_policy
+    from tests.vllm.test_vllm_greedy import varied_head
+
+    target, draft_dir = pair[2], pair[1]
+    spec = speculative_config(draft_dir, head=feature_head(draft_dir), threshold=0.5, max_candidates=HEAD_K,
+                              cache_dir=tmp_path)
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == HEAD_K
+    policy = read_policy(spec["model"])
+    assert isinstance(policy, SpecDecPP) and policy.head.kind == "next" and policy.threshold == 0.5
+    assert (tmp_path / spec["model"].rsplit("/", 1)[-1] / HEAD_DIR / "config.json").is_file()
+    link = tmp_path / "link"
+    link.symlink_to(draft_dir)  # the same directory under another path
+    assert speculative_config(link, head=feature_head(draft_dir), threshold=0.5, cache_dir=tmp_path)["method"] == \
+        "eagle3"
+    assert speculative_config(draft_dir, head=feature_head(None), threshold=0.5, cache_dir=tmp_path)  # unrecorded
+
+    other = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(9))
+    other.save_pretrained(tmp_path / "other_draft")
+    assert other.hidden_size == HIDDEN
+    with pytest.raises(ValueError, match=r"does not match the configured draft: it was trained on draft '.*other_dr"):
+        speculative_config(draft_dir, head=feature_head(tmp_path / "other_draft"), threshold=0.5, cache_dir=tmp_path)
+    assert speculative_config(tmp_path / "other_draft", head=feature_head(tmp_path / "other_draft"), threshold=0.5,
+                              cache_dir=tmp_path)["method"] == "eagle3"  # with its own draft it fits
+    with pytest.raises(ValueError, match="pass draft_name=<that name>"):
+        speculative_config(draft_dir, head=feature_head("org/feature-draft"), threshold=0.5, cache_dir=tmp_path)
+    assert speculative_config(draft_dir, head=feature_head("org/feature-draft"), threshold=0.5, cache_dir=tmp_path,
+                              draft_name="org/feature-draft")["method"] == "eagle3"
+    with pytest.raises(ValueError, match="its draft had hidden_size 64"):
+        speculative_config(draft_dir, head=varied_head("next", 2), threshold=0.5, cache_dir=tmp_path)
+    resnet = varied_head("resnet", 1)
+    with pytest.raises(ValueError, match=r"the paper's head \(kind 'resnet', lag 1\) is not trained for feature"):
+        speculative_config(draft_dir, head=resnet, threshold=0.5, cache_dir=tmp_path)
+    unnormed = tmp_path / "unnormed"
+    unnormed.mkdir()
+    config = json.loads((draft_dir / "config.json").read_text())
+    (unnormed / "config.json").write_text(json.dumps({**config, "norm_output": False}))
+    (unnormed / "model.safetensors").symlink_to(draft_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="norm_output=false"):
+        speculative_config(unnormed, head=feature_head(unnormed), threshold=0.5, cache_dir=tmp_path)
+    assert speculative_config(unnormed, stop_policy=SVIP(0.5), cache_dir=tmp_path)["method"] == "eagle3"
+
+
+class HeadCalls:
+    """Every lag-free head's scoring in this process (vLLM's engine runs in it, and so does the library's
+    decoder), by round (``SpecDecPP.begin_round``: a vLLM propose call, a library round): per scored pass,
+    the candidates [B] and the features [B, F] the head scored them from."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.rounds: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        score, begin = NextTokenHead.score, SpecDecPP.begin_round
+
+        def spy_score(head, hidden, logits, token, positions=None):
+            feats = head.features_of(hidden, logits, token, positions=positions)
+            self.rounds[-1].append((token.detach().cpu().reshape(-1).clone(),
+                                    feats.detach().cpu().reshape(token.numel(), -1).clone()))
+            return score(head, hidden, logits, token, positions)
+
+        def spy_begin(policy, generated=None):
+            self.rounds.append([])
+            return begin(policy, generated)
+
+        monkeypatch.setattr(NextTokenHead, "score", spy_score)
+        monkeypatch.setattr(SpecDecPP, "begin_round", spy_begin)
+
+
+@pytest.fixture(scope="module")
+def vllm_head(pair, tmp_path_factory):
+    """vLLM with the feature draft and a lag-free head: greedy tokens and draft lengths on PROMPTS, then
+    two prompts alone (one request per propose call) with the head's scoring and the draft lists recorded."""
+    from vllm import SamplingParams
+
+    from specdecpp.vllm import drafts
+
+    spec = speculative_config(pair[1], head=feature_head(pair[1]), threshold=HEAD_THRESHOLD, max_candidates=HEAD_K,
+                              cache_dir=tmp_path_factory.mktemp("head_bundles"))
+    llm = start(pair[0], spec)
+    try:
+        with recorded_lengths() as lengths:
+            tokens = greedy_tokens(llm)
+        metrics = spec_metrics(llm)
+        alone = []
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            calls, lists, original = HeadCalls(monkeypatch), [], drafts.StoppedDrafts.lists
+
+            def record_lists(self, batch_size):
+                lists.append(original(self, batch_size))
+                return lists[-1]
+
+            monkeypatch.setattr(drafts.StoppedDrafts, "lists", record_lists)
+            for prompt in (PROMPTS[0], PROMPTS[2]):  # other last tokens: other outputs
+                calls.rounds.clear()
+                lists.clear()
+                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                                   use_tqdm=False)[0]
+                alone.append({"prompt": list(out.prompt_token_ids), "out": list(out.outputs[0].token_ids),
+                              "rounds": list(calls.rounds), "lists": [row for step in lists for row in step]})
+    finally:
+        close(llm)
+    return {"spec": spec, "tokens": tokens, "lengths": lengths, "metrics": metrics, "alone": alone}
+
+
+def test_a_head_with_a_feature_draft_gives_target_only_tokens_at_per_request_lengths(reference, vllm_head):
+    tokens, lengths, metrics = vllm_head["tokens"], vllm_head["lengths"], vllm_head["metrics"]
+    assert tokens == reference
+    assert lengths, "specdecpp.vllm's EAGLE proposer did not run (is the vllm.general_plugins entry point installed?)"
+    print(f"head: acceptance {metrics['num_accepted_tokens']}/{metrics['num_draft_tokens']}, lengths {lengths[:6]}")
+    assert all(0 < n <= HEAD_K for step in lengths for n in step)
+    assert metrics["num_accepted_tokens"] > 0 and metrics["num_draft_tokens"] <= sum(map(sum, lengths))
+    assert any(len(set(step)) > 1 for step in lengths), lengths  # per-request lengths within one step
+    assert len({n for step in lengths for n in step}) >= 3, lengths  # the head, not K, stops them
+
+
+def library_round(decoder, calls: HeadCalls, prefix: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """The library's round after ``prefix`` (the target's greedy tokens after its prompt part): (candidate,
+    the features the head scored it from) by depth. A feature draft drafts nothing in a decoder's first
+    round (the target's prefill makes the features it reads), so the decoder is given ``prefix[:-1]``: its
+    first round commits the target's ``prefix[-1]``, its second drafts after ``prefix``, as vLLM's propose
+    call after the step that committed ``prefix[-1]`` does."""
+    calls.rounds.clear()
+    out = decoder.generate(torch.tensor([prefix[:-1]]), max_new_tokens=HEAD_K + 2)
+    assert out.tokens[0, len(prefix) - 1] == prefix[-1] and calls.rounds[0] == []
+    return [(int(t), f[0]) for t, f in calls.rounds[1]]
+
+
+def test_the_head_scores_vllms_candidates_from_the_features_the_library_hands_it(pair, vllm_head, monkeypatch):
+    """For every propose call of one request alone, the head's features for each candidate vLLM drafted
+    equal those the library's SpeculativeDecoder (greedy, the same head and threshold) computes for the same
+    prefix at the same depth (about 4e-5 apart in float32); checked on committed candidates at depths 1 and
+    >= 2 (and on the rejected ones: both draft the same candidates, and the head stops both at the same one).
+    The check can fail: the library on a draft feeding back its pre-norm state (norm_output=false, the
+    state vLLM does not hand the proposer) gives other features."""
+    import copy
+
+    _, _, target, draft = pair
+    head = feature_head(pair[1])
+    head.attach(draft)
+    calls = HeadCalls(monkeypatch)
+    decoder = SpeculativeDecoder(draft, target, SpecDecPP(head, HEAD_THRESHOLD, max_candidates=HEAD_K),
+                                 SamplingConfig(temperature=0))
+    checked, worst = {"committed k=1": 0, "committed k>=2": 0, "other": 0}, 0.0
+    first_prefix, stops_agree, eos = None, 0, target.config.eos_token_id
+    for run in vllm_head["alone"]:
+        prompt, out = run["prompt"], run["out"]
+        assert len(run["rounds"]) == len(run["lists"])  # one round per propose call of the one request
+        g = 1  # output tokens committed before the propose call (the prefill's first)
+        for scored, drafted in zip(run["rounds"], run["lists"], strict=True):
+            if g >= len(out):
+                break
+            assert [int(t) for t, _ in scored] == drafted[: len(scored)]  # the head scored vLLM's candidates
+            accepted = 0
+            while accepted < len(drafted) and g + accepted < len(out) and drafted[accepted] == out[g + accepted]:
+                accepted += 1
+            prefix = prompt + out[:g]
+            first_prefix = first_prefix or prefix
+            ours = library_round(decoder, calls, prefix)
+            # the head stops both at the same candidate (the library's round also ends at an EOS candidate)
+            assert len(ours) == len(drafted) or (len(ours) < len(drafted) and ours[-1][0] == eos), (prefix, drafted)
+            stops_agree += 1
+            for k, ((token, feats), (lib_token, lib_feats)) in enumerate(zip(scored, ours, strict=False), start=1):
+                assert lib_token == int(token), (prefix, k)  # both draft greedily from the same state
+                torch.testing.assert_close(feats[0], lib_feats, atol=2e-4, rtol=1e-4)
+                worst = max(worst, float((feats[0] - lib_feats).abs().max()))
+                checked["other" if k > accepted else "committed k=1" if k == 1 else "committed k>=2"] += 1
+            g += accepted + 1
+    print(f"features compared {checked} over {stops_agree} rounds, max |vLLM's - library's| {worst:.2e}")
+    assert checked["committed k=1"] >= 3 and checked["committed k>=2"] >= 3, checked
+    unnormed = copy.deepcopy(draft)
+    unnormed.spec_config = {**draft.spec_config, "norm_output": False}
+    head.attach(unnormed)
+    wrong = SpeculativeDecoder(unnormed, target, SpecDecPP(head, HEAD_THRESHOLD, max_candidates=HEAD_K),
+                               SamplingConfig(temperature=0))
+    (_, right), (_, moved) = library_round(decoder, calls, first_prefix)[0], \
+        library_round(wrong, calls, first_prefix)[0]
+    head.attach(draft)
+    print(f"with the pre-norm state: {(moved - right).abs().max():.2e}")
+    assert (moved - right).abs().max() > 50 * 2e-4
