@@ -7,7 +7,8 @@
 or ``stop_policy=SVIP(0.3)`` / ``FixedK(2)`` / ``OnlineAcceptance(0.7)`` (vLLM's online estimator) instead
 of a head, ``load_aware=True`` for each step's lengths by its measured costs (docs/vllm.md), and
 ``specdecpp.vllm.speculative_config_json(...)`` for ``vllm serve --speculative-config``. ``draft`` may
-also be a feature draft (``FeatureDraft.save_pretrained``: vLLM's ``eagle3`` method; no head). Nothing here
+also be a feature draft (``FeatureDraft.save_pretrained``: vLLM's ``eagle3`` method; a head only the
+lag-free one trained on that draft). Nothing here
 imports vLLM; the proposer vLLM runs (``specdecpp.vllm.internals``) is registered by the
 ``vllm.general_plugins`` entry point.
 """
