@@ -626,3 +626,22 @@ def test_the_head_scores_vllms_candidates_from_the_features_the_library_hands_it
     head.attach(draft)
     print(f"with the pre-norm state: {(moved - right).abs().max():.2e}")
     assert (moved - right).abs().max() > 50 * 2e-4
+
+
+def test_the_proposer_refuses_a_head_with_a_norm_output_false_draft(pair, tmp_path):
+    """A bundle made without speculative_config's checks (a head beside a norm_output=false draft) is
+    refused by the proposer as vLLM builds it: its loop would hand the head the final-normed state where
+    the head reads the pre-norm one."""
+    from specdecpp.vllm.config import write_bundle
+
+    draft_dir = pair[1]
+    unnormed = tmp_path / "unnormed"
+    unnormed.mkdir()
+    config = json.loads((draft_dir / "config.json").read_text())
+    (unnormed / "config.json").write_text(json.dumps({**config, "norm_output": False}))
+    (unnormed / "model.safetensors").symlink_to(draft_dir / "model.safetensors")
+    bundle = write_bundle(unnormed, SpecDecPP(feature_head(unnormed), 0.5, max_candidates=HEAD_K), tmp_path / "b")
+    with pytest.raises(Exception, match="a head with a feature draft of norm_output=false") as caught:
+        close(start(pair[0], {"method": "eagle3", "model": str(bundle), "num_speculative_tokens": HEAD_K,
+                              "draft_sample_method": "probabilistic"}))
+    print(f"refused: {type(caught.value).__name__}")
