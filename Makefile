@@ -302,3 +302,16 @@ test-vllm:
 	@test -x $(VLLM_VENV)/bin/python || { echo "no vLLM environment at $(VLLM_VENV): make vllm-env"; exit 1; }
 	@start=$$(date +%s); status=0; $(VLLM_VENV)/bin/python -m pytest tests/vllm $(TEST_VLLM_ARGS) --durations=0 || \
 		status=$$?; echo "make test-vllm: $$(( $$(date +%s) - start )) s"; exit $$status
+
+# make serve-bench: the serving benchmark in vLLM (python -m infer.serve, docs/vllm.md "Serving benchmark"): the demo
+#   pair at 1, 4, 16 and 64 concurrent requests, target-only, vLLM's fixed K and ngram, SVIP and a head with and without
+#   load-aware lengths, T=0 and T=1 top-k 50, into reports/serve (SERVE_ARGS to change it, e.g. SERVE_ARGS="--pair
+#   demo_feature --methods target_only fixed_k2 svip"). All ten engines held at once need about 21 GB (1 GiB of KV
+#   cache each, enough for 64 requests); the run checks the memory first and says what to drop.
+SERVE_ARGS ?= --pair demo --concurrency 1 4 16 64 --repeats 5 --max-new-tokens 128 --temperature 0 1 \
+	--methods target_only fixed_k1 fixed_k2 fixed_k3 fixed_k4 ngram svip svip+load_aware \
+	head:demo/heads/next_wrej1_d1 head:demo/heads/next_wrej1_d1+load_aware
+.PHONY: serve-bench
+serve-bench:
+	@test -x $(VLLM_VENV)/bin/python || { echo "no vLLM environment at $(VLLM_VENV): make vllm-env"; exit 1; }
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VLLM_VENV)/bin/python -m infer.serve $(SERVE_ARGS) --out reports/serve

@@ -16,8 +16,12 @@ Every draft method samples its drafts the same way (``--draft-sample-method``, d
 the library's default; vLLM's own default is ``greedy``).
 
 How: one engine per method (vLLM fixes the speculative config when the engine is built), all built
-first and held at once (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; several engines of
-135M-parameter models fit in a few GB, the KV cache ``--kv-cache-gib`` each). A *block* is one (repeat,
+first and held at once (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Holding several works on
+a CPU; each engine of the demo pair (135M target, float32) takes about 1 GB plus its KV cache
+(``--kv-cache-gib``), measured on the first engine (its KV cache counted whole): if the rest would leave less than 2 GiB
+of the machine's available memory the run stops before starting them and says so. ``--one-engine-at-a-time``
+then builds each method's engine once per repeat, runs all of that repeat's blocks on it and closes it
+(the methods alternate between repeats only, each repeat's order rotated). A *block* is one (repeat,
 temperature, concurrency ``c``): the block's ``c`` prompts are sent to each method in turn, the order
 of the methods rotated from repeat to repeat (``serve_report.block_order``), so a load change on a
 shared machine touches every method alike. A method runs a block as one ``llm.generate`` call of the
@@ -99,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-sample-method", default="probabilistic", choices=["probabilistic", "greedy"],
                    help="how every draft method samples its drafts (default probabilistic)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-gib", type=int, default=1,
-                   help="each engine's KV cache on a CPU, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; default 1)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="each engine's KV cache (vLLM's kv_cache_memory_bytes; default 1; VLLM_CPU_KVCACHE_SPACE, "
+                   "if set, wins on a CPU)")
+    p.add_argument("--one-engine-at-a-time", action="store_true",
+                   help="build each method's engine once per repeat instead of holding all (less memory; the "
+                   "methods then alternate between repeats, not within a block)")
     p.add_argument("--max-model-len", type=int,
                    help="default: the longest prompt + --max-new-tokens + --max-candidates + 8")
     p.add_argument("--cache-dir", help="where the library's policy bundles go (default: specdecpp's cache)")
@@ -117,8 +125,8 @@ def check_numbers(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if any(t < 0 for t in args.temperature) or len(set(args.temperature)) < len(args.temperature):
         raise ValueError(f"--temperature values must be distinct and >= 0, got {args.temperature}")
-    if args.kv_cache_gib < 1:
-        raise ValueError(f"--kv-cache-gib must be >= 1 (whole GiB), got {args.kv_cache_gib}")
+    if args.kv_cache_gib <= 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
 
 
 def library_spec(method: Method, draft: str, args) -> dict:
@@ -182,6 +190,10 @@ def plan(args) -> dict:
             raise ValueError(f"{which} {path!r} is not a local model directory (no config.json)")
     draft = str(Path(draft).resolve())
     feature = is_feature_draft(draft)
+    if args.one_engine_at_a_time and any(m.kind == "ngram" for m in methods) and args.repeats > 1:
+        raise ValueError("--one-engine-at-a-time rebuilds the engines every repeat, and vLLM 0.32 on a CPU starts no "
+                         "engine after an n-gram one in the same process (infer.serve.build_order): drop ngram or "
+                         "hold the engines at once")
     specs = {}
     for m in methods:
         try:
@@ -191,7 +203,7 @@ def plan(args) -> dict:
     prompts = load_encoded_prompts(args.prompts, target)
     max_len = args.max_model_len or max(map(len, prompts)) + args.max_new_tokens + args.max_candidates + 8
     engine = {"dtype": args.dtype, "max_model_len": max_len, "max_num_seqs": max(levels), "enforce_eager": True,
-              "seed": 0, "disable_log_stats": False}
+              "seed": 0, "disable_log_stats": False, "kv_cache_memory_bytes": int(args.kv_cache_gib * (1 << 30))}
     return {"methods": methods, "levels": levels, "draft": draft, "target": target, "feature": feature,
             "specs": specs, "prompts": prompts, "engine": engine}
 
@@ -244,39 +256,102 @@ def run_block(llm, prompts: list[list[int]], params) -> tuple[dict, list[list[in
             "spec": spec}, tokens
 
 
-def measure(args, run: dict, log=print) -> dict:
-    """Build every engine, warm each up, then run the interleaved blocks; the raw blocks and the greedy
-    mismatches."""
-    names = [m.name for m in run["methods"]]
-    engines = {}
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     try:
-        for m in run["methods"]:
-            began = time.perf_counter()
-            engines[m.name] = start_engine(run["target"], run["specs"][m.name], run["engine"])
-            log(f"engine {m.name}: {time.perf_counter() - began:.1f} s")
-        warm = run["prompts"][:min(2, len(run["prompts"]))]
-        for llm in engines.values():
-            for t in args.temperature:
-                llm.generate([{"prompt_token_ids": ids} for ids in warm], sampling(t, args, 8), use_tqdm=False)
-        blocks, mismatches = [], {}
-        for repeat in range(args.repeats):
-            order = block_order(names, repeat)
-            for temperature in args.temperature:
-                params = sampling(temperature, args)
-                for c in run["levels"]:
-                    ids = block_prompts(len(run["prompts"]), c, repeat)
-                    prompts = [run["prompts"][i] for i in ids]
-                    outputs = {}
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def check_memory(first_cost: int | None, remaining: int, available: int | None, margin: int = 2 << 30) -> None:
+    """Refuse to start ``remaining`` more engines when, at the first one's cost, they would leave less
+    than ``margin`` of the machine's available memory (a shared machine's other jobs need it)."""
+    if first_cost is None or available is None or remaining <= 0:
+        return
+    need = first_cost * remaining + margin
+    if need > available:
+        gib = 1 << 30
+        raise MemoryError(f"holding {remaining} more engines needs about {need / gib:.1f} GiB (the first took "
+                          f"{first_cost / gib:.1f} GiB), {available / gib:.1f} GiB available: pass "
+                          "--one-engine-at-a-time, fewer methods or a smaller --kv-cache-gib")
+
+
+def build_order(methods: list[Method]) -> list[str]:
+    """The order engines are built in: n-gram engines last. vLLM 0.32's CPU platform rebinds its Triton
+    stand-ins at every engine's start by scanning every module (``triton_utils.dispatcher._rebind_kernels``),
+    and the scan raises once the n-gram proposer has imported numba (``vars()`` of llvmlite's ``ffi.lib``
+    is not a dict): no engine can start in a process after an n-gram one."""
+    return [m.name for m in methods if m.kind != "ngram"] + [m.name for m in methods if m.kind == "ngram"]
+
+
+def warm_up(llm, args, prompts) -> None:
+    """One untimed call per temperature (first-call costs: the n-gram matcher's compile, allocations)."""
+    for t in args.temperature:
+        llm.generate([{"prompt_token_ids": ids} for ids in prompts[:2]], sampling(t, args, 8), use_tqdm=False)
+
+
+def measure(args, run: dict, log=print) -> dict:
+    """Run every block, the methods interleaved (module docstring); the raw blocks and the greedy
+    mismatches. All engines are built and warmed first and held at once, or with
+    ``--one-engine-at-a-time`` each method's engine is built for one repeat, runs every (temperature,
+    concurrency) block of it and is closed, the methods in the repeat's rotated order."""
+    names = [m.name for m in run["methods"]]
+    cells = [(t, c) for t in args.temperature for c in run["levels"]]
+    blocks, mismatches, engines = [], {}, {}
+
+    def build(name):
+        began = time.perf_counter()
+        llm = start_engine(run["target"], run["specs"][name], run["engine"])
+        warm_up(llm, args, run["prompts"])
+        log(f"engine {name}: {time.perf_counter() - began:.1f} s")
+        return llm
+
+    def one(llm, name, repeat, position, temperature, c, outputs):
+        ids = block_prompts(len(run["prompts"]), c, repeat)
+        record, outputs.setdefault((temperature, c), {})[name] = run_block(
+            llm, [run["prompts"][i] for i in ids], sampling(temperature, args))
+        blocks.append({"temperature": temperature, "concurrency": c, "repeat": repeat, "method": name,
+                       "position": position, "prompt_indices": ids, **record})
+        log(f"repeat {repeat} T={temperature:g} c={c} {name}: {record['tokens_per_s']:.1f} tok/s")
+
+    def check(repeat, outputs):
+        for (temperature, c), by_method in outputs.items():
+            if temperature != 0:
+                continue
+            for name, wrong in greedy_mismatches(by_method).items():
+                mismatches.setdefault((temperature, c, name), []).extend((repeat, q) for q in wrong)
+                log(f"WARNING {name} at c={c}, repeat {repeat}: greedy output differs from target-only's on "
+                    f"{len(wrong)} of {c} requests")
+
+    try:
+        if args.one_engine_at_a_time:
+            for repeat in range(args.repeats):
+                outputs = {}
+                for position, name in enumerate(block_order(names, repeat)):
+                    llm = engines[name] = build(name)
+                    for temperature, c in cells:
+                        one(llm, name, repeat, position, temperature, c, outputs)
+                    close_engine(engines.pop(name))
+                check(repeat, outputs)
+        else:
+            for i, name in enumerate(build_order(run["methods"])):
+                before = mem_available()
+                engines[name] = build(name)
+                after = mem_available()
+                if i == 0 and before is not None and after is not None:
+                    # the KV cache is allocated but mostly untouched yet: count it whole
+                    check_memory(max(before - after, 0) + run["engine"]["kv_cache_memory_bytes"], len(names) - 1,
+                                 after)
+            for repeat in range(args.repeats):
+                outputs = {}
+                order = block_order(names, repeat)
+                for temperature, c in cells:
                     for position, name in enumerate(order):
-                        record, outputs[name] = run_block(engines[name], prompts, params)
-                        blocks.append({"temperature": temperature, "concurrency": c, "repeat": repeat, "method": name,
-                                       "position": position, "prompt_indices": ids, **record})
-                        log(f"repeat {repeat} T={temperature:g} c={c} {name}: {record['tokens_per_s']:.1f} tok/s")
-                    if temperature == 0:
-                        for name, wrong in greedy_mismatches(outputs).items():
-                            mismatches.setdefault((temperature, c, name), []).extend((repeat, q) for q in wrong)
-                            log(f"WARNING {name} at c={c}, repeat {repeat}: greedy output differs from "
-                                f"target-only's on {len(wrong)} of {c} requests")
+                        one(engines[name], name, repeat, position, temperature, c, outputs)
+                check(repeat, outputs)
     finally:
         for llm in engines.values():
             close_engine(llm)
@@ -303,7 +378,9 @@ def write(args, run: dict, measured: dict, argv: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot_path = plot(summary, out / args.plot_name, title=f"{Path(run['target']).name} + {Path(run['draft']).name}",
                      top_k=args.top_k)
-    engine = {**run["engine"], "kv_cache_gib": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)),
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    engine = {**run["engine"], **({"VLLM_CPU_KVCACHE_SPACE": kv} if kv else {}),
+              "engines": "one at a time, per repeat" if args.one_engine_at_a_time else "all held at once",
               "draft_sample_method": args.draft_sample_method, "ngram_lookup": list(NGRAM_LOOKUP)}
     result = {
         "machine": machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -328,14 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
     try:
         run = plan(args)
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
-    measured = measure(args, run)
+    try:
+        measured = measure(args, run)
+    except MemoryError as exc:
+        parser.exit(3, f"python -m infer.serve: {exc}\n")
     result = write(args, run, measured, argv)
     print(report(result))
     print(f"written to {args.out / 'serve.json'}, {args.out / 'serve.md'}, {args.out / result['plot']}")

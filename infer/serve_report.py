@@ -252,8 +252,12 @@ def report(result: dict) -> str:
                                                                        if s.get("feature_draft") else ""),
              f"- prompts: {s['prompts']} (test split, {s['n_prompts']} prompts, target's chat template); "
              f"up to {s['max_new_tokens']} new tokens" + (", EOS ignored" if s.get("ignore_eos") else ""),
-             f"- repeats: {s['repeats']}; methods interleaved within each (temperature, concurrency, repeat) "
-             "block, their order rotated from repeat to repeat; one engine per method, all held at once",
+             f"- repeats: {s['repeats']}; " + ("one engine at a time: within a repeat each method's engine runs "
+                                               "all its blocks, then the next method's, their order rotated from "
+                                               "repeat to repeat" if str(s["engine"].get("engines", "")).startswith(
+                                                   "one") else "one engine per method, all held at once: the methods "
+                                               "interleaved within each (temperature, concurrency, repeat) block, "
+                                               "their order rotated from repeat to repeat"),
              "- engines: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()),
              "", "Columns: output tok/s is a block's output tokens over the wall time of its one "
              "`llm.generate` call of `c` prompts (median over repeats, 95% percentile bootstrap over repeats); "

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -30,6 +33,7 @@ from infer.serve_report import (
 )
 from specdecpp.stopping.head import build_head
 from specdecpp.vllm import config as vllm_config
+from tests.helpers.paths import REPO
 from tests.helpers.vllm import VLLM_ENV, VLLM_WARNINGS, save_pair
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -115,6 +119,21 @@ def test_greedy_mismatches_name_the_requests_that_differ():
     assert greedy_mismatches(outputs) == {"bad": [1, 2]}
     with pytest.raises(ValueError, match="2 outputs for 3 requests"):
         greedy_mismatches({"target_only": [[1], [2], [3]], "short": [[1], [2]]})
+
+
+def test_engines_are_built_with_ngram_last():
+    methods = parse_methods(["target_only", "ngram", "fixed_k2", "ngram_k2", "svip"])
+    assert serve.build_order(methods) == ["target_only", "fixed_k2", "svip", "ngram", "ngram_k2"]
+
+
+def test_memory_for_the_remaining_engines_is_checked():
+    gib = 1 << 30
+    serve.check_memory(2 * gib, 3, 8 * gib)  # 6 GiB + 2 GiB margin fit
+    with pytest.raises(MemoryError, match=r"holding 4 more engines needs about 10.0 GiB .* 8.0 GiB available: "
+                                          r"pass --one-engine-at-a-time"):
+        serve.check_memory(2 * gib, 4, 8 * gib)
+    serve.check_memory(None, 4, 8 * gib)  # nothing known: no check
+    assert serve.mem_available() is None or serve.mem_available() > 0
 
 
 def block(method, repeat, tps, concurrency=2, temperature=0.0, tpots=(0.01, 0.02), drafted=0, accepted=0):
@@ -203,6 +222,7 @@ def args_for(pair, tmp_path, *extra):
     (["--concurrency"], "--concurrency needs at least one level"),
     (["--methods", "fixed_k2"], "must include target_only"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--methods", "target_only", "ngram", "--one-engine-at-a-time"], "drop ngram or hold the engines at once"),
 ])
 def test_bad_input_fails_before_any_engine(pair, tmp_path, no_engine, capsys, extra, match):
     with pytest.raises(SystemExit) as exc:
@@ -239,11 +259,16 @@ def vllm_env(monkeypatch):
 
 @needs_vllm
 @VLLM_WARNINGS
-def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path, vllm_env):
-    methods = ["target_only", "fixed_k2", "svip:0.86"]
-    code = serve.main(args_for(pair, tmp_path, "--concurrency", "1", "2", "--methods", *methods, "--repeats", "2",
-                               "--max-new-tokens", "12", "--ignore-eos", "--temperature", "0", "1"))
-    assert code == 0
+def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path):
+    """``python -m infer.serve`` in a process of its own: after an n-gram engine no vLLM engine starts in
+    the same process (serve.build_order), which would fail the tests that follow."""
+    methods = ["target_only", "ngram", "fixed_k2", "svip:0.86"]  # ngram's engine is built last (build_order)
+    run = subprocess.run([sys.executable, "-m", "infer.serve", *args_for(
+        pair, tmp_path, "--concurrency", "1", "2", "--methods", *methods, "--repeats", "2", "--max-new-tokens", "12",
+        "--ignore-eos", "--temperature", "0", "1")], cwd=REPO, env={**os.environ, **VLLM_ENV}, capture_output=True,
+        text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| svip:0.86 |" in run.stdout  # the report is printed too
     out = tmp_path / "out"
     result = json.loads((out / "serve.json").read_text())
     assert result["settings"]["methods"] == methods and result["mismatches"] == []
@@ -256,7 +281,7 @@ def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path,
         assert b["output_tokens"] == 12 * b["concurrency"]  # EOS ignored
         assert b["tokens_per_s"] == pytest.approx(b["output_tokens"] / b["wall_s"])
         assert all(r["tpot_s"] > 0 and 0 < r["ttft_s"] <= r["latency_s"] for r in b["requests"])
-        if b["method"] != "target_only":
+        if b["method"] in ("fixed_k2", "svip:0.86"):
             assert b["spec"]["num_draft_tokens"] > 0  # vLLM drafted, and told us per request
     # interleaved: within one (repeat, temperature, c) block, the order is the rotated method list
     for repeat in (0, 1):
@@ -267,7 +292,7 @@ def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path,
         {(t, c, m) for t in (0.0, 1.0) for c in (1, 2) for m in methods}
     assert all(e["greedy_checked"] for e in summary if e["temperature"] == 0 and e["method"] != "target_only")
     text = (out / "serve.md").read_text()
-    assert text.count("\n## ") == 4 and text.count("| svip:0.86 |") == 4 and text.count("= target-only") == 4
+    assert text.count("\n## ") == 4 and text.count("| svip:0.86 |") == 4 and text.count("= target-only") == 2 * 3
     assert "not reported" not in text
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -275,7 +300,8 @@ def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path,
 @needs_vllm
 @VLLM_WARNINGS
 def test_a_method_whose_greedy_output_differs_is_marked_and_fails_the_run(pair, tmp_path, vllm_env, monkeypatch):
-    """The check itself: fixed_k2's tokens are altered on their way back, as a wrong decoder's would be."""
+    """The check itself: fixed_k2's tokens are altered on their way back, as a wrong decoder's would be (with
+    one engine at a time: each method's engine built per repeat, the order rotated)."""
     original = serve.run_block
 
     def run_block(llm, prompts, params):
@@ -286,10 +312,15 @@ def test_a_method_whose_greedy_output_differs_is_marked_and_fails_the_run(pair, 
 
     monkeypatch.setattr(serve, "run_block", run_block)
     code = serve.main(args_for(pair, tmp_path, "--concurrency", "2", "--methods", "target_only", "fixed_k2",
-                               "--repeats", "1", "--max-new-tokens", "6", "--temperature", "0"))
+                               "--repeats", "2", "--max-new-tokens", "6", "--temperature", "0",
+                               "--one-engine-at-a-time"))
     assert code == 1
     result = json.loads((tmp_path / "out" / "serve.json").read_text())
-    assert result["mismatches"] == [{"temperature": 0.0, "concurrency": 2, "method": "fixed_k2", "requests": [[0, 1]]}]
+    assert result["mismatches"] == [{"temperature": 0.0, "concurrency": 2, "method": "fixed_k2",
+                                     "requests": [[0, 1], [1, 1]]}]
+    assert [(b["repeat"], b["method"], b["position"]) for b in result["blocks"]] == \
+        [(0, "target_only", 0), (0, "fixed_k2", 1), (1, "fixed_k2", 0), (1, "target_only", 1)]
+    assert result["settings"]["engine"]["engines"] == "one at a time, per repeat"
     (row,) = [line for line in (tmp_path / "out" / "serve.md").read_text().splitlines()
               if line.startswith("| fixed_k2 ")]
     assert "not reported" in row and "repeat 0 request 1" in row
