@@ -134,10 +134,19 @@ def test_costs_cli_times_the_fast_path(tiny_pair, tmp_path, capsys):
     """python -m infer.costs --fast static: the width curves on the static runner, recorded as such."""
     from infer import costs as cli
     from specdecpp.analysis.costmodel import load_costs
+    from tests.helpers.tiny import tiny_lm
 
+    # a target of 6 layers of width 64 over tiny_pair's 1-layer draft: t_draft < t_target (load_costs's check)
+    # holds on a loaded machine too (the 2-layer tiny target's median fell below the draft's under load)
+    target = tmp_path / "target"
+    model = tiny_lm(tiny_pair.vocab, 64, 6, seed=13, scale=0.15)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(model.config, key, getattr(tiny_pair.tokenizer, key))
+    model.save_pretrained(target)
+    tiny_pair.tokenizer.save_pretrained(target)
     path = tmp_path / "costs.json"
-    cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
-              "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
+    cli.main(["--draft", tiny_pair.draft, "--target", str(target), "--sources", "bundled", "--limit", "1",
+              "--max-new-tokens", "4", "--timing-steps", "9", "--dtype", "float32", "--fast", "static",
               "--costs-out", str(path)])
     assert "fast path: static" in capsys.readouterr().out
     costs = load_costs(path)
