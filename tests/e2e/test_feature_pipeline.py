@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from specdecpp import NextTokenHead, SamplingConfig, SpecDecPP, SpeculativeDecoder, load_pair
-from specdecpp.models.feature_draft import FeatureDraft
 from specdecpp.models.loading import load_model
 from tests.helpers.paths import CONF
+from tests.helpers.tiny import perturbed_feature_draft
 from tests.helpers.train import base_overrides, train_cfg
 from train import run
 
@@ -26,10 +26,7 @@ def feature_data(tiny_pair, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("feature_pipeline")
     target = load_model(tiny_pair.target, "cpu")
-    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    draft = perturbed_feature_draft(target)
     draft.save_pretrained(root / "feature")
     prompts = root / "prompts.jsonl"
     texts = ["Write a short poem about the sea.", "What is 12 times 7?", "def add(a, b):", "Explain binary search.",

@@ -94,3 +94,17 @@ def random_next_head(hidden: int, depth: int, seed: int) -> NextTokenHead:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return NextTokenHead(hidden, depth)
+
+
+def perturbed_feature_draft(target, scale: float = 0.05):
+    """``FeatureDraft.init_from(target)`` (seed 0) with every parameter moved by ``scale`` times a
+    fixed normal draw (seeded by its size), so its q differs from the target's in a reproducible way."""
+    import torch
+
+    from specdecpp.models.feature_draft import FeatureDraft
+
+    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return draft

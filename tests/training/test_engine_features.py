@@ -259,14 +259,11 @@ def test_engine_hands_the_lag_free_head_of_a_feature_draft_the_features_train_co
     candidate; for each committed candidate drafted as its round's k-th, train's features of the
     generated sequence at (its position, depth k) (feature_draft_head_features, the labels' own
     context) are the same vector. Candidates at depths 1 and >= 2 both occur."""
-    from specdecpp.models.feature_draft import FeatureDraft
     from specdecpp.training.mixing import feature_draft_head_features
+    from tests.helpers.tiny import perturbed_feature_draft
 
     _, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
-    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    draft = perturbed_feature_draft(target)
     depths = 6
 
     class Spy(NextTokenHead):

@@ -21,6 +21,7 @@ from specdecpp.data.prompts import Prompt, encode_prompt, prompt_digest
 from specdecpp.models.loading import load_model
 from tests.helpers.data_gen import PROMPTS, make_cfg, recompute_row
 from tests.helpers.paths import REPO
+from tests.helpers.tiny import perturbed_feature_draft
 
 TOKEN_COLUMNS = ("target_ids", "draft_ids", "p_acc", "draft_entropy")
 @pytest.fixture(scope="module")
@@ -456,10 +457,7 @@ def test_a_feature_draft_is_labelled_at_each_depth(tiny_pair, prompts_file, mode
     from specdecpp.models.feature_draft import FeatureDraft
 
     target = models[1]
-    draft = FeatureDraft.init_from(target, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    draft = perturbed_feature_draft(target)
     draft.save_pretrained(tmp_path / "feature")
     out = tmp_path / "data"
     run(make_cfg(tiny_pair, prompts_file, out, f"pair.draft={tmp_path / 'feature'}", "feature_depths=3",
