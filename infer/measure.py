@@ -106,7 +106,8 @@ def step_times(models: dict, context: torch.Tensor, steps: int, widths: dict[str
             tail_len = max([9, *[w + 1 for ws in widths.values() for w in ws]])
             if isinstance(model, FeatureDraft):
                 if backends.get(name) is not None:
-                    raise ValueError("a feature draft runs eager only (the fast path does not feed it yet)")
+                    raise ValueError("a feature draft keeps its own eager runner on the fast path (its target's steps "
+                                     "are compiled, specdecpp.fast.features): time the draft with fast=None")
                 target = next(m for m in models.values() if not isinstance(m, FeatureDraft))
                 call, reset = _feature_draft_calls(model, target, context[:, :-tail_len],
                                                    context[0, -tail_len:].to(model.device), [1])

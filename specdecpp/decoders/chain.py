@@ -9,9 +9,10 @@ import torch
 
 from ..core.attention import decoding
 from ..core.sampling import SamplingConfig
-from ..fast.buckets import DRAFT_BUCKETS, check_fast, fit_buckets
+from ..fast.buckets import DRAFT_BUCKETS, GRAPH_BACKENDS, check_fast, fit_buckets
 from ..fast.calls import CallRunners
-from ..models.feature_runner import feature_pair, feature_runners, refuse_feature_draft
+from ..fast.features import fast_feature_runners
+from ..models.feature_runner import feature_pair, refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
@@ -72,14 +73,16 @@ class SpeculativeDecoder(FastPlanned):
         self.feature = feature_pair(draft, target)  # a FeatureDraft: it reads the target's features
         if self.feature:
             draft.check_target(target)
-        if self.feature and fast is not None:
-            refuse_feature_draft(draft, f"SpeculativeDecoder(fast={fast!r})", "the fast path's runners do not hand it "
-                                 "the target's features yet; decode it with fast=None")
+        if self.feature and fast in GRAPH_BACKENDS:
+            refuse_feature_draft(draft, f"SpeculativeDecoder(fast={fast!r})", "CUDA graphs do not hand it the "
+                                 "target's features; decode it with fast='compile', 'static' or None")
         if self.feature and cascade is not None:
             refuse_feature_draft(draft, "a cascade", "its rule reads the draft's logits at the bonus position, "
                                  "where no target feature exists")
-        self.fast = check_fast("SpeculativeDecoder", fast, self.device, draft, target)
-        self.runners = CallRunners(self.fast, (draft, target))
+        # a feature draft is no transformers model: it keeps its own runner and cache (specdecpp.fast.features)
+        static_models = (target,) if self.feature else (draft, target)
+        self.fast = check_fast("SpeculativeDecoder", fast, self.device, *static_models)
+        self.runners = CallRunners(self.fast, static_models)
         self.cascade = cascade
         if capture_rounds not in (True, False, "fused"):
             raise ValueError(f"capture_rounds must be True, False or 'fused', got {capture_rounds!r}")
@@ -113,8 +116,9 @@ class SpeculativeDecoder(FastPlanned):
                                                 self.profile, hooks, (self.draft, self.target))
         process = hooks or CallHooks()
         tokens, plan = self.fast_plan(seq.prompt_len, max_new_tokens)
-        draft_runners, target_runners = (feature_runners(self.draft, self.target) if self.feature else
-                                         (self.runners(tokens, plan[0][1]), self.runners(tokens, plan[1][1])))
+        draft_runners, target_runners = (
+            fast_feature_runners(self.draft, self.target, self.runners, tokens, plan[1][1]) if self.feature
+            else (self.runners(tokens, plan[0][1]), self.runners(tokens, plan[1][1])))
         drafter = Drafter(self.draft, self.vocab, self.policy, self.sampling, seq.eos, marks,
                           keep_logits=self.rule.lossy, runners=draft_runners)
         target = target_runners(self.target, self.vocab, False)

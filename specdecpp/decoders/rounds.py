@@ -45,6 +45,7 @@ from ..core.sampling import (
 )
 from ..core.timing import Clock
 from ..core.verify import verify, verify_kept, verify_rows
+from ..fast.features import warm_up_features
 from ..models.loading import token_set
 from ..models.runner import ModelRunner
 from ..stopping.policies import StopPolicy
@@ -448,8 +449,12 @@ class FastPlanned:
         (fast='compile'), so no later call compiles; the seconds it took (0 without compiling).
         ``batch_size``: those of ``generate_batch`` calls of at most that many rows at once;
         ``progress``: a progress bar over the steps compiled or captured. A decoder whose draft
-        runs no forward (``drafts`` false) compiles none of the draft's buckets."""
+        runs no forward (``drafts`` false) compiles none of the draft's buckets; a feature pair's
+        (``feature``) compiles its target's feature steps, its draft running eagerly
+        (specdecpp.fast.features)."""
         tokens, plan = self.fast_plan(prompt_len, max_new_tokens)
+        if getattr(self, "feature", False):
+            return warm_up_features(self.draft, self.target, self.runners, tokens, plan[-1][1], progress)
         if not self.drafts:
             plan = [(model, buckets) for model, buckets in plan if model is not self.draft]
         return self.runners.warm_up(tokens, plan, rows=batch_size, progress=progress)

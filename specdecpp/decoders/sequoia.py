@@ -35,9 +35,10 @@ from ..core.attention import decoding
 from ..core.sampling import SamplingConfig, argmax, draw_token, warp
 from ..core.timing import Clock
 from ..core.verify import residual
-from ..fast.buckets import check_fast
+from ..fast.buckets import GRAPH_BACKENDS, check_fast
 from ..fast.calls import CallRunners
-from ..models.feature_runner import feature_pair, feature_runners, refuse_feature_draft
+from ..fast.features import fast_feature_runners
+from ..models.feature_runner import feature_pair, refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..models.runner import ModelRunner
 from .rounds import (
@@ -298,14 +299,15 @@ class SequoiaDecoder(FastPlanned):
         self.tree = TokenTree.coerce(tree)
         self.device = check_pair_devices(draft, target)
         self.feature = feature_pair(draft, target)  # a FeatureDraft: its levels read their parents' states
-        if self.feature and fast is not None:
-            refuse_feature_draft(draft, f"SequoiaDecoder(fast={fast!r})", "the fast path's runners do not hand it "
-                                 "the target's features yet (fast=None takes it)")
+        if self.feature and fast in GRAPH_BACKENDS:
+            refuse_feature_draft(draft, f"SequoiaDecoder(fast={fast!r})", "CUDA graphs do not hand it the "
+                                 "target's features; decode it with fast='compile', 'static' or None")
         for model, role in ((target, "target"),) if self.feature else ((draft, "draft"), (target, "target")):
             check_tree_model(model, role)
-        self.fast = check_fast("SequoiaDecoder", fast, self.device, draft, target)
+        static_models = (target,) if self.feature else (draft, target)  # a feature draft keeps its own runner
+        self.fast = check_fast("SequoiaDecoder", fast, self.device, *static_models)
         self.buckets = tree_buckets(self.tree)
-        self.runners = CallRunners(self.fast, (draft, target))
+        self.runners = CallRunners(self.fast, static_models)
         self.draft, self.target, self.profile = draft, target, profile
         self.sampling = sampling or SamplingConfig()
         self.vocab = min(output_vocab_size(draft), output_vocab_size(target))
@@ -330,8 +332,9 @@ class SequoiaDecoder(FastPlanned):
         gen, clock, marks, seq = start_generate(prompt_ids, max_new_tokens, eos_token_id, generator, self.device,
                                                 self.profile, models=(self.draft, self.target))
         tokens, ((_, draft_buckets), (_, target_buckets)) = self.fast_plan(seq.prompt_len, max_new_tokens)
-        draft_runners, target_runners = (feature_runners(self.draft, self.target) if self.feature else
-                                         (self.runners(tokens, draft_buckets), self.runners(tokens, target_buckets)))
+        draft_runners, target_runners = (
+            fast_feature_runners(self.draft, self.target, self.runners, tokens, target_buckets) if self.feature
+            else (self.runners(tokens, draft_buckets), self.runners(tokens, target_buckets)))
         draft = draft_runners(self.draft, self.vocab, False)
         target = target_runners(self.target, self.vocab, False)
         drafter = TreeDrafter(draft, self.sampling, marks)

@@ -9,6 +9,7 @@ bucket's step run eagerly, compiled by inductor or captured as a CUDA graph, cho
 - :mod:`~specdecpp.fast.graphs`: CUDA graphs per bucket;
 - :mod:`~specdecpp.fast.runners`, :mod:`~specdecpp.fast.batch_runner`: the one-row and the batch runner;
 - :mod:`~specdecpp.fast.calls`: a decoder's runners across its calls (``CallRunners``, ``new_runner``);
+- :mod:`~specdecpp.fast.features`: a feature pair's target, its steps returning the draft's features;
 - :mod:`~specdecpp.fast.torch_internals`: every patch of a torch or transformers internal, by name.
 """
 

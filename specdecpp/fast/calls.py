@@ -56,13 +56,19 @@ class CallRunners:
         return self.size - buckets[-1]
 
     def __call__(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS):
-        buckets = check_buckets(buckets)
-        max_len = None if self.fast is None else self._max_len(tokens, buckets)
+        sizing = self.sizing(tokens, buckets)
 
         def make(model, vocab: int, want_hidden: bool):
-            return new_runner(model, vocab, want_hidden, self.fast, max_len=max_len, buckets=buckets, cover=self.cover)
+            return new_runner(model, vocab, want_hidden, self.fast, **sizing)
 
         return make
+
+    def sizing(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS) -> dict:
+        """The keywords a :class:`StaticRunner` of a call of ``tokens`` tokens and ``buckets`` takes
+        besides ``fast`` (``max_len``, ``buckets``, ``cover``; ``max_len`` None under ``fast=None``)."""
+        buckets = check_buckets(buckets)
+        max_len = None if self.fast is None else self._max_len(tokens, buckets)
+        return {"max_len": max_len, "buckets": buckets, "cover": self.cover}
 
     def batch(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS, rows: int = 1, eager=None):
         """As calling it, for a batch: a factory ``(model, vocab, want_hidden) -> runner`` for a

@@ -120,6 +120,11 @@ class StaticRunner(StaticModel):
             self.graph_set = lease_graph_set(model, self, 1, size, self.dtype, self.device)
             buffers = (self.graph_set.keys, self.graph_set.values)
         self.cache = StaticKV(model.config, size, self.dtype, self.device, buffers)
+        # the step every bucket runs (and compiles), and its compiled name's stem: a subclass may step otherwise
+        # (specdecpp.fast.features: one that also returns the target's fused features); what a step returns after
+        # the logits and the hidden state is kept, cut to the forward's real rows, in ``extras``
+        self.step_fn, self.step_name = static_step, "static_step"
+        self.extras: tuple[torch.Tensor, ...] = ()
 
     @property
     def length(self) -> int:
@@ -160,7 +165,9 @@ class StaticRunner(StaticModel):
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), self.attention():
             step, args = self._step(width), (self.decoder, self.head, self.cache_arg, self.cache, ids, position_ids,
                                              slots, mask)
-            logits, hidden = step(*args) if meter is None else meter("step", step, *args)
+            logits, hidden, *extras = step(*args) if meter is None else meter("step", step, *args)
+        if extras:
+            self.extras = tuple(e[:n] for e in extras)
         if renting:
             self._pay_rent(renting, t0)
         self.cache.length = start + n
@@ -222,7 +229,7 @@ class StaticRunner(StaticModel):
     def _step(self, width: int):
         """The step for a forward of ``width`` tokens: eager, or this bucket's compiled or captured step."""
         if self.fast not in BUCKETED_BACKENDS or width not in self.buckets:
-            return static_step
+            return self.step_fn
         graph_step = self._graph_steps.get(width)
         if graph_step is not None:
             return graph_step
@@ -237,9 +244,9 @@ class StaticRunner(StaticModel):
         """A bucket's step as a graph captures it: the compiled step under ``"compile"`` and
         ``"compile-graphs"``, else the eager :func:`static_step`."""
         if self.fast not in ("compile", "compile-graphs") or width not in self.buckets:
-            return static_step
-        key, name = (width, self.cache.size), f"static_step_w{width}_s{self.cache.size}"
-        return compiling.compiled_step(self.model, static_step, key, name, self.steps, self.compile_options)
+            return self.step_fn
+        key, name = (width, self.cache.size), f"{self.step_name}_w{width}_s{self.cache.size}"
+        return compiling.compiled_step(self.model, self.step_fn, key, name, self.steps, self.compile_options)
 
     def forward_at(self, width: int):
         """A chain forward of one bucket's width, as a captured round runs it

@@ -75,3 +75,36 @@ def model_steps(model) -> ModelSteps:
     if steps is None:
         steps = _STEPS[model] = ModelSteps()
     return steps
+
+
+def feature_step(layers: tuple[int, ...]):
+    """:func:`static_step` that also returns the fused features [W, F*H] of a feature draft's
+    ``layers`` (the inputs of those decoder layers, transformers' ``hidden_states[i]``, concatenated
+    in order: :meth:`~specdecpp.models.feature_draft.FeatureDraft.fuse`), as a third output: the
+    verification's forward computes them anyway. Asked of the decoder as ``output_hidden_states``
+    (a public argument), not by hooks: a compiled step's outputs are what dynamo keeps, and a hook's
+    side effect would not run where the compiled graph is called directly."""
+    layers = tuple(int(i) for i in layers)
+
+    def step(decoder, head, cache_arg: str, cache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache.slots = slots
+        out = decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache_position=slots,
+                      use_cache=True, output_hidden_states=True, **{cache_arg: cache})
+        hidden = out.last_hidden_state
+        fused = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        return head(hidden)[0], hidden[0], fused[0]
+
+    return step
+
+
+_FEATURE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def feature_model_steps(model, layers: tuple[int, ...]) -> ModelSteps:
+    """As :func:`model_steps`, for ``model``'s feature steps of ``layers`` (:func:`feature_step`):
+    kept apart from its plain steps, whose compiled graphs return no features."""
+    by_layers = _FEATURE_STEPS.get(model)
+    if by_layers is None:
+        by_layers = _FEATURE_STEPS[model] = {}
+    return by_layers.setdefault(tuple(layers), ModelSteps())

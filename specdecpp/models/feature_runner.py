@@ -290,14 +290,15 @@ def feature_pair(draft, target) -> bool:
     return isinstance(draft, FeatureDraft)
 
 
-def feature_runners(draft: FeatureDraft, target):
+def feature_runners(draft: FeatureDraft, target, target_runner=FeatureTargetRunner):
     """The runner factories ``(draft_runners, target_runners)`` of a feature pair, each called as
-    ``(model, vocab, want_hidden)``, sharing one :class:`FeatureStore`."""
+    ``(model, vocab, want_hidden)``, sharing one :class:`FeatureStore`. ``target_runner``: the
+    target's runner class, called as ``(model, vocab, want_hidden, layers, store)``: the eager
+    :class:`FeatureTargetRunner`, or the fast path's (specdecpp.fast.features)."""
     draft.check_target(target)
     store = FeatureStore()
     return (lambda model, vocab, want_hidden: FeatureDraftRunner(model, vocab, want_hidden, store),
-            lambda model, vocab, want_hidden: FeatureTargetRunner(model, vocab, want_hidden, draft.aux_layers,
-                                                                  store))
+            lambda model, vocab, want_hidden: target_runner(model, vocab, want_hidden, draft.aux_layers, store))
 
 
 def refuse_feature_draft(draft, who: str, why: str) -> None:

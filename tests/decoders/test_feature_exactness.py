@@ -12,6 +12,7 @@ drafts."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -29,9 +30,8 @@ from specdecpp import (
     SpeculativeDecoder,
     TargetOnly,
 )
-from specdecpp.decoders import chain as chain_module
-from specdecpp.decoders import sequoia as sequoia_module
 from specdecpp.decoders.cascade import Cascade
+from specdecpp.fast import features as features_module
 from specdecpp.models.feature_draft import FeatureDraft
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 from tests.helpers.tiny import tiny_lm
@@ -39,16 +39,24 @@ from tests.helpers.tiny import tiny_lm
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 FEATURE_DECODERS = {
-    "chain-target_only": lambda d, t, s, h: SpeculativeDecoder(d, t, TargetOnly(), s),
-    "chain-fixed_k3": lambda d, t, s, h: SpeculativeDecoder(d, t, FixedK(3), s),
-    "chain-svip": lambda d, t, s, h: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s),
-    "chain-paper_head": lambda d, t, s, h: SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s),
-    "chain-lag_free_head": lambda d, t, s, h: SpeculativeDecoder(
-        d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s),
+    "chain-target_only": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, TargetOnly(), s, **kw),
+    "chain-fixed_k3": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, FixedK(3), s, **kw),
+    "chain-svip": lambda d, t, s, h, **kw: SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw),
+    "chain-paper_head": lambda d, t, s, h, **kw: SpeculativeDecoder(
+        d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw),
+    "chain-lag_free_head": lambda d, t, s, h, **kw: SpeculativeDecoder(
+        d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw),
     # token trees: each level's nodes read their parents' states (a chain of three, and two levels)
-    "sequoia-chain3": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, 0, 1], s),
-    "sequoia-two_level": lambda d, t, s, h: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s),
+    "sequoia-chain3": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, 0, 1], s, **kw),
+    "sequoia-two_level": lambda d, t, s, h, **kw: SequoiaDecoder(d, t, [-1, -1, 0, 0, 1], s, **kw),
 }
+# The fast path (specdecpp.fast.features): every decoder again with the target on the static KV cache
+# (``-fast_static``) and, slow, with its forwards compiled (``-fast_compile``); the draft keeps its own
+# runner. Their CPU cases repeat the eager chain's decodes seed for seed
+# (test_fast_sampled_output_equals_eager), their CUDA cases pass the chi-square.
+for _name in list(FEATURE_DECODERS):
+    for _fast in ("static", "compile"):
+        FEATURE_DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(FEATURE_DECODERS[_name], fast=_fast)
 ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head")
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies after it
@@ -117,8 +125,13 @@ def on(device: str, pair):
             {k: copy.deepcopy(h).to(device) for k, h in heads.items()})
 
 
+def compiled(name: str) -> bool:
+    return name.endswith("-fast_compile")
+
+
 def cases() -> list:
-    return [pytest.param(n, d, id=f"{n}-{d}", marks=[pytest.mark.gpu] * (d == "cuda"))
+    return [pytest.param(n, d, id=f"{n}-{d}",
+                         marks=[pytest.mark.gpu] * (d == "cuda") + [pytest.mark.slow] * compiled(n))
             for n in FEATURE_DECODERS for d in ("cpu", "cuda")]
 
 
@@ -135,7 +148,7 @@ def test_greedy_equals_target_greedy(feature_pair32, name, device):
         assert out.stats.n_generated == n
         assert out.stats.candidate_lengths[0] == 0  # the first round: the target's prefill alone
         accepted += sum(out.stats.accept_lengths)
-    if name != "chain-target_only":
+    if not name.startswith("chain-target_only"):
         assert accepted > 0  # the draft's proposals were kept, not only the target's tokens
 
 
@@ -153,11 +166,22 @@ GRID = {"chain-fixed_k3-T1", "chain-fixed_k3-T0.8-top3-eos2", "chain-fixed_k3-T1
         "sequoia-two_level-T1", "sequoia-chain3-T0.8-top3-eos2", "sequoia-two_level-T1-top_p0.99"}
 
 
+def chi_square_case(case_id: str) -> bool:
+    """The grid's cases: :data:`GRID`'s, eager on either device, and on CUDA its fast variants too
+    (on the CPU those repeat the eager decodes exactly: test_fast_sampled_output_equals_eager)."""
+    device = case_id.rsplit("-", 1)[1]
+    name, _, rest = case_id.removesuffix(f"-{device}").partition("-fast_")
+    if rest:  # "static-T1" -> name + "-T1"
+        fast, _, sampling = rest.partition("-")
+        return device == "cuda" and f"{name}-{sampling}" in GRID
+    return name in GRID
+
+
 @pytest.mark.parametrize("name,sampling,eos,device", [
     case for case in sampled_grid([pytest.param(n, id=n) for n in FEATURE_DECODERS], SAMPLINGS, DEVICES,
                                   fast={"chain-fixed_k3-T1", "chain-paper_head-T0.8-top3-eos2",
                                         "chain-lag_free_head-T1-top_p0.99", "sequoia-two_level-T1"})
-    if case.id.removesuffix("-cpu").removesuffix("-cuda") in GRID])
+    if chi_square_case(case.id)])
 def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, eos, device):
     """The first 3 generated tokens follow the target's exact warped distribution. The chain
     generates 4: the first round gives one token, the second drafts up to 3 (adaptive policies: a
@@ -174,14 +198,53 @@ def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, e
             second_k.add(out.stats.candidate_lengths[1])
         accepted += sum(out.stats.accept_lengths)
     assert chi_square_pvalue(seqs, expected) > 1e-4, name
-    if name != "chain-target_only":
+    if not name.startswith("chain-target_only"):
         assert accepted > 100  # the acceptance path is exercised, not only resampling
-    if name in ADAPTIVE:
+    if name.split("-fast_")[0] in ADAPTIVE:
         assert len(second_k) >= 2, second_k  # the adaptive stop really varies
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(FEATURE_DECODERS))
+SAMPLING_BY_ID = {p.id: tuple(p.values) for p in SAMPLINGS}
+
+
+def _decodes(decoder, sampling_id: str, n: int = 240) -> list:
+    """``n`` decodes of :data:`PROMPT` (4 new tokens) from one seed: each one's tokens and every
+    round's candidate and accepted lengths."""
+    eos = SAMPLING_BY_ID[sampling_id][1]
+    g = torch.Generator().manual_seed(1234)
+    outs = [decoder.generate(torch.tensor([PROMPT]), generator=g, eos_token_id=eos, max_new_tokens=4)
+            for _ in range(n)]
+    return [(o.tokens.tolist(), list(o.stats.candidate_lengths), list(o.stats.accept_lengths)) for o in outs]
+
+
+FAST_EQUALS_EAGER_IN_MAKE_TEST = ("chain-lag_free_head-fast_static-T1", "chain-svip-fast_static-T0.8-top3-eos2",
+                                  "sequoia-two_level-fast_static-T1")
+
+
+@pytest.mark.parametrize("name,sampling_id", [
+    pytest.param(n, s.id, id=f"{n}-{s.id}",
+                 marks=[pytest.mark.slow] * (compiled(n) or f"{n}-{s.id}" not in FAST_EQUALS_EAGER_IN_MAKE_TEST))
+    for n in FEATURE_DECODERS if "-fast_" in n for s in SAMPLINGS])
+def test_fast_sampled_output_equals_eager(feature_pair6, name, sampling_id):
+    """On the CPU the fast path's target forwards (static cache, compiled steps) change how a
+    forward is computed, not what a round does with it: 240 seeded decodes equal the eager chain's,
+    tokens and every round's candidate and accepted lengths, and the eager chain passes the
+    chi-square above; accepts and (adaptive policies) varying stops happen in them."""
+    draft, target, heads = feature_pair6
+    sampling = SAMPLING_BY_ID[sampling_id][0]
+    base = name.split("-fast_")[0]
+    want = _decodes(FEATURE_DECODERS[base](draft, target, sampling, heads), sampling_id)
+    got = _decodes(FEATURE_DECODERS[name](draft, target, sampling, heads), sampling_id)
+    diverged = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    assert not diverged, f"{name}: {len(diverged)} of 240 decodes differ from {base}'s, the first: " \
+                         f"{got[diverged[0]]} against {want[diverged[0]]}"
+    if base != "chain-target_only":
+        assert sum(sum(acc) for _, _, acc in got) > 10  # candidates were accepted, not only resampled
+    if base in ADAPTIVE:
+        assert len({k for _, ks, _ in got for k in ks[1:]}) >= 2  # the adaptive stop varies
+
+
+@pytest.mark.parametrize("name,device", cases())
 def test_same_seed_same_output(feature_pair32, name, device):
     draft, target, heads = on(device, feature_pair32)
     decoder = FEATURE_DECODERS[name](draft, target, SamplingConfig(temperature=1.0, top_k=10), heads)
@@ -197,7 +260,9 @@ def test_same_seed_same_output(feature_pair32, name, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
                          ids=["greedy", "T1"])
-@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-svip", "chain-lag_free_head", "sequoia-two_level"])
+@pytest.mark.parametrize("name", ["chain-fixed_k3", "chain-svip", "chain-lag_free_head", "sequoia-two_level",
+                                  "chain-svip-fast_static", "sequoia-two_level-fast_static",
+                                  pytest.param("chain-fixed_k3-fast_compile", marks=pytest.mark.slow)])
 def test_features_handed_to_the_draft_equal_a_fresh_target_forward(feature_pair32, monkeypatch, name, sampling,
                                                                    device):
     """After many rounds of accepts and rejections (a tree's: after its compaction), the target's
@@ -206,15 +271,14 @@ def test_features_handed_to_the_draft_equal_a_fresh_target_forward(feature_pair3
     feature g_j, token x_{j+1})."""
     draft, target, heads = on(device, feature_pair32)
     made = []
-    module = sequoia_module if name.startswith("sequoia") else chain_module
-    real = module.feature_runners
+    real = features_module.feature_runners
 
-    def recording(d, t):
-        draft_runners, target_runners = real(d, t)
+    def recording(d, t, *args):
+        draft_runners, target_runners = real(d, t, *args)
         return (lambda *a: made.append(draft_runners(*a)) or made[-1],
                 lambda *a: made.append(target_runners(*a)) or made[-1])
 
-    monkeypatch.setattr(module, "feature_runners", recording)
+    monkeypatch.setattr(features_module, "feature_runners", recording)
     decoder = FEATURE_DECODERS[name](draft, target, sampling, heads)
     out = decoder.generate(torch.tensor([[3, 1, 4]], device=device), 40, generator=torch.Generator().manual_seed(3))
     tokens, s = out.tokens[0], out.stats
@@ -240,10 +304,10 @@ def test_decoders_that_cannot_feed_a_feature_draft_refuse_it(feature_pair32):
     draft, target, _ = feature_pair32
     with pytest.raises(ValueError, match=r"PEARLDecoder does not take a feature draft.*aux layers"):
         PEARLDecoder(draft, target, 2)
-    with pytest.raises(ValueError, match=r"SequoiaDecoder\(fast='static'\) does not take a feature draft"):
-        SequoiaDecoder(draft, target, [-1, 0, 1], fast="static")
-    with pytest.raises(ValueError, match=r"fast='static'.*does not take a feature draft.*fast=None"):
-        SpeculativeDecoder(draft, target, FixedK(2), fast="static")
+    with pytest.raises(ValueError, match=r"SequoiaDecoder\(fast='graphs'\) does not take a feature draft"):
+        SequoiaDecoder(draft, target, [-1, 0, 1], fast="graphs")
+    with pytest.raises(ValueError, match=r"fast='graphs'.*does not take a feature draft.*CUDA graphs"):
+        SpeculativeDecoder(draft, target, FixedK(2), fast="graphs")
     with pytest.raises(ValueError, match=r"a cascade does not take a feature draft"):
         SpeculativeDecoder(draft, target, FixedK(2), cascade=Cascade("chow", 0.5))
     decoder = SpeculativeDecoder(draft, target, FixedK(2))

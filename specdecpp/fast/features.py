@@ -1,0 +1,86 @@
+"""A feature pair's target on the fast path (docs/feature_draft.md, "On the fast path"): a
+:class:`~specdecpp.fast.runners.StaticRunner` whose step also returns the fused features of the
+feature draft's layers (:func:`~specdecpp.fast.step.feature_step`), written into the pair's
+:class:`~specdecpp.models.feature_runner.FeatureStore` after every forward, as the eager
+:class:`~specdecpp.models.feature_runner.FeatureTargetRunner` writes them. The draft keeps its own
+runner (:class:`~specdecpp.models.feature_runner.FeatureDraftRunner`, eager, its own cache): it is not
+a transformers model with a decoder and an output layer, and its one layer is a few percent of a
+target forward. CUDA graphs do not take a feature pair (the decoders refuse it)."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..core.attention import decode_attention
+from ..models.feature_runner import FeatureStore, feature_runners
+from .buckets import BUCKETED_BACKENDS, GRAPH_BACKENDS
+from .calls import CallRunners
+from .runners import StaticRunner
+from .step import feature_model_steps, feature_step
+
+
+class StaticFeatureTargetRunner(StaticRunner):
+    """A feature pair's target over the static cache: :class:`StaticRunner` (``fast`` "static" or
+    "compile") whose every forward also writes the fused features of ``layers`` at the positions it
+    fed into ``store``; a rollback or a compaction follows the cache. Its compiled steps are kept
+    apart from the model's plain ones (:func:`~specdecpp.fast.step.feature_model_steps`)."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool, layers, store: FeatureStore, **static) -> None:
+        if static.get("fast") in GRAPH_BACKENDS:
+            raise ValueError(f"a feature pair's target runs on fast='static' or 'compile', not {static['fast']!r}: "
+                             "CUDA graphs do not hand the draft the target's features")
+        super().__init__(model, vocab, want_hidden, **static)
+        self.layers, self.store = tuple(layers), store
+        self.steps = feature_model_steps(model, self.layers)
+        self.step_fn, self.step_name = feature_step(self.layers), "feature_step"
+
+    def feed(self, ids: torch.Tensor, n_logits: int = 1, position_ids: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None):
+        start = self.length
+        out = super().feed(ids, n_logits, position_ids, attention_mask)
+        self.store.write(start, self.extras[0])
+        return out
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.store.rollback(length)
+
+    def compact(self, keep) -> None:
+        self.store.compact([int(k) for k in keep])
+        super().compact(keep)
+
+
+def fast_feature_runners(draft, target, runners: CallRunners, tokens: int, buckets: tuple[int, ...]):
+    """A feature pair's runner factories for a call of ``tokens`` tokens and the target's ``buckets``
+    (:func:`~specdecpp.models.feature_runner.feature_runners`): the eager target runner under
+    ``fast=None``, else :class:`StaticFeatureTargetRunner` sized as ``runners`` sizes the call."""
+    if runners.fast is None:
+        return feature_runners(draft, target)
+    return feature_runners(draft, target, functools.partial(StaticFeatureTargetRunner, fast=runners.fast,
+                                                            **runners.sizing(tokens, buckets)))
+
+
+def warm_up_features(draft, target, runners: CallRunners, tokens: int, buckets: tuple[int, ...],
+                     progress: bool = False) -> float:
+    """Compile every target bucket of a feature pair's call of ``tokens`` tokens (one forward of
+    each width; kept for the process), as :meth:`CallRunners.warm_up` does for a plain pair; the
+    seconds it took (0 unless ``fast="compile"``)."""
+    if runners.fast not in BUCKETED_BACKENDS:
+        return 0.0
+    t0 = time.perf_counter()
+    _, make = fast_feature_runners(draft, target, runners, tokens, buckets)
+    runner = make(target, 1, False)
+    runner.cover = False  # every bucket its own step
+    with torch.no_grad(), decode_attention(target.device), \
+            tqdm(total=len(runner.buckets), desc=f"fast={runners.fast}: compiling feature steps", unit="step",
+                 disable=not progress) as bar:
+        for width in runner.buckets:
+            bar.set_postfix_str(f"{type(target).__name__} width {width}")
+            runner.rollback(0)
+            runner.feed(torch.zeros(width, dtype=torch.long, device=runner.device))
+            bar.update()
+    return time.perf_counter() - t0
