@@ -197,9 +197,9 @@ def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
 
     draft, target, tokenizer = load_pair(draft_path, target_path, device=c.device, dtype=c.dtype)
     feature = isinstance(draft, FeatureDraft)
-    if feature and (c.batch_sizes or c.compare_dtypes or c.fast):
-        raise ValueError("a feature draft is measured eager, batch 1, at its own precision: --batch-sizes, "
-                         "--compare-dtype and --fast do not take it yet (docs/feature_draft.md)")
+    if feature and (c.batch_sizes or c.compare_dtypes):
+        raise ValueError("a feature draft is measured batch 1, at its own precision: --batch-sizes and "
+                         "--compare-dtype do not take it yet (docs/feature_draft.md)")
     per_source, depth_info = {}, {}
     for source in c.sources:
         split = "test"
@@ -233,8 +233,10 @@ def measure(draft_path: str, target_path: str, config: MeasureConfig) -> dict:
         models[f"draft@{name}"] = load_model(draft_path, str(target.device), name)
         models[f"target@{name}"] = load_model(target_path, str(target.device), name)
     widths = measured_widths(c.max_width)
+    # a feature draft keeps its eager runner on the fast path (specdecpp.fast.features): only its target takes --fast
+    backends = {"draft": None, "target": c.fast} if feature and c.fast else c.fast
     timed = step_times(models, context, c.timing_steps,
-                       {name: [1] if feature and name == "draft" else widths for name in models}, c.fast)
+                       {name: [1] if feature and name == "draft" else widths for name in models}, backends)
     times = {name: t[1] for name, t in timed.items()}
     compare = {name: {"draft_step_s": times[f"draft@{name}"], "target_step_s": times[f"target@{name}"],
                       "cost_ratio": times[f"draft@{name}"] / times[f"target@{name}"],

@@ -27,6 +27,7 @@ from specdecpp.analysis.stats import paired_ratio_interval, pooled_ratio
 from specdecpp.core.timing import machine_description
 from specdecpp.data.labels import prompt_generator
 from specdecpp.data.prompts import encode_prompt, load_prompts
+from specdecpp.fast import set_compile_options
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=50, top_p=1.0)
@@ -55,11 +56,17 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="per source (test split)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fast", choices=["none", "static", "compile"], default="none",
+                        help="the backend of every decoder (a feature draft keeps its eager runner; each decoder is "
+                             "warmed up, its buckets compiled, before anything is timed)")
+    parser.add_argument("--compile-options", choices=["tuned", "plain"], default="tuned")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     for m in args.methods:
         policy(m)  # a bad name fails before any model loads
     torch.set_num_threads(args.threads)
+    fast = None if args.fast == "none" else args.fast
+    set_compile_options(args.compile_options)
     models = {}
     for name in args.pairs:
         draft, target, dtype = pair_paths(name)
@@ -70,7 +77,12 @@ def main(argv=None) -> None:
     decoders = {}
     for p, m in runs:
         draft, target, _ = models[args.pairs[0] if p == "-" else p]
-        decoders[(p, m)] = SpeculativeDecoder(draft, target, policy(m), SAMPLING)
+        decoders[(p, m)] = SpeculativeDecoder(draft, target, policy(m), SAMPLING, fast=fast)
+    longest = max(len(encode_prompt(tokenizer, q.prompt)) for source in args.sources
+                  for q in load_prompts(source, "test", limit=args.prompts))
+    warm = {f"{p}/{m}": round(dec.warm_up(longest, args.max_new_tokens, progress=True), 1)
+            for (p, m), dec in decoders.items()}
+    print(f"warm-up seconds: {warm}", flush=True)
     rows = []
     for source in args.sources:
         for prompt in load_prompts(source, "test", limit=args.prompts):
@@ -101,7 +113,8 @@ def main(argv=None) -> None:
             summary.append(entry)
     machine = machine_description("cpu")
     lines = [f"Machine: {machine}. {args.prompts} prompts per source x {args.max_new_tokens} tokens, T=1 top-k 50, "
-             "interleaved per prompt.", "", "| source | pair | method | tok/s | vs target-only [95% CI] | "
+             f"interleaved per prompt, fast={fast!r} ({args.compile_options} compile options).", "",
+             "| source | pair | method | tok/s | vs target-only [95% CI] | "
              "accepted / drafted |", "|---|---|---|---|---|---|"]
     for e in summary:
         ci = f"{e['vs_target_only']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]" if "ci95" in e else "-"

@@ -188,6 +188,12 @@ def test_a_feature_draft_is_measured_at_each_depth_and_timed_on_its_own_output(c
     assert len(result["acceptance_by_depth"]["bundled"]) == 4
     assert result["acceptance"] == pytest.approx(result["acceptance_by_depth"]["bundled"][0])
     assert 0 < result["draft_step_s"] < result["target_step_s"] and set(result["draft_by_width_s"]) == {"1"}
-    with pytest.raises(ValueError, match="feature draft is measured eager"):
+    with pytest.raises(ValueError, match="feature draft is measured batch 1"):
         cli.main(["--draft", str(tmp_path / "feature"), "--target", costly_pair.target, "--limit", "1",
                   "--batch-sizes", "2", "--costs-out", str(tmp_path / "c2.json")])
+    # --fast times the target on the static runner and the draft on its own eager runner (its fast path)
+    cli.main(["--draft", str(tmp_path / "feature"), "--target", costly_pair.target, "--sources", "bundled",
+              "--limit", "1", "--max-new-tokens", "6", "--timing-steps", "9", "--dtype", "float32", "--fast", "static",
+              "--costs-out", str(tmp_path / "c3.json"), "--out", str(tmp_path / "pair3.json")])
+    fast = json.loads((tmp_path / "pair3.json").read_text())
+    assert 0 < fast["draft_step_s"] < fast["target_step_s"] and fast["acceptance"] == result["acceptance"]
