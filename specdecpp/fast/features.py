@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 import torch
 from tqdm import tqdm
 
 from ..core.attention import decode_attention
 from ..models.feature_runner import FeatureStore, feature_runners
-from .buckets import BUCKETED_BACKENDS, GRAPH_BACKENDS
+from .buckets import BUCKETED_BACKENDS, COMPILING_BACKENDS, GRAPH_BACKENDS
 from .calls import CallRunners
 from .runners import StaticRunner
 from .step import feature_model_steps, feature_step
@@ -35,6 +36,8 @@ class StaticFeatureTargetRunner(StaticRunner):
                              "CUDA graphs do not hand the draft the target's features")
         super().__init__(model, vocab, want_hidden, **static)
         self.layers, self.store = tuple(layers), store
+        if self.fast in COMPILING_BACKENDS:
+            prime_hidden_states(model)
         self.steps = feature_model_steps(model, self.layers)
         self.step_fn, self.step_name = feature_step(self.layers), "feature_step"
 
@@ -52,6 +55,24 @@ class StaticFeatureTargetRunner(StaticRunner):
     def compact(self, keep) -> None:
         self.store.compact([int(k) for k in keep])
         super().compact(keep)
+
+
+_PRIMED: weakref.WeakSet = weakref.WeakSet()
+
+
+def prime_hidden_states(model) -> None:
+    """One eager call of ``model``'s decoder with ``output_hidden_states=True`` (one token, no
+    cache), once per model, before a feature step compiles: transformers 5 installs the hooks that
+    collect ``hidden_states`` on the first call that asks for them, under a threading lock that
+    dynamo cannot trace ("Unsupported context manager"); installed, they are traced like the rest
+    (tests/decoders/test_feature_exactness.py compiles a fresh model's feature step first)."""
+    if model in _PRIMED:
+        return
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model.get_decoder()(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False,
+                            output_hidden_states=True)
+    _PRIMED.add(model)
 
 
 def fast_feature_runners(draft, target, runners: CallRunners, tokens: int, buckets: tuple[int, ...]):

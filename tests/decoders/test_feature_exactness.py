@@ -364,3 +364,15 @@ def test_a_tree_levels_nodes_read_their_parents_states(feature_pair32):
     assert runner.cache.length > runner.from_target
     runner.compact(None)
     assert runner.cache.length == runner.from_target and not runner.tree
+
+
+@pytest.mark.slow
+def test_a_fresh_targets_feature_step_compiles_on_its_first_call():
+    """A target that has never run: its first forward is the compiled feature step's (transformers
+    installs its hidden-state hooks on the first call that asks for them, under a lock dynamo cannot
+    trace: specdecpp.fast.features.prime_hidden_states), and the output is still the target's greedy."""
+    target = tiny_lm(32, 32, 4, seed=5, scale=0.4)
+    draft = _feature_draft(target, 6)
+    out = SpeculativeDecoder(draft, target, FixedK(2), SamplingConfig(temperature=0), fast="compile").generate(
+        torch.tensor([[1, 2, 3]]), max_new_tokens=8)
+    assert out.tokens.tolist() == target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False).tolist()
