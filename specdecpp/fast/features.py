@@ -17,14 +17,14 @@ import torch
 from tqdm import tqdm
 
 from ..core.attention import decode_attention
-from ..models.feature_runner import FeatureStore, feature_runners
+from ..models.feature_runner import FeatureStore, FollowsFeatureStore, feature_runners
 from .buckets import BUCKETED_BACKENDS, COMPILING_BACKENDS, GRAPH_BACKENDS
 from .calls import CallRunners
 from .runners import StaticRunner
 from .step import feature_model_steps, feature_step
 
 
-class StaticFeatureTargetRunner(StaticRunner):
+class StaticFeatureTargetRunner(FollowsFeatureStore, StaticRunner):
     """A feature pair's target over the static cache: :class:`StaticRunner` (``fast`` "static" or
     "compile") whose every forward also writes the fused features of ``layers`` at the positions it
     fed into ``store``; a rollback or a compaction follows the cache. Its compiled steps are kept
@@ -47,14 +47,6 @@ class StaticFeatureTargetRunner(StaticRunner):
         out = super().feed(ids, n_logits, position_ids, attention_mask)
         self.store.write(start, self.extras[0])
         return out
-
-    def rollback(self, length: int) -> None:
-        super().rollback(length)
-        self.store.rollback(length)
-
-    def compact(self, keep) -> None:
-        self.store.compact([int(k) for k in keep])
-        super().compact(keep)
 
 
 _PRIMED: weakref.WeakSet = weakref.WeakSet()

@@ -91,7 +91,22 @@ class AuxHidden:
         self._handles, self.values = [], [None] * len(self.values)
 
 
-class FeatureTargetRunner(ModelRunner):
+class FollowsFeatureStore:
+    """A feature pair's target runner's ``rollback`` and ``compact``: its ``store`` follows its cache
+    (mixed in before the runner class it extends)."""
+
+    store: FeatureStore
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.store.rollback(length)
+
+    def compact(self, keep) -> None:
+        self.store.compact([int(k) for k in keep])
+        super().compact(keep)
+
+
+class FeatureTargetRunner(FollowsFeatureStore, ModelRunner):
     """The target's :class:`ModelRunner` that also writes the fused features of every position it
     feeds into ``store`` (the verification's forward computes them anyway)."""
 
@@ -116,14 +131,6 @@ class FeatureTargetRunner(ModelRunner):
         out = super().feed(ids, n_logits, position_ids, attention_mask)
         self.store.write(start, self.aux.fused()[0, : ids.shape[0]])
         return out
-
-    def rollback(self, length: int) -> None:
-        super().rollback(length)
-        self.store.rollback(length)
-
-    def compact(self, keep) -> None:
-        self.store.compact([int(k) for k in keep])
-        super().compact(keep)
 
 
 class FeatureDraftRunner:
