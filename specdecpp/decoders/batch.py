@@ -381,10 +381,16 @@ class BatchRun:
         self.slots = batch_size or len(prompts)
         tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
                                                                               max_new_tokens)
-        runners = partial(decoder.runners.batch, tokens, rows=self.slots, eager=BatchRunner)  # decoder.fast chooses
+        if decoder.feature:  # the eager feature runners (generate_batch refuses fast for a feature pair)
+            from .batch_features import batch_feature_runners
+
+            draft_runners, target_runners = batch_feature_runners(decoder.draft, decoder.target)
+        else:
+            runners = partial(decoder.runners.batch, tokens, rows=self.slots, eager=BatchRunner)  # decoder.fast chooses
+            draft_runners, target_runners = runners(draft_buckets), runners(target_buckets)
         self.drafter = BatchDrafter(decoder.draft, decoder.vocab, decoder.policy, decoder.sampling, self.seqs[0].eos,
-                                    self.marks, fill, keep_logits=decoder.rule.lossy, runners=runners(draft_buckets))
-        self.target = runners(target_buckets)(decoder.target, decoder.vocab, want_hidden=False)
+                                    self.marks, fill, keep_logits=decoder.rule.lossy, runners=draft_runners)
+        self.target = target_runners(decoder.target, decoder.vocab, want_hidden=False)
         # the draft runs when the policy drafts, or for a cascade's bonus token (peek) even without candidates
         self.drafting = decoder.drafts
         self.runners = [self.target, self.drafter.runner] if self.drafting else [self.target]
@@ -410,9 +416,11 @@ class BatchRun:
                 self.joined[i] = self.clock.now()
 
     def draft(self) -> BatchBlock:
-        """Every row drafts up to its policy's stop, never past its length limit."""
-        live = self.live
-        return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1) for s in live],
+        """Every row drafts up to its policy's stop, never past its length limit; a feature draft's row
+        once the features it reads exist."""
+        live, ready = self.live, getattr(self.drafter.runner, "can_draft", None)
+        return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1)
+                                         if ready is None or ready(b, s.n) else 0 for b, s in enumerate(live)],
                                   [self.gens[i] for i in self.rows], self.hooks.draft_logits)
 
     def verify(self, block: BatchBlock) -> tuple[list[tuple[int, int | None, list | None]], float]:
@@ -483,8 +491,10 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size, (decoder.draft, decoder.target))
-    refuse_feature_draft(decoder.draft, "generate_batch", "per-row batches do not hand it the target's features "
-                         "yet; decode one prompt per generate call")
+    if decoder.fast is not None:
+        refuse_feature_draft(decoder.draft, f"generate_batch on the fast path (fast={decoder.fast!r})",
+                             "its per-row batches run eager; build the decoder with fast=None for batches, or decode "
+                             "one prompt per generate call on the fast path")
     check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")

@@ -269,6 +269,13 @@ class FeatureDraft(torch.nn.Module):
         """The features [B, T, F*H] from a target forward's ``hidden_states`` (``output_hidden_states=True``)."""
         return torch.cat([hidden_states[i] for i in self.aux_layers], dim=-1)
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """u = fc(input_norm(g)) [..., H] of the target's fused features g [..., F*H]: what an entry
+        that reads the target's features feeds the layer (forward's ``features=``; per-row batches
+        mix it with drafted entries' ``hidden``)."""
+        features = features.to(self.dtype)
+        return self.fc(self.input_norm(features) if self.input_norm is not None else features)
+
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor, source: str = "the id mapping") -> None:
         """Install the id mapping (target id = i + d2t[i]; t2d[v]: v is kept), checked for consistency."""
         ids = check_vocab_map(d2t, t2d, self.vocab_size, self.draft_vocab_size, source)
@@ -290,8 +297,7 @@ class FeatureDraft(torch.nn.Module):
             if features.shape != (b, t, want):
                 raise ValueError(f"features must be [B, T, {want}] = [{b}, {t}, {want}] ({len(self.aux_layers)} aux "
                                  f"layers x hidden {self.hidden_size}), got {tuple(features.shape)}")
-            features = features.to(self.dtype)
-            u = self.fc(self.input_norm(features) if self.input_norm is not None else features)
+            u = self.project(features)
         else:
             if hidden.shape != (b, t, self.hidden_size):
                 raise ValueError(f"hidden must be [B, T, H] = [{b}, {t}, {self.hidden_size}], "

@@ -17,6 +17,7 @@ import itertools
 
 import pytest
 import torch
+from test_exactness import InBatch  # the registry's batch view of one row (as test_batch.py imports it)
 
 from specdecpp import (
     SVIP,
@@ -57,7 +58,24 @@ FEATURE_DECODERS = {
 for _name in list(FEATURE_DECODERS):
     for _fast in ("static", "compile"):
         FEATURE_DECODERS[f"{_name}-fast_{_fast}"] = functools.partial(FEATURE_DECODERS[_name], fast=_fast)
-ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head")
+# Per-row batches (specdecpp.decoders.batch_features; eager): the prompt under test among batch-mates
+# (test_exactness.InBatch), all rows at once, drafting to the longest row's stop (fill), or joining a
+# running batch (queued). A batch's rows join prefilled, so their first round drafts.
+FEATURE_DECODERS.update({
+    "batch-fixed_k3": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, FixedK(3), s, **kw)),
+    "batch-svip": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw)),
+    "batch-paper_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw)),
+    "batch_fill-lag_free_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), fill=True),
+    "batch_queued-lag_free_head": lambda d, t, s, h, **kw: InBatch(
+        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), queued=True),
+})
+# (batch-paper_head is left out: the paper head is centred on the chain's first drafting round, and in a
+# batch's rounds it stops at 2 candidates in nearly every one; batch-svip and the queued lag-free head
+# check that a batch row's adaptive stop varies)
+ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head", "batch-svip", "batch_queued-lag_free_head")
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies after it
 
@@ -146,7 +164,10 @@ def test_greedy_equals_target_greedy(feature_pair32, name, device):
         out = decoder.generate(torch.tensor([prompt], device=device), max_new_tokens=n)
         assert out.tokens.cpu().tolist() == ref.tolist(), (name, prompt, n)
         assert out.stats.n_generated == n
-        assert out.stats.candidate_lengths[0] == 0  # the first round: the target's prefill alone
+        if name.startswith("batch"):  # the row joined prefilled: its first round drafts (a one-token prompt's waits)
+            assert (out.stats.candidate_lengths[0] == 0) == (len(prompt) == 1 or n == 1), out.stats.candidate_lengths
+        else:
+            assert out.stats.candidate_lengths[0] == 0  # the first round: the target's prefill alone
         accepted += sum(out.stats.accept_lengths)
     if not name.startswith("chain-target_only"):
         assert accepted > 0  # the draft's proposals were kept, not only the target's tokens
@@ -163,7 +184,9 @@ SAMPLINGS = [
 # about 50 s on one CPU core); make test runs three of them
 GRID = {"chain-fixed_k3-T1", "chain-fixed_k3-T0.8-top3-eos2", "chain-fixed_k3-T1-top_p0.99", "chain-svip-T1",
         "chain-paper_head-T0.8-top3-eos2", "chain-lag_free_head-T1-top_p0.99", "chain-target_only-T1",
-        "sequoia-two_level-T1", "sequoia-chain3-T0.8-top3-eos2", "sequoia-two_level-T1-top_p0.99"}
+        "sequoia-two_level-T1", "sequoia-chain3-T0.8-top3-eos2", "sequoia-two_level-T1-top_p0.99",
+        "batch-fixed_k3-T1-top_p0.99", "batch-svip-T1", "batch-paper_head-T0.8-top3-eos2",
+        "batch_fill-lag_free_head-T1", "batch_queued-lag_free_head-T0.8-top3-eos2"}
 
 
 def chi_square_case(case_id: str) -> bool:
@@ -180,7 +203,8 @@ def chi_square_case(case_id: str) -> bool:
 @pytest.mark.parametrize("name,sampling,eos,device", [
     case for case in sampled_grid([pytest.param(n, id=n) for n in FEATURE_DECODERS], SAMPLINGS, DEVICES,
                                   fast={"chain-fixed_k3-T1", "chain-paper_head-T0.8-top3-eos2",
-                                        "chain-lag_free_head-T1-top_p0.99", "sequoia-two_level-T1"})
+                                        "chain-lag_free_head-T1-top_p0.99", "sequoia-two_level-T1",
+                                        "batch_queued-lag_free_head-T0.8-top3-eos2"})
     if chi_square_case(case.id)])
 def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, eos, device):
     """The first 3 generated tokens follow the target's exact warped distribution. The chain
@@ -189,14 +213,27 @@ def test_sampled_output_has_target_distribution(feature_pair6, name, sampling, e
     draft, target, heads = on(device, feature_pair6)
     expected = exact_distribution(feature_pair6[1], PROMPT, 3, sampling, eos)
     decoder = FEATURE_DECODERS[name](draft, target, sampling, heads)
-    g = torch.Generator().manual_seed(1234)
+    if isinstance(decoder, InBatch):  # rows of batches (its first round drafts), not 1,200 calls
+        outs, drafting_round = decoder.sample(PROMPT, 1200, 1234, eos, 4, device), 0
+    else:
+        g = torch.Generator().manual_seed(1234)
+        outs = [decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos,
+                                 max_new_tokens=4) for _ in range(1200)]
+        drafting_round = 1
     seqs, second_k, accepted = [], set(), 0
-    for _ in range(1200):
-        out = decoder.generate(torch.tensor([PROMPT], device=device), generator=g, eos_token_id=eos, max_new_tokens=4)
+    by_cap: dict[int, set[int]] = {}  # a batch row's candidate lengths by the round's cap (4 or the room left)
+    for out in outs:
         seqs.append(tuple(out.tokens[0, len(PROMPT) : len(PROMPT) + 3].tolist()))
-        if len(out.stats.candidate_lengths) > 1:
-            second_k.add(out.stats.candidate_lengths[1])
+        if len(out.stats.candidate_lengths) > drafting_round:
+            second_k.add(out.stats.candidate_lengths[drafting_round])
         accepted += sum(out.stats.accept_lengths)
+        generated = 0
+        for k, n_acc in zip(out.stats.candidate_lengths, out.stats.accept_lengths, strict=True):
+            by_cap.setdefault(min(4, 4 - generated - 1), set()).add(k)
+            generated += n_acc + 1
+    if drafting_round == 0:  # a batch's first round is the same for every row (it reads the prompt's features
+        # only): the stop varies where rounds of one cap drafted different lengths
+        second_k = max(by_cap.values(), key=len)
     assert chi_square_pvalue(seqs, expected) > 1e-4, name
     if not name.startswith("chain-target_only"):
         assert accepted > 100  # the acceptance path is exercised, not only resampling
@@ -310,8 +347,9 @@ def test_decoders_that_cannot_feed_a_feature_draft_refuse_it(feature_pair32):
         SpeculativeDecoder(draft, target, FixedK(2), fast="graphs")
     with pytest.raises(ValueError, match=r"a cascade does not take a feature draft"):
         SpeculativeDecoder(draft, target, FixedK(2), cascade=Cascade("chow", 0.5))
-    decoder = SpeculativeDecoder(draft, target, FixedK(2))
-    with pytest.raises(ValueError, match=r"generate_batch does not take a feature draft"):
+    decoder = SpeculativeDecoder(draft, target, FixedK(2), fast="static")
+    with pytest.raises(ValueError, match=r"generate_batch on the fast path \(fast='static'\) does not take a feature "
+                                         r"draft.*run eager"):
         decoder.generate_batch([torch.tensor([1, 2]), torch.tensor([3])], 4)
 
 
@@ -376,3 +414,60 @@ def test_a_fresh_targets_feature_step_compiles_on_its_first_call():
     out = SpeculativeDecoder(draft, target, FixedK(2), SamplingConfig(temperature=0), fast="compile").generate(
         torch.tensor([[1, 2, 3]]), max_new_tokens=8)
     assert out.tokens.tolist() == target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact_at", [4, 32], ids=["compact_often", "default"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
+                         ids=["greedy", "T1"])
+def test_batch_rows_draft_caches_equal_a_fresh_forward(feature_pair32, monkeypatch, sampling, compact_at, device):
+    """Per-row batches (rows of other lengths, a one-token prompt, rows joining finished rows' slots,
+    compactions): each row's draft cache at its end equals a fresh draft forward over a fresh
+    teacher-forced target forward's features of the row's kept tokens, so every row read its own
+    target features, nothing of its batch-mates'."""
+    import specdecpp.decoders.batch_features as batch_features
+
+    monkeypatch.setattr(batch_features, "COMPACT_AT", compact_at)
+    draft, target, heads = on(device, feature_pair32)
+    decoder = SpeculativeDecoder(draft, target, SVIP(threshold=0.33, max_candidates=4), sampling)
+    prompts = [[3, 1, 4], [7], [4, 4, 9, 10, 11, 3, 5], [2, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    outs = decoder.generate_batch([torch.tensor(p, device=device) for p in prompts], 24,
+                                  [torch.Generator().manual_seed(b) for b in range(len(prompts))], batch_size=3,
+                                  return_caches=True)
+    assert sum(sum(o.stats.accept_lengths) for o in outs) > 0
+    with torch.no_grad():
+        for b, out in enumerate(outs):
+            tokens, cache = out.tokens[0], out.caches["draft"]
+            entries = cache.length
+            assert 0 < entries <= tokens.shape[0] - 2, (b, entries)
+            fresh = draft.fuse(target(tokens[None, : entries], output_hidden_states=True).hidden_states)
+            ref = draft.new_cache()
+            draft(tokens[None, 1 : entries + 1], features=fresh, cache=ref)
+            for mine, want in zip(cache.keys + cache.values, ref.keys + ref.values, strict=True):
+                torch.testing.assert_close(mine[:, :, :entries], want[:, :, :entries], atol=1e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, top_k=10)],
+                         ids=["greedy", "T1-top10"])
+def test_a_feature_batch_row_does_not_depend_on_its_batch_mates(feature_pair32, sampling, device):
+    """A prompt decoded alone, among other prompts, in another position, or joining a running batch
+    (its own generator each time) gives the same tokens and the same rounds."""
+    draft, target, heads = on(device, feature_pair32)
+    decoder = SpeculativeDecoder(draft, target, SpecDecPP(heads["next"], 0.5, max_candidates=4), sampling)
+    prompt, others = [4, 4, 9, 10, 11, 3, 5], [[3, 1, 4], [7], [2, 6, 1, 1]]
+
+    def row(prompts, index, batch_size=None):
+        gens = [torch.Generator().manual_seed(50 + j) for j in range(len(prompts))]
+        gens[index] = torch.Generator().manual_seed(7)
+        out = decoder.generate_batch([torch.tensor(p, device=device) for p in prompts], 30, gens,
+                                     batch_size=batch_size)[index]
+        return out.tokens.tolist(), out.stats.accept_lengths, out.stats.candidate_lengths
+
+    alone = row([prompt], 0)
+    assert row([prompt, *others[:2]], 0) == alone
+    assert row([others[2], others[0], prompt], 2) == alone
+    assert row([*others[:2], prompt], 2, batch_size=2) == alone  # takes a finished row's slot
+    if sampling.greedy:
+        cpu_target = feature_pair32[1]
+        assert alone[0] == cpu_target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False).tolist()
