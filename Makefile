@@ -57,7 +57,7 @@ DEMO_COMPARISON := 'comparison.fixed_k.k=[1,2,3]' \
 	'comparison.hf_assisted.mode=[heuristic,confidence]' comparison.hf_assisted.num_assistant_tokens=4 \
 	'~comparison.oracle'
 
-.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-infer demo-report demo demo-clean test test-full \
+.PHONY: install demo-pair demo-data demo-head demo-costs demo-potential demo-feature-potential demo-infer demo-report demo demo-clean test test-full \
 	potential bench bench-costs bench-tree bench-run bench-report bench-pearl bench-batch bench-heads reference-heads \
 	bench-cascade cascade-head bench-fast bench-fast-costs bench-fast-run vllm-env test-vllm
 
@@ -95,9 +95,19 @@ demo-infer: demo-potential  # interleaved: every method on a prompt before the n
 		max_new_tokens=$(strip $(DEMO_TOKENS)) num_threads=$(strip $(DEMO_THREADS)) interleave=true \
 		fast=$(or $(demo_fast),null) $(DEMO_COMPARISON)
 
-demo-report: demo-infer  # allowed: first score HumanEval rows decoded before it was (infer.rescore --unscored)
+demo-feature-potential: demo-pair  # the feature pair (EAGLE-3, pair=demo_feature) beside the plain one: its dev labels, costs and potential, no decoding
+	$(PYTHON) -m data_gen pair=demo_feature prompts=bundled 'splits=[dev]' 'limit={dev: $(strip $(DEMO_DEV_PROMPTS))}' \
+		max_new_tokens=$(strip $(DEMO_LABEL_TOKENS)) out=data/demo_feature/demo_dev
+	test -f reports/demo/costs_feature.json || $(PYTHON) -m infer.costs --pair demo_feature --limit 1 --max-new-tokens 16 \
+		--timing-steps $(strip $(DEMO_COST_STEPS)) --out reports/demo/pair_feature.json --costs-out reports/demo/costs_feature.json
+	$(PYTHON) -m infer.potential data/demo_feature/demo_dev --split dev --costs reports/demo/costs_feature.json \
+		--out reports/demo/potential_feature
+
+demo-report: demo-infer demo-feature-potential  # allowed: first score HumanEval rows decoded before it was (infer.rescore --unscored)
 	$(if $(score_code),$(PYTHON) -m infer.rescore results/demo/humaneval --unscored)
-	$(PYTHON) -m infer.report results/demo --out reports/demo --costs $(DEMO_COSTS)
+	$(PYTHON) -m infer.report results/demo --out reports/demo --costs $(DEMO_COSTS) \
+		--potential 'plain draft (distilled, pair=demo)=reports/demo/potential' \
+		--potential 'feature draft (EAGLE-3, pair=demo_feature)=reports/demo/potential_feature'
 
 demo: install
 	@start=$$(date +%s); $(MAKE) --no-print-directory demo-report && \
@@ -105,7 +115,7 @@ demo: install
 	@$(if $(score_code),:,echo 'HumanEval pass@1 not scored (it runs model-written code); to score it, each check confined (docs/infer.md): make demo SPECDECPP_ALLOW_CODE_EXECUTION=1')
 
 demo-clean:  # forget the demo's products (data_gen refuses changed sizes over an existing dataset)
-	rm -rf data/demo/bundled heads/demo results/demo reports/demo
+	rm -rf data/demo/bundled data/demo_feature/demo_dev heads/demo results/demo reports/demo
 
 # -- the stop potential on held-out prompts, the benchmark, the reference heads -------------------
 comma := ,

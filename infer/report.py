@@ -262,10 +262,37 @@ def baseline_line(group: dict) -> str:
     return line
 
 
+def potentials_section(potentials: Sequence[tuple[str, str | Path]]) -> str:
+    """The pairs side by side by the potential tool (no decoding): for each ``(label, directory of
+    potential.json)``, its data, split, mean P (by depth for a feature draft), cost ratio and the
+    tool's best line per policy (best fixed K, perfect heads with and without the lag, trained heads,
+    SVIP, oracle) with its interval."""
+    lines = ["## The pairs by the potential tool (no decoding)\n",
+             "Each pair's labels replayed as speculative rounds (`python -m infer.potential`): Eq. 2.3 speedups "
+             "at the pair's measured cost ratio, 95% bootstrap intervals over prompts.\n"]
+    for label, directory in potentials:
+        path = Path(directory) / "potential.json"
+        if not path.is_file():
+            raise ValueError(f"--potential {label}={directory}: no potential.json there "
+                             "(python -m infer.potential DATA --out DIR writes it)")
+        ctx = json.loads(path.read_text())["context"]
+        by_depth = ctx.get("mean_p_acc_by_depth")
+        depth = (", by depth " + " / ".join(f"{p:.3f}" for p in by_depth)) if by_depth else ""
+        lines.append(f"### {label}\n")
+        lines.append(f"`{ctx['data']}`, split {ctx['split']}: {ctx['prompts']} prompts, {ctx['positions']} positions, "
+                     f"mean P {ctx['mean_p_acc']:.3f}{depth}; cost ratio {ctx['cost_ratio']:.3f} "
+                     f"({ctx.get('cost_source', 'given')}).\n")
+        lines += [f"- {b}" for b in ctx.get("best_lines", [])]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def build_report(results_dir: str | Path, out_dir: str | Path,
-                 costs: str | Path | Sequence[str | Path] | None = None) -> dict:
+                 costs: str | Path | Sequence[str | Path] | None = None,
+                 potentials: Sequence[tuple[str, str | Path]] = ()) -> dict:
     """Write report.md, summary.json and the PNGs into ``out_dir``; return paths and summaries.
-    ``costs``: one costs.json or several, one per fast path (:func:`report_costs`)."""
+    ``costs``: one costs.json or several, one per fast path (:func:`report_costs`). ``potentials``:
+    ``(label, potential directory)`` pairs shown side by side (:func:`potentials_section`)."""
     skipped: list[dict] = []
     rows = read_result_dir(results_dir, skipped)
     if skipped:
@@ -305,6 +332,8 @@ def build_report(results_dir: str | Path, out_dir: str | Path,
             sections.append("No oracle rows: add them with `python -m infer method=oracle sampling=greedy` "
                             "and the same pair, prompts and out.\n")
         sections += [f"![{p.stem}]({p.name})\n" for p in pngs]
+    if potentials:
+        sections.append(potentials_section(potentials))
     report = "\n".join(sections)
     (out / "report.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(groups, indent=2) + "\n")
@@ -321,10 +350,19 @@ def main(argv: list[str] | None = None) -> None:
                         "adds Eq. "
                         "2.3 with the width-dependent target cost; one file per fast path (infer.costs --fast B "
                         "records it), each pricing the tables of its own path")
+    parser.add_argument("--potential", action="append", default=[], metavar="LABEL=DIR",
+                        help="a pair's potential directory (python -m infer.potential --out DIR), shown beside the "
+                        "others under LABEL (repeatable: the demo shows its plain and its feature pair)")
     args = parser.parse_args(argv)
     out = args.out or str(Path("reports") / (Path(args.results_dir).resolve().name or "results"))
+    potentials = []
+    for spec in args.potential:
+        label, sep, directory = spec.rpartition("=")  # a label may hold "=" (pair=demo)
+        if not sep or not label or not directory:
+            parser.error(f"--potential {spec!r}: give LABEL=DIR")
+        potentials.append((label, directory))
     try:
-        result = build_report(args.results_dir, out, args.costs)
+        result = build_report(args.results_dir, out, args.costs, potentials)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
     print(result["text"])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from specdecpp import SVIP, FixedK, SamplingConfig, SpeculativeDecoder, TargetOnly, load_pair
+from specdecpp import SVIP, FixedK, SamplingConfig, SpecDecPP, SpeculativeDecoder, TargetOnly, load_head, load_pair
 from specdecpp.analysis.stats import paired_ratio_interval, pooled_ratio
 from specdecpp.core.timing import machine_description
 from specdecpp.data.labels import prompt_generator
@@ -43,6 +43,15 @@ def policy(name: str):
     raise ValueError(f"unknown method {name!r}: target_only, fixed_kK or svipH (e.g. fixed_k2, svip0.5)")
 
 
+def head_spec(spec: str) -> tuple[str, str, float]:
+    """``PAIR:DIR@THRESHOLD`` -> (pair, head directory, threshold)."""
+    pair, sep, rest = spec.partition(":")
+    head, at, threshold = rest.rpartition("@")
+    if not sep or not at or not pair or not head:
+        raise ValueError(f"--head {spec!r}: give PAIR:DIR@THRESHOLD, e.g. demo_feature:heads/demo_feature/x@0.4")
+    return pair, head, float(threshold)
+
+
 def pair_paths(name: str) -> tuple[str, str, str]:
     cfg = OmegaConf.load(REPO / "conf" / "pair" / f"{name}.yaml")
     return str(cfg.draft), str(cfg.target), str(cfg.get("dtype", "auto"))
@@ -52,6 +61,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", nargs="+", default=["demo", "demo_feature"])
     parser.add_argument("--methods", nargs="+", default=["target_only", "fixed_k1", "fixed_k2", "fixed_k3"])
+    parser.add_argument("--head", action="append", default=[], metavar="PAIR:DIR@THRESHOLD",
+                        help="a trained head's SpecDecPP(head, threshold, max_candidates=6) on that pair (repeatable)")
     parser.add_argument("--sources", nargs="+", default=["bundled", "humaneval"])
     parser.add_argument("--prompts", type=int, default=8, help="per source (test split)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -64,6 +75,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for m in args.methods:
         policy(m)  # a bad name fails before any model loads
+    heads = [head_spec(h) for h in args.head]
+    for pair, head, _ in heads:
+        if pair not in args.pairs:
+            raise ValueError(f"--head {pair}:{head}: pair {pair!r} is not in --pairs {args.pairs}")
+        if not Path(head).is_dir():
+            raise ValueError(f"--head {pair}:{head}: no head directory there")
     torch.set_num_threads(args.threads)
     fast = None if args.fast == "none" else args.fast
     set_compile_options(args.compile_options)
@@ -73,11 +90,18 @@ def main(argv=None) -> None:
         models[name] = load_pair(draft, target, device="cpu", dtype=dtype)
     tokenizer = models[args.pairs[0]][2]
     runs = [("-", "target_only")] * ("target_only" in args.methods) + [
-        (p, m) for p in args.pairs for m in args.methods if m != "target_only"]
+        (p, m) for p in args.pairs for m in args.methods if m != "target_only"] + [
+        (p, f"head:{Path(h).name}@{t:g}") for p, h, t in heads]
+    head_policies = {(p, f"head:{Path(h).name}@{t:g}"): (h, t) for p, h, t in heads}
     decoders = {}
     for p, m in runs:
         draft, target, _ = models[args.pairs[0] if p == "-" else p]
-        decoders[(p, m)] = SpeculativeDecoder(draft, target, policy(m), SAMPLING, fast=fast)
+        if (p, m) in head_policies:
+            h, t = head_policies[(p, m)]
+            stop = SpecDecPP(load_head(h), t, max_candidates=6)  # fitted to the draft when the decoder binds it
+        else:
+            stop = policy(m)
+        decoders[(p, m)] = SpeculativeDecoder(draft, target, stop, SAMPLING, fast=fast)
     longest = max(len(encode_prompt(tokenizer, q.prompt)) for source in args.sources
                   for q in load_prompts(source, "test", limit=args.prompts))
     warm = {f"{p}/{m}": round(dec.warm_up(longest, args.max_new_tokens, progress=True), 1)

@@ -100,3 +100,28 @@ def test_fit_with_positive_costs_and_a_low_r2_is_used_with_the_warning(tmp_path)
     (group,) = report["groups"]
     assert group["fit_problem"] is None and group["fit_warning"] and group["fit"]["r2"] < 0.9
     assert "Warning: R^2" in report["text"] and all(e["predicted_tokens_per_s"] for e in group["entries"])
+
+
+def _potential(directory, mean_p: float, by_depth=None) -> None:
+    directory.mkdir(parents=True)
+    context = {"data": f"data/{directory.name}", "split": "dev", "prompts": 8, "positions": 600, "mean_p_acc": mean_p,
+               "cost_ratio": 0.07, "cost_source": "measured", "best_lines": [f"fixed_k: best fixed_k k=2 at {mean_p}x"]}
+    if by_depth:
+        context["mean_p_acc_by_depth"] = by_depth
+    (directory / "potential.json").write_text(json.dumps({"context": context, "records": []}))
+
+
+def test_the_report_shows_each_pairs_potential_and_names_a_missing_one(tmp_path):
+    """``--potential LABEL=DIR``: each pair's mean P (a feature draft's by depth) and best lines, in
+    the order given; a directory without potential.json is an error naming it."""
+    res = _write(tmp_path / "results" / "run.jsonl", _base_and_k2(4))
+    _potential(tmp_path / "plain", 0.319)
+    _potential(tmp_path / "feature", 0.341, [0.341, 0.323])
+    text = build_report(res.parent, tmp_path / "report", potentials=[("plain (pair=demo)", tmp_path / "plain"),
+                                                                     ("feature", tmp_path / "feature")])["text"]
+    section = text[text.index("## The pairs by the potential tool"):]
+    assert section.index("### plain (pair=demo)") < section.index("### feature")
+    assert "mean P 0.319;" in section and "mean P 0.341, by depth 0.341 / 0.323;" in section
+    assert "- fixed_k: best fixed_k k=2 at 0.341x" in section
+    with pytest.raises(ValueError, match=r"--potential gone=.*gone: no potential.json there"):
+        build_report(res.parent, tmp_path / "report2", potentials=[("gone", tmp_path / "gone")])
