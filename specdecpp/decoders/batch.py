@@ -371,7 +371,10 @@ class BatchRun:
     device, policy, sampling, acceptance rule and ``profile``)."""
 
     def __init__(self, decoder, prompts: list[torch.Tensor], max_new_tokens: int, generators, eos_token_id,
-                 batch_size: int | None, fill: bool, return_caches: bool, hooks: CallHooks | None = None) -> None:
+                 batch_size: int | None, fill: bool, return_caches: bool, hooks: CallHooks | None = None,
+                 feature_runners=None) -> None:
+        """``feature_runners``: a feature pair's runner factories,
+        :func:`~specdecpp.decoders.batch_features.batch_feature_runners` (this module cannot import it)."""
         self.policy, self.rule, self.return_caches = decoder.policy, decoder.rule, return_caches
         self.hooks = hooks or CallHooks()
         self.gens = [device_generator(g, decoder.device) for g in (generators or [None] * len(prompts))]
@@ -381,10 +384,8 @@ class BatchRun:
         self.slots = batch_size or len(prompts)
         tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
                                                                               max_new_tokens)
-        if decoder.feature:  # the eager feature runners (generate_batch refuses fast for a feature pair)
-            from .batch_features import batch_feature_runners
-
-            draft_runners, target_runners = batch_feature_runners(decoder.draft, decoder.target)
+        if feature_runners is not None:  # a feature pair's eager runners (generate_batch refuses it fast)
+            draft_runners, target_runners = feature_runners(decoder.draft, decoder.target)
         else:
             runners = partial(decoder.runners.batch, tokens, rows=self.slots, eager=BatchRunner)  # decoder.fast chooses
             draft_runners, target_runners = runners(draft_buckets), runners(target_buckets)
@@ -487,7 +488,7 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
                    generators: list[torch.Generator | None] | None = None,
                    eos_token_id: int | Iterable[int] | None = None, batch_size: int | None = None,
                    return_caches: bool = False, fill: bool = False,
-                   hooks: CallHooks | None = None) -> list[GenerateOutput]:
+                   hooks: CallHooks | None = None, feature_runners=None) -> list[GenerateOutput]:
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size, (decoder.draft, decoder.target))
@@ -498,7 +499,11 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
     check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")
-    run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches, hooks)
+    if getattr(decoder, "feature", False) and feature_runners is None:
+        raise ValueError("generate_batch: a feature pair's batch needs its runners (feature_runners="
+                         "specdecpp.decoders.batch_features.batch_feature_runners); call decoder.generate_batch")
+    run = BatchRun(decoder, prompts, max_new_tokens, generators, eos_token_id, batch_size, fill, return_caches, hooks,
+                   feature_runners)
     with run.drafter:
         while run.queue or run.rows:
             run.join_rows()

@@ -16,6 +16,7 @@ from ..models.feature_runner import feature_pair, refuse_feature_draft
 from ..models.reduced_vocab import output_vocab_size
 from ..stopping.policies import StopPolicy
 from .batch import generate_batch
+from .batch_features import batch_feature_runners
 from .cascade import Cascade, CascadeRule
 from .replay import CapturedRounds
 from .rounds import (
@@ -177,4 +178,4 @@ class SpeculativeDecoder(FastPlanned):
         compiled once under ``"compile"``; ``warm_up(prompt_len, max_new_tokens, batch_size)``
         compiles them before timing)."""
         return generate_batch(self, prompts, max_new_tokens, generators, eos_token_id, batch_size, return_caches, fill,
-                              hooks)
+                              hooks, feature_runners=batch_feature_runners if self.feature else None)

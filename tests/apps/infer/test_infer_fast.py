@@ -4,6 +4,7 @@ set, and a table of its own in the report (fast methods against fast target-only
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,6 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
     """--fast with --batch-sizes: the batched curves come from the static batch runner (every
     timed batched forward goes through it), B = 1 and each size given, widths up to 8."""
     from infer import costs as cli
-    from specdecpp.analysis.costmodel import load_costs
     from specdecpp.fast.batch_runner import StaticBatchRunner
 
     fed = []
@@ -168,11 +168,13 @@ def test_costs_cli_times_batches_on_the_fast_path(tiny_pair, tmp_path, capsys, m
     cli.main(["--draft", tiny_pair.draft, "--target", tiny_pair.target, "--sources", "bundled", "--limit", "1",
               "--max-new-tokens", "4", "--timing-steps", "2", "--dtype", "float32", "--fast", "static",
               "--batch-sizes", "3", "--costs-out", str(path)])
-    costs = load_costs(path)
-    assert costs.meta["fast"] == "static"
-    assert sorted(costs.draft_by_batch) == [1, 3] and sorted(costs.target_by_batch) == [1, 3]
-    assert sorted(costs.target_by_batch[3]) == list(range(1, 9))
-    assert all(t > 0 for by_n in costs.target_by_batch.values() for t in by_n.values())
+    # the file as written (load_costs also wants t_draft < t_target, which two timing steps of a tiny pair on a
+    # loaded machine need not give: the draft's 1-layer step has measured slower than the 2-layer target's)
+    costs = json.loads(path.read_text())
+    assert costs["fast"] == "static"
+    assert sorted(costs["draft_by_batch"]) == ["1", "3"] and sorted(costs["target_by_batch"]) == ["1", "3"]
+    assert sorted(int(n) for n in costs["target_by_batch"]["3"]) == list(range(1, 9))
+    assert all(t > 0 for by_n in costs["target_by_batch"].values() for t in by_n.values())
     assert {1, 3} <= set(fed)  # rows per batched forward: the static batch runner timed both sizes
 
 
