@@ -68,6 +68,32 @@ def test_shipped_feature_draft_loads_and_reproduces_its_recorded_figures(real_pa
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (REPO / "demo" / "heads_feature" / "selection.json").is_file(),
+                    reason="no reference heads for the feature pair shipped in demo/heads_feature")
+def test_shipped_feature_pair_heads_name_the_feature_draft_and_decode_exactly():
+    """demo/heads_feature (specdecpp_demo.reference_heads --pair demo_feature): each selected lag-free head
+    names the shipped feature draft and the target by their identities, loads against the materialised
+    pair, and decoding with it at its chosen threshold gives the target's own greedy tokens."""
+    from specdecpp import SamplingConfig, SpecDecPP, SpeculativeDecoder, load_head, load_pair
+    from specdecpp.stopping.head import NextTokenHead
+
+    selection = json.loads((REPO / "demo" / "heads_feature" / "selection.json").read_text())
+    identity = f"{demo.FEATURE_NAME}@{demo.feature_artifact_digest()}"
+    draft, target, tok = load_pair(str(demo.demo_feature_draft_path()), str(demo.demo_target_path()), device="cpu",
+                                   dtype="float32")
+    ids = torch.tensor([encode_prompt(tok, "Write a haiku about rain.")])
+    want = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert selection["lag_free_heads"]
+    for chosen in selection["lag_free_heads"]:
+        head = load_head(REPO / "demo" / "heads_feature" / chosen["name"])
+        assert isinstance(head, NextTokenHead) and head.draft == identity
+        assert head.meta["target"] == demo.target_identity() and head.hidden_size == draft.hidden_size
+        decoder = SpeculativeDecoder(draft, target, SpecDecPP(head, chosen["thresholds"][0], max_candidates=4),
+                                     SamplingConfig(temperature=0))
+        assert decoder.generate(ids, max_new_tokens=12).tokens.tolist() == want.tolist(), chosen["name"]
+
+
+@pytest.mark.slow
 def test_dequantised_target_answers_sensibly(real_pair):
     _, target, tokenizer = real_pair
 
