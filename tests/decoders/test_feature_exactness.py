@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 import torch
-from test_exactness import InBatch  # the registry's batch view of one row (as test_batch.py imports it)
+from test_exactness import DECODERS, InBatch  # the plain registry's batch entries and its view of one row
 
 from specdecpp import (
     SVIP,
@@ -61,17 +61,10 @@ for _name in list(FEATURE_DECODERS):
 # Per-row batches (specdecpp.decoders.batch_features; eager): the prompt under test among batch-mates
 # (test_exactness.InBatch), all rows at once, drafting to the longest row's stop (fill), or joining a
 # running batch (queued). A batch's rows join prefilled, so their first round drafts.
-FEATURE_DECODERS.update({
-    "batch-fixed_k3": lambda d, t, s, h, **kw: InBatch(SpeculativeDecoder(d, t, FixedK(3), s, **kw)),
-    "batch-svip": lambda d, t, s, h, **kw: InBatch(
-        SpeculativeDecoder(d, t, SVIP(threshold=0.33, max_candidates=4), s, **kw)),
-    "batch-paper_head": lambda d, t, s, h, **kw: InBatch(
-        SpeculativeDecoder(d, t, SpecDecPP(h["paper"], 0.5, max_candidates=4), s, **kw)),
-    "batch_fill-lag_free_head": lambda d, t, s, h, **kw: InBatch(
-        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), fill=True),
-    "batch_queued-lag_free_head": lambda d, t, s, h, **kw: InBatch(
-        SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), queued=True),
-})
+FEATURE_DECODERS.update({name: DECODERS[name] for name in ("batch-fixed_k3", "batch-svip", "batch-paper_head",
+                                                             "batch_queued-lag_free_head")})
+FEATURE_DECODERS["batch_fill-lag_free_head"] = lambda d, t, s, h, **kw: InBatch(
+    SpeculativeDecoder(d, t, SpecDecPP(h["next"], 0.5, max_candidates=4), s, **kw), fill=True)
 # (batch-paper_head is left out: the paper head is centred on the chain's first drafting round, and in a
 # batch's rounds it stops at 2 candidates in nearly every one; batch-svip and the queued lag-free head
 # check that a batch row's adaptive stop varies)
