@@ -293,14 +293,28 @@ def warm_up(llm, args, prompts) -> None:
         llm.generate([{"prompt_token_ids": ids} for ids in prompts[:2]], sampling(t, args, 8), use_tqdm=False)
 
 
-def measure(args, run: dict, log=print) -> dict:
+def measure(args, run: dict, log=print, done: dict | None = None, checkpoint=None) -> dict:
     """Run every block, the methods interleaved (module docstring); the raw blocks and the greedy
     mismatches. All engines are built and warmed first and held at once, or with
     ``--one-engine-at-a-time`` each method's engine is built for one repeat, runs every (temperature,
-    concurrency) block of it and is closed, the methods in the repeat's rotated order."""
+    concurrency) block of it and is closed, the methods in the repeat's rotated order.
+
+    ``done``: what an interrupted run of the same settings measured (:func:`load_done`): its complete
+    repeats are kept and the run goes on from the next. ``checkpoint(measured)`` is called after each
+    repeat with everything so far (a repeat cut short is measured again on resuming, never twice)."""
     names = [m.name for m in run["methods"]]
     cells = [(t, c) for t in args.temperature for c in run["levels"]]
-    blocks, mismatches, engines = [], {}, {}
+    done = done or {"blocks": [], "mismatches": {}, "repeats_done": 0}
+    blocks, mismatches, engines = list(done["blocks"]), dict(done["mismatches"]), {}
+    first = done["repeats_done"]
+    if first >= args.repeats:
+        return {"blocks": blocks, "mismatches": mismatches, "repeats_done": first}
+    if first:
+        log(f"resuming after {first} complete repeat(s) of {args.repeats} ({len(blocks)} blocks kept)")
+
+    def finished(repeat):
+        if checkpoint is not None:
+            checkpoint({"blocks": blocks, "mismatches": mismatches, "repeats_done": repeat + 1})
 
     def build(name):
         began = time.perf_counter()
@@ -328,7 +342,7 @@ def measure(args, run: dict, log=print) -> dict:
 
     try:
         if args.one_engine_at_a_time:
-            for repeat in range(args.repeats):
+            for repeat in range(first, args.repeats):
                 outputs = {}
                 for position, name in enumerate(block_order(names, repeat)):
                     llm = engines[name] = build(name)
@@ -336,6 +350,7 @@ def measure(args, run: dict, log=print) -> dict:
                         one(llm, name, repeat, position, temperature, c, outputs)
                     close_engine(engines.pop(name))
                 check(repeat, outputs)
+                finished(repeat)
         else:
             for i, name in enumerate(build_order(run["methods"])):
                 before = mem_available()
@@ -345,17 +360,18 @@ def measure(args, run: dict, log=print) -> dict:
                     # the KV cache is allocated but mostly untouched yet: count it whole
                     check_memory(max(before - after, 0) + run["engine"]["kv_cache_memory_bytes"], len(names) - 1,
                                  after)
-            for repeat in range(args.repeats):
+            for repeat in range(first, args.repeats):
                 outputs = {}
                 order = block_order(names, repeat)
                 for temperature, c in cells:
                     for position, name in enumerate(order):
                         one(engines[name], name, repeat, position, temperature, c, outputs)
                 check(repeat, outputs)
+                finished(repeat)
     finally:
         for llm in engines.values():
             close_engine(llm)
-    return {"blocks": blocks, "mismatches": mismatches}
+    return {"blocks": blocks, "mismatches": mismatches, "repeats_done": args.repeats}
 
 
 def machine() -> str:
@@ -371,32 +387,66 @@ def vllm_version() -> str:
     return check_version()
 
 
+def settings(args, run: dict) -> dict:
+    """What a run measures under (serve.json's ``settings``): a resumed run must have the same."""
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    engine = {**run["engine"], **({"VLLM_CPU_KVCACHE_SPACE": kv} if kv else {}),
+              "engines": "one at a time, per repeat" if args.one_engine_at_a_time else "all held at once",
+              "draft_sample_method": args.draft_sample_method, "ngram_lookup": list(NGRAM_LOOKUP)}
+    return {"draft": run["draft"], "target": run["target"], "feature_draft": run["feature"],
+            "prompts": args.prompts, "n_prompts": len(run["prompts"]), "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": args.ignore_eos, "repeats": args.repeats, "temperatures": args.temperature,
+            "top_k": args.top_k, "concurrency": run["levels"], "methods": [m.name for m in run["methods"]],
+            "speculative_configs": run["specs"], "engine": engine}
+
+
+def load_done(args, run: dict) -> dict | None:
+    """What an earlier, interrupted run under ``--out`` measured (its complete repeats), or None when there
+    is none. A ValueError when ``--out``/serve.json holds another run's settings (nothing is overwritten)."""
+    path = args.out / "serve.json"
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+        old_settings, blocks = old["settings"], old["blocks"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a serve.json of python -m infer.serve ({exc}): pass another --out") from None
+    new = json.loads(json.dumps(settings(args, run)))
+    differ = sorted(k for k in set(old_settings) | set(new) if k != "repeats" and old_settings.get(k) != new.get(k))
+    if differ:  # more --repeats than before: the run goes on from the repeats it has
+        raise ValueError(f"{path} holds a run with other settings ({', '.join(differ)} differ): pass another --out, "
+                         "or remove it to start over")
+    repeats_done = min(old.get("repeats_done", old_settings["repeats"]), args.repeats)
+    mismatches = {(m["temperature"], m["concurrency"], m["method"]): [tuple(w) for w in m["requests"]]
+                  for m in old.get("mismatches", [])}
+    return {"blocks": [b for b in blocks if b["repeat"] < repeats_done],
+            "mismatches": {k: [w for w in v if w[0] < repeats_done] for k, v in mismatches.items()},
+            "repeats_done": repeats_done}
+
+
 def write(args, run: dict, measured: dict, argv: list[str]) -> dict:
-    """serve.json, serve.md and the plot under ``--out``; the result."""
+    """serve.json, serve.md and the plot under ``--out``; the result. ``measured["repeats_done"]`` below
+    ``--repeats``: a checkpoint of an unfinished run (serve.json's ``complete`` is false)."""
     summary = summarize(measured["blocks"], measured["mismatches"])
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     plot_path = plot(summary, out / args.plot_name, title=f"{Path(run['target']).name} + {Path(run['draft']).name}",
                      top_k=args.top_k)
-    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    engine = {**run["engine"], **({"VLLM_CPU_KVCACHE_SPACE": kv} if kv else {}),
-              "engines": "one at a time, per repeat" if args.one_engine_at_a_time else "all held at once",
-              "draft_sample_method": args.draft_sample_method, "ngram_lookup": list(NGRAM_LOOKUP)}
+    repeats_done = measured.get("repeats_done", args.repeats)
     result = {
         "machine": machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "python -m infer.serve " + shlex.join(argv), "vllm_version": vllm_version(),
-        "settings": {"draft": run["draft"], "target": run["target"], "feature_draft": run["feature"],
-                     "prompts": args.prompts, "n_prompts": len(run["prompts"]), "max_new_tokens": args.max_new_tokens,
-                     "ignore_eos": args.ignore_eos, "repeats": args.repeats, "temperatures": args.temperature,
-                     "top_k": args.top_k, "concurrency": run["levels"], "methods": [m.name for m in run["methods"]],
-                     "speculative_configs": run["specs"], "engine": engine},
+        "complete": repeats_done >= args.repeats, "repeats_done": repeats_done,
+        "settings": settings(args, run),
         "plot": plot_path.name,
         "summary": summary,
         "mismatches": [{"temperature": t, "concurrency": c, "method": n, "requests": [list(w) for w in wrong]}
                        for (t, c, n), wrong in measured["mismatches"].items()],
         "blocks": measured["blocks"],
     }
-    (out / "serve.json").write_text(json.dumps(result, indent=1) + "\n")
+    tmp = out / "serve.json.tmp"  # replaced whole: an interruption never leaves half a file
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out / "serve.json")
     (out / "serve.md").write_text(report(result))
     return result
 
@@ -409,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     try:
         run = plan(args)
+        done = load_done(args, run)
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
     try:
-        measured = measure(args, run)
+        measured = measure(args, run, done=done, checkpoint=lambda m: write(args, run, m, argv))
     except MemoryError as exc:
         parser.exit(3, f"python -m infer.serve: {exc}\n")
     result = write(args, run, measured, argv)

@@ -240,10 +240,19 @@ def table(entries: list[dict]) -> str:
     return "\n".join(rows)
 
 
+ONE_AT_A_TIME = ("one engine at a time: within a repeat each method's engine runs all its blocks, then the next "
+                 "method's, their order rotated from repeat to repeat")
+HELD_AT_ONCE = ("one engine per method, all held at once: the methods interleaved within each (temperature, "
+                "concurrency, repeat) block, their order rotated from repeat to repeat")
+
+
 def report(result: dict) -> str:
     """The markdown report of a run: what was run, on which machine, then one table per (temperature,
     concurrency)."""
     s = result["settings"]
+    unfinished = ("" if result.get("complete", True) else
+                  f" (**unfinished: {result.get('repeats_done', 0)} done**; rerun the command to go on)")
+    one_at_a_time = str(s["engine"].get("engines", "")).startswith("one")
     lines = ["# Serving benchmark (`python -m infer.serve`)", "",
              f"- machine: {result['machine']}",
              f"- date: {result['date']}; vLLM {result.get('vllm_version', '?')}",
@@ -252,12 +261,7 @@ def report(result: dict) -> str:
                                                                        if s.get("feature_draft") else ""),
              f"- prompts: {s['prompts']} (test split, {s['n_prompts']} prompts, target's chat template); "
              f"up to {s['max_new_tokens']} new tokens" + (", EOS ignored" if s.get("ignore_eos") else ""),
-             f"- repeats: {s['repeats']}; " + ("one engine at a time: within a repeat each method's engine runs "
-                                               "all its blocks, then the next method's, their order rotated from "
-                                               "repeat to repeat" if str(s["engine"].get("engines", "")).startswith(
-                                                   "one") else "one engine per method, all held at once: the methods "
-                                               "interleaved within each (temperature, concurrency, repeat) block, "
-                                               "their order rotated from repeat to repeat"),
+             f"- repeats: {s['repeats']}{unfinished}; " + (ONE_AT_A_TIME if one_at_a_time else HELD_AT_ONCE),
              "- engines: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()),
              "", "Columns: output tok/s is a block's output tokens over the wall time of its one "
              "`llm.generate` call of `c` prompts (median over repeats, 95% percentile bootstrap over repeats); "

@@ -324,3 +324,82 @@ def test_a_method_whose_greedy_output_differs_is_marked_and_fails_the_run(pair, 
     (row,) = [line for line in (tmp_path / "out" / "serve.md").read_text().splitlines()
               if line.startswith("| fixed_k2 ")]
     assert "not reported" in row and "repeat 0 request 1" in row
+
+
+# --- an interrupted run resumes (no vLLM: a stand-in engine) --------------------------------------
+
+class FakeEngine:
+    def __init__(self, spec):
+        self.spec = spec
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """Engines that decode nothing: every block returns the same 3 tokens per request; the calls are counted."""
+    calls = []
+    monkeypatch.setattr(serve, "start_engine", lambda target, spec, engine: FakeEngine(spec))
+    monkeypatch.setattr(serve, "close_engine", lambda llm: None)
+    monkeypatch.setattr(serve, "warm_up", lambda llm, args, prompts: None)
+    monkeypatch.setattr(serve, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(serve, "sampling", lambda temperature, args, max_tokens=None: temperature)
+    monkeypatch.setattr(vllm_config, "check_version", lambda: "0.32.0")
+
+    def run_block(llm, prompts, params):
+        calls.append(llm.spec is None)
+        requests = [{"output_tokens": 3, "latency_s": 0.3, "ttft_s": 0.1, "tpot_s": 0.1} for _ in prompts]
+        spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        return ({"wall_s": 0.3, "output_tokens": 3 * len(prompts), "tokens_per_s": 10.0 * len(prompts),
+                 "requests": requests, "spec": spec}, [[1, 2, 3] for _ in prompts])
+
+    monkeypatch.setattr(serve, "run_block", run_block)
+    return calls
+
+
+def test_an_interrupted_run_resumes_from_its_complete_repeats(pair, tmp_path, fake_engine, monkeypatch):
+    """Killed in its third repeat, a rerun of the same command keeps the first two repeats (every block
+    once, none measured twice), measures the rest, and ends with the same blocks as an uninterrupted run;
+    the checkpoint's report says it is unfinished."""
+    argv = args_for(pair, tmp_path, "--concurrency", "1", "2", "--methods", "target_only", "fixed_k2",
+                    "--repeats", "3", "--max-new-tokens", "3", "--temperature", "0")
+    per_repeat = 2 * 2  # concurrency levels x methods
+    original = serve.run_block
+
+    def dies_in_repeat_2(llm, prompts, params):
+        if len(fake_engine) == 2 * per_repeat + 1:
+            raise KeyboardInterrupt
+        return original(llm, prompts, params)
+
+    monkeypatch.setattr(serve, "run_block", dies_in_repeat_2)
+    with pytest.raises(KeyboardInterrupt):
+        serve.main(argv)
+    checkpoint = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert not checkpoint["complete"] and checkpoint["repeats_done"] == 2
+    assert len(checkpoint["blocks"]) == 2 * per_repeat
+    assert "unfinished: 2 done" in (tmp_path / "out" / "serve.md").read_text()
+
+    monkeypatch.setattr(serve, "run_block", original)
+    fake_engine.clear()
+    assert serve.main(argv) == 0
+    assert len(fake_engine) == per_repeat  # only the third repeat was measured again
+    result = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert result["complete"] and result["repeats_done"] == 3
+    keys = [(b["repeat"], b["concurrency"], b["method"]) for b in result["blocks"]]
+    assert len(keys) == len(set(keys)) == 3 * per_repeat
+    assert {r for r, _, _ in keys} == {0, 1, 2}
+
+    fake_engine.clear()  # complete: a rerun measures nothing and rewrites the same blocks
+    assert serve.main(argv) == 0 and fake_engine == []
+    assert json.loads((tmp_path / "out" / "serve.json").read_text())["blocks"] == result["blocks"]
+
+
+def test_a_run_does_not_resume_over_another_runs_results(pair, tmp_path, fake_engine, capsys):
+    argv = args_for(pair, tmp_path, "--concurrency", "1", "--methods", "target_only", "fixed_k2",
+                    "--repeats", "1", "--max-new-tokens", "3", "--temperature", "0")
+    assert serve.main(argv) == 0
+    before = (tmp_path / "out" / "serve.json").read_text()
+    with pytest.raises(SystemExit) as exc:
+        serve.main(argv[:-1] + ["1"])  # T=1 instead of 0
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "serve.json holds a run with other settings (temperatures differ)" in err and "another --out" in err
+    assert (tmp_path / "out" / "serve.json").read_text() == before
