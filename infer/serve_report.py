@@ -187,6 +187,8 @@ def summarize(blocks: list[dict], mismatches: dict | None = None) -> list[dict]:
             drafted = sum(b.get("spec", {}).get("num_draft_tokens", 0) for b in mine)
             accepted = sum(b.get("spec", {}).get("num_accepted_tokens", 0) for b in mine)
             drafts = sum(b.get("spec", {}).get("num_drafts", 0) for b in mine)
+            # decode steps: each commits its accepted candidates + 1 token; the first token comes from the prefill
+            steps = sum(b["output_tokens"] - len(b["requests"]) for b in mine) - accepted
             wrong = mismatches.get((temperature, concurrency, name), [])
             out.append({
                 "temperature": temperature, "concurrency": concurrency, "method": name, "repeats": len(mine),
@@ -198,6 +200,7 @@ def summarize(blocks: list[dict], mismatches: dict | None = None) -> list[dict]:
                 "output_tokens": sum(b["output_tokens"] for b in mine),
                 "acceptance": accepted / drafted if drafted else None,
                 "accepted_per_draft": accepted / drafts if drafts else None,
+                "drafted_per_step": drafted / steps if drafted and steps > 0 else None,
                 "greedy_checked": temperature == 0 and name != TARGET_ONLY,
                 "greedy_mismatches": [list(w) for w in wrong],
             })
@@ -222,21 +225,24 @@ def table(entries: list[dict]) -> str:
     """The markdown table of one (temperature, concurrency): a method whose greedy output differs from
     target-only's gets no figures, only what differed (a speed of a wrong output is not reported)."""
     rows = ["| method | output tok/s (median, 95% CI) | ratio to target-only (paired 95% CI) | TPOT median (ms) | "
-            "TPOT p90 (ms) | acceptance | accepted per draft | greedy output |", "|---|---|---|---|---|---|---|---|"]
+            "TPOT p90 (ms) | acceptance | accepted per draft | drafted per step | greedy output |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         check = ("differs from target-only: " + ", ".join(f"repeat {r} request {q}" for r, q in
                                                             e["greedy_mismatches"][:4])
                  + (" ..." if len(e["greedy_mismatches"]) > 4 else "")) if e["greedy_mismatches"] else \
             ("= target-only" if e["greedy_checked"] else "-")
         if e["greedy_mismatches"]:
-            rows.append(f"| {e['method']} | not reported | not reported | - | - | - | - | {check} |")
+            rows.append(f"| {e['method']} | not reported | not reported | - | - | - | - | - | {check} |")
             continue
         ratio = "1" if e["method"] == TARGET_ONLY else \
             ("-" if e["ratio"] is None else f"{e['ratio']:.3f}x{_ci(e['ratio_ci95'], e['repeats'], 3)}")
         acc = "-" if e["acceptance"] is None else f"{e['acceptance']:.3f}"
         per = "-" if e["accepted_per_draft"] is None else f"{e['accepted_per_draft']:.2f}"
+        length = "-" if e.get("drafted_per_step") is None else f"{e['drafted_per_step']:.2f}"
         rows.append(f"| {e['method']} | {e['tokens_per_s']:.1f}{_ci(e['tokens_per_s_ci95'], e['repeats'], 1)} | "
-                    f"{ratio} | {_ms(e['tpot_median_s'])} | {_ms(e['tpot_p90_s'])} | {acc} | {per} | {check} |")
+                    f"{ratio} | {_ms(e['tpot_median_s'])} | {_ms(e['tpot_p90_s'])} | {acc} | {per} | {length} | "
+                    f"{check} |")
     return "\n".join(rows)
 
 
@@ -267,7 +273,9 @@ def report(result: dict) -> str:
              "`llm.generate` call of `c` prompts (median over repeats, 95% percentile bootstrap over repeats); "
              "the ratio is the median of the per-block ratios to target-only (paired: same prompts, same block); "
              "TPOT is vLLM's time per output token of each request, (last token - first token) / (tokens - 1), "
-             "over all requests of all repeats; acceptance is vLLM's accepted / drafted tokens. "
+             "over all requests of all repeats; acceptance is vLLM's accepted / drafted tokens; drafted per step is "
+             "drafted tokens / decode steps (output tokens - accepted - 1 per request: steps that drafted nothing "
+             "count, so load-aware lengths shrinking toward 0 show here). "
              f"{FEW_MARK}: bootstrapped from fewer than {FEW_VALUES} repeats, a rough interval. At T=0 every "
              "request's tokens are compared with target-only's in the same block; a method that differs gets "
              "no figures."]

@@ -158,6 +158,9 @@ def test_the_summary_medians_ratios_and_tpot():
     assert svip["tpot_median_s"] == pytest.approx(np.median([0.01, 0.03, 0.02, 0.04, 0.05, 0.06]))
     assert svip["tpot_p90_s"] == pytest.approx(np.percentile([0.01, 0.03, 0.02, 0.04, 0.05, 0.06], 90))
     assert svip["acceptance"] == pytest.approx(20 / 40) and svip["accepted_per_draft"] == pytest.approx(20 / 20)
+    # 300 output tokens of 6 requests (each one's first from the prefill), 20 accepted: 274 decode steps
+    assert svip["drafted_per_step"] == pytest.approx(40 / 274)
+    assert base["drafted_per_step"] is None
     assert svip["greedy_checked"] and not svip["greedy_mismatches"]
     assert base["acceptance"] is None
 
