@@ -316,13 +316,23 @@ test-vllm:
 
 # make serve-bench: the serving benchmark in vLLM (python -m infer.serve, docs/vllm.md "Serving benchmark"): the demo
 #   pair at 1, 4, 16 and 64 concurrent requests, target-only, vLLM's fixed K and ngram, SVIP and a head with and without
-#   load-aware lengths, T=0 and T=1 top-k 50, into reports/serve (SERVE_ARGS to change it, e.g. SERVE_ARGS="--pair
-#   demo_feature --methods target_only fixed_k2 svip"). All ten engines held at once need about 21 GB (1 GiB of KV
-#   cache each, enough for 64 requests); the run checks the memory first and says what to drop.
-SERVE_ARGS ?= --pair demo --concurrency 1 4 16 64 --repeats 5 --max-new-tokens 128 --temperature 0 1 \
-	--methods target_only fixed_k1 fixed_k2 fixed_k3 fixed_k4 ngram svip svip+load_aware \
-	head:demo/heads/next_wrej1_d1 head:demo/heads/next_wrej1_d1+load_aware
+#   load-aware lengths, T=0 and T=1 top-k 50, 3 repeats, into reports/serve (resumable: rerun to go on); about 25 minutes
+#   on 2 cores. SERVE_ARGS to change it; the feature pair: make serve-bench-feature. Each engine holds about 2.7 GiB
+#   (float32, 0.75 GiB of KV cache, enough for 64 requests): 7 fit in 24 GiB; the run checks the memory first and
+#   says what to drop.
+SERVE_ARGS ?= --pair demo --concurrency 1 4 16 64 --repeats 3 --max-new-tokens 64 --temperature 0 1 --kv-cache-gib 0.75 \
+	--methods target_only fixed_k1 fixed_k2 ngram svip \
+	head:demo/heads/next_wrej1_d1@0.5 head:demo/heads/next_wrej1_d1@0.5+load_aware
+SERVE_FEATURE_ARGS ?= --pair demo_feature --concurrency 1 4 16 64 --repeats 3 --max-new-tokens 64 --temperature 0 1 \
+	--kv-cache-gib 0.75 --methods target_only fixed_k1 fixed_k2 fixed_k3 svip \
+	head:demo/heads_feature/next_wrej1_d2@0.7 head:demo/heads_feature/next_wrej1_d2@0.7+load_aware
 .PHONY: serve-bench
 serve-bench:
 	@test -x $(VLLM_VENV)/bin/python || { echo "no vLLM environment at $(VLLM_VENV): make vllm-env"; exit 1; }
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VLLM_VENV)/bin/python -m infer.serve $(SERVE_ARGS) --out reports/serve
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VLLM_VENV)/bin/python -m infer.serve $(SERVE_ARGS) --out reports/serve
+
+.PHONY: serve-bench-feature
+serve-bench-feature:
+	@test -x $(VLLM_VENV)/bin/python || { echo "no vLLM environment at $(VLLM_VENV): make vllm-env"; exit 1; }
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VLLM_VENV)/bin/python -m infer.serve $(SERVE_FEATURE_ARGS) \
+		--out reports/serve_feature

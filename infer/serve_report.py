@@ -207,6 +207,41 @@ def summarize(blocks: list[dict], mismatches: dict | None = None) -> list[dict]:
     return out
 
 
+def overview(entries: list[dict], top_k: int | None = None) -> str:
+    """One table per temperature: each method's ratio to target-only (paired 95% interval) at every
+    concurrency, target-only's tokens/s in its own row; a method whose greedy output differed reads
+    "not reported", and the best method of each column is in bold (by median, target-only included)."""
+    out = []
+    for temperature in sorted({e["temperature"] for e in entries}):
+        mine = [e for e in entries if e["temperature"] == temperature]
+        levels = sorted({e["concurrency"] for e in mine})
+        names = list(dict.fromkeys(e["method"] for e in mine))
+        cell = {(e["method"], e["concurrency"]): e for e in mine}
+        best = {}
+        for c in levels:
+            ok = [e for e in mine if e["concurrency"] == c and not e["greedy_mismatches"] and e["ratio"] is not None]
+            if ok:
+                best[c] = max(ok, key=lambda e: e["ratio"])["method"]
+        rows = [f"### {sampling_label(temperature, top_k)}: ratio to target-only", "",
+                "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
+        for name in names:
+            cells = []
+            for c in levels:
+                e = cell.get((name, c))
+                if e is None:
+                    text = "-"
+                elif e["greedy_mismatches"]:
+                    text = "not reported"
+                elif name == TARGET_ONLY:
+                    text = f"1 ({e['tokens_per_s']:.1f} tok/s)"
+                else:
+                    text = "-" if e["ratio"] is None else f"{e['ratio']:.2f}x{_ci(e['ratio_ci95'], e['repeats'], 2)}"
+                cells.append(f"**{text}**" if best.get(c) == name else text)
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
 def _ci(ci, n: int, digits: int) -> str:
     if not ci:
         return ""
@@ -282,6 +317,7 @@ def report(result: dict) -> str:
     for note in result.get("notes", []):
         lines += ["", note]
     summary = result["summary"]
+    lines += ["", "## Overview", "", overview(summary, s.get("top_k"))]
     for temperature, concurrency in sorted({(e["temperature"], e["concurrency"]) for e in summary}):
         entries = [e for e in summary if (e["temperature"], e["concurrency"]) == (temperature, concurrency)]
         lines += ["", f"## {sampling_label(temperature, s.get('top_k'))}, concurrency {concurrency}", "",

@@ -24,6 +24,7 @@ from infer.serve_report import (
     check_concurrency,
     greedy_mismatches,
     interval,
+    overview,
     parse_method,
     parse_methods,
     plot,
@@ -165,6 +166,19 @@ def test_the_summary_medians_ratios_and_tpot():
     assert base["acceptance"] is None
 
 
+def test_the_overview_gives_each_methods_ratio_by_concurrency_and_marks_the_best():
+    blocks = [block(m, r, tps, concurrency=c) for c in (1, 4) for r in range(2)
+              for m, tps in (("target_only", 100.0 * c), ("svip", (110.0 if c == 1 else 90.0) * c))]
+    text = overview(summarize(blocks), top_k=50)
+    lines = text.splitlines()
+    assert lines[0] == "### greedy (T=0): ratio to target-only"
+    assert lines[2] == "| method | c=1 | c=4 |"
+    (base,) = [line for line in lines if line.startswith("| target_only ")]
+    (svip,) = [line for line in lines if line.startswith("| svip ")]
+    assert base == "| target_only | 1 (100.0 tok/s) | **1 (400.0 tok/s)** |"  # the best at c=4
+    assert svip.startswith("| svip | **1.10x [1.10, 1.10]") and "| 0.90x [0.90, 0.90]" in svip
+
+
 def test_a_method_whose_greedy_output_differs_gets_no_figures():
     blocks = [block("target_only", r, 100.0) for r in range(2)] + [block("fixed_k2", r, 321.5) for r in range(2)] \
         + [block("svip", r, 123.4) for r in range(2)]
@@ -191,7 +205,7 @@ def test_the_report_names_machine_command_and_has_a_table_per_cell(tmp_path):
     assert "a test CPU, 2 cores" in text and "`python -m infer.serve --x`" in text
     assert "shared with a training job" in text
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings == ["## greedy (T=0), concurrency 1", "## greedy (T=0), concurrency 4",
+    assert headings == ["## Overview", "## greedy (T=0), concurrency 1", "## greedy (T=0), concurrency 4",
                         "## T=1, top-k 50, concurrency 1", "## T=1, top-k 50, concurrency 4"]
     assert "![output tokens/s against concurrency](serve.png)" in text
     path = plot(summary, tmp_path / "img" / "serve.png", top_k=50)
