@@ -182,9 +182,9 @@ def heads_predictions(head_dirs: list[str], raw_rows: list[dict], meta: dict, dr
 
 def feature_heads_predictions(heads, raw_rows: list[dict], meta: dict, draft_ref: str | None,
                               batch_size: int) -> list[list[np.ndarray]]:
-    """A feature draft's labels: each lag-free head's P_hat at every (position, depth) [N, D] (NaN where
-    there is no label), from the features train computes (the labels' own context,
-    specdecpp.training.mixing.feature_draft_head_features)."""
+    """A feature draft's labels: each head's P_hat at every (position, depth) [N, D] (NaN where there
+    is no label; the paper's head from the state after each candidate), from the features train
+    computes (the labels' own context, specdecpp.training.mixing.feature_draft_head_features)."""
     import torch
 
     from specdecpp.models.feature_draft import FeatureDraft
@@ -192,9 +192,6 @@ def feature_heads_predictions(heads, raw_rows: list[dict], meta: dict, draft_ref
     from specdecpp.models.loading import load_model
     from specdecpp.training.mixing import feature_draft_head_features
 
-    if any(head.lag for head in heads):
-        raise ValueError("--head on a feature draft's labels: lag-free heads (head=next) only; the paper's head is not "
-                         "trained for feature drafts (docs/feature_draft.md)")
     draft_ref = draft_ref or meta.get("draft")
     if not draft_ref or not meta.get("target"):
         raise ValueError("--head on a feature draft's labels needs its draft and target (the dataset's meta, or "

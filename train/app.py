@@ -173,14 +173,14 @@ def validation_split(splits, data: DictConfig):
 
 def feature_draft_loaders(cfg: DictConfig, meta: dict, draft_ref: str):
     """(load target, load draft) for a feature draft's labels, after the settings it needs are
-    checked: the lag-free head in the labels' own context, on cached features (its features come
+    checked: either head kind in the labels' own context, on cached features (its features come
     from the target's forward and the draft unrolled by depth, specdecpp.training.mixing)."""
     kind, context = str(cfg.head.get("kind", "resnet")), str(cfg.data.get("feature_context", "mixed"))
-    if kind != "next" or context != "target" or not cfg.data.cache_features:
+    if context != "target" or not cfg.data.cache_features:
         raise ValueError(f"dataset {str(cfg.data.path)!r} labels a feature draft (depths 1..{meta['feature_depths']}): "
-                         "its heads train as head=next with data.feature_context=target and data.cache_features=true "
-                         f"(got head {kind!r}, feature_context {context!r}, cache_features {cfg.data.cache_features}); "
-                         "docs/feature_draft.md")
+                         "its heads (head=next or head=resnet) train with data.feature_context=target and "
+                         f"data.cache_features=true (got head {kind!r}, feature_context {context!r}, cache_features "
+                         f"{cfg.data.cache_features}); docs/feature_draft.md")
     if not meta.get("target"):
         raise ValueError(f"dataset {str(cfg.data.path)!r} records no target in its meta: a feature draft's "
                          "features need it")
@@ -227,7 +227,8 @@ def run(cfg: DictConfig) -> dict:
     head = make_head(cfg.head, hidden_size, draft_ref, meta)
     feature_context = str(data.get("feature_context", "mixed"))
     spec = training_spec(head, feature_context)
-    check_context(spec)  # a bad context, or the paper's head in the target context: an error before any work
+    # a bad context, or the paper's head in the target context of a plain draft: an error before any work
+    check_context(spec, feature_draft=bool(meta.get("feature_depths")))
     datamodule = instantiate(cfg.datamodule)(splits, HeadDataConfig.from_cfg(cfg, val_split), draft=load_draft,
                                              draft_ref=draft_ref, feature_spec=spec, feature_size=head.feature_size,
                                              target=load_target)

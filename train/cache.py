@@ -120,7 +120,8 @@ def feature_cache(split, split_name: str, draft, draft_ref: str, cache_dir: str 
             "rows": len(split), "draft": draft_identity(draft_ref),
             "hidden_size": int(config.hidden_size), "mix_ratio": float(mix_ratio),
             "mix_seed": int(mix_seed), "dtype": dtype}
-    if spec is not None and spec.get("kind", "resnet") != "resnet":  # the paper's head keeps its old keys
+    # the paper's head keeps its old keys, but for a feature draft (its features come from the target too)
+    if spec is not None and (spec.get("kind", "resnet") != "resnet" or target is not None):
         info.update(features=spec, feature_size=int(feature_size))
     if draft_precision != "float32":  # float32 caches keep their old keys
         info["draft_precision"] = draft_precision
@@ -141,8 +142,8 @@ def _build(split, split_name: str, draft, directory: Path, info: dict, batch_siz
     mix_ratio, mix_seed = info["mix_ratio"], info["mix_seed"]
     state_file, progress_file = directory / "cache.json", directory / "progress.json"
     n_tokens = pc.list_value_length(arrow_column(split, "target_ids")).to_numpy(zero_copy_only=False)
-    context = check_context(info.get("features"))
     by_depth = "depth_p_acc" in split.column_names  # a feature draft's labels: a row per (position, depth)
+    context = check_context(info.get("features"), feature_draft=by_depth)
     kept = ([feature_label_positions(r) for r in split["depth_p_acc"]] if by_depth else
             [loss_positions(int(n), mix_ratio, mix_seed, FIXED_MIXING_EPOCH, j, context)
              for j, n in enumerate(n_tokens)])

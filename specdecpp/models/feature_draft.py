@@ -55,6 +55,9 @@ class FeatureDraftOutput(NamedTuple):
 class UnrolledStep(NamedTuple):
     normed: torch.Tensor  # [B, L-1, H]: the final norm's output (``lm_head`` of it: logits over the draft's ids)
     hidden: torch.Tensor  # [B, L-1, H]: what the next step reads (FeatureDraftOutput.hidden)
+    # [B, L-1, H] or None: the state after reading this step's probe token instead of the next true one
+    # (what the paper's head reads for a candidate drafted here; FeatureDraft.unrolled's ``probes``)
+    after: torch.Tensor | None = None
 
 
 class FeatureDraftCache:
@@ -318,7 +321,8 @@ class FeatureDraft(torch.nn.Module):
         fed_back = normed if self.spec_config["norm_output"] else h
         return FeatureDraftOutput(self.full_logits(self.lm_head(kept)), fed_back)
 
-    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[UnrolledStep]:
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+                 probes: torch.Tensor | None = None) -> list[UnrolledStep]:
         """The draft unrolled ``steps`` steps over every anchor i = 0..L-2 of ``tokens`` [B, L]
         (x_0..x_{L-1}, right-padded rows are fine) with the target's ``features`` [B, L, F*H] of
         those positions, in one pass per step (the training-time test's form; data_gen's labels at
@@ -328,28 +332,42 @@ class FeatureDraft(torch.nn.Module):
         which is exactly what drafting k+1 tokens after the prefix x_0..x_{i+1} with a cache
         computes (tests/models/test_feature_draft.py checks it). Returns one :class:`UnrolledStep`
         per step: ``normed`` [B, L-1, H] (``lm_head`` of it: the logits over the draft's ids) and
-        ``hidden`` (what the next step reads, and what a head reads)."""
+        ``hidden`` (what the next step reads, and what a lag-free head reads).
+
+        ``probes`` [B, L-1, steps] (optional): a token per anchor and step, e.g. the candidate a round
+        drew at step k where x_{i+2+k} stands; each step's ``after`` is then the state after reading
+        it, i.e. step k+1 at anchor i with the probe in place of x_{i+2+k} (what the draft computes
+        when it feeds that candidate: the state the paper's head reads for it), at the cost of one
+        more step per step. A probe's entry is not attended by later steps."""
         b, length = tokens.shape
         t = length - 1
+        if probes is not None and probes.shape != (b, t, steps):
+            raise ValueError(f"probes must be [B, L-1, steps] = [{b}, {t}, {steps}], got {tuple(probes.shape)}")
         dev = tokens.device
         g = features[:, :t].to(self.dtype)
         u = self.fc(self.input_norm(g) if self.input_norm is not None else g)
         earlier = [([], []) for _ in self.layers]
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         eye = torch.eye(t, dtype=torch.bool, device=dev)
-        outs = []
-        for k in range(steps):
-            ids = torch.cat([tokens[:, 1 + k:], tokens.new_zeros((b, k))], dim=1)[:, :t]
+
+        def step(k: int, ids: torch.Tensor, u: torch.Tensor, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
             position_ids = (torch.arange(t, device=dev) + k).expand(b, t)
             embeds = self.embed_tokens(ids)
             rope = self.rotary_emb(embeds, position_ids)
             mask = torch.cat([causal] + [eye] * k, dim=1)[None, None]
             h = u
             for i, layer in enumerate(self.layers):
-                h = layer(h, embeds, rope, mask, None, i, 0, earlier[i])
+                past = earlier[i] if keep else (list(earlier[i][0]), list(earlier[i][1]))  # a probe: not kept
+                h = layer(h, embeds, rope, mask, None, i, 0, past)
             normed = self.norm(h)
-            u = normed if self.spec_config["norm_output"] else h
-            outs.append(UnrolledStep(normed, u))
+            return normed, (normed if self.spec_config["norm_output"] else h)
+
+        outs = []
+        for k in range(steps):
+            ids = torch.cat([tokens[:, 1 + k:], tokens.new_zeros((b, k))], dim=1)[:, :t]
+            normed, u = step(k, ids, u, keep=True)
+            after = None if probes is None else step(k + 1, probes[..., k].to(dev), u, keep=False)[1]
+            outs.append(UnrolledStep(normed, u, after))
         return outs
 
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:

@@ -245,11 +245,14 @@ class FeaturePass:
     (:meth:`~specdecpp.models.feature_draft.FeatureDraft.unrolled`), rows right-padded. Response
     token X_i (absolute position s = P + i) drafted as a round's d-th candidate reads the target's
     features up to position s - 1 - d and its own outputs after: :meth:`logits` and :meth:`hidden`
-    give what drafting it there computes (the state is what a stop head reads), NaN rows where
-    s - 1 - d < 0 (a prompt shorter than d + 1 tokens)."""
+    give what drafting it there computes (the state is what a lag-free head reads), NaN rows where
+    s - 1 - d < 0 (a prompt shorter than d + 1 tokens). ``candidates`` (optional, one [N_b, depths]
+    table per row: the token a round drew as its d-th candidate where X_i stands, data_gen's
+    ``depth_draft_ids``): :meth:`after` then gives the state after feeding that candidate (what the
+    paper's head reads for it)."""
 
     @torch.no_grad()
-    def __init__(self, draft: FeatureDraft, target, prompts, responses, depths: int) -> None:
+    def __init__(self, draft: FeatureDraft, target, prompts, responses, depths: int, candidates=None) -> None:
         short = [j for j, p in enumerate(prompts) if len(p) < 2]
         if short:
             raise ValueError(f"a feature draft over responses needs prompts of at least 2 tokens (its first candidate "
@@ -267,7 +270,17 @@ class FeaturePass:
             target.get_decoder()(input_ids=ids, use_cache=False)
             features = aux.fused()
         self.draft, self.prompt_lengths, self.depths = draft, [len(p) for p in prompts], depths
-        self.steps = draft.unrolled(ids.to(draft.device), features.to(draft.device), depths)
+        probes = None
+        if candidates is not None:
+            probes = torch.zeros((len(seqs), width - 1, depths), dtype=torch.long)
+            for b, (p, r, table) in enumerate(zip(prompts, responses, candidates, strict=True)):
+                table = torch.as_tensor(table, dtype=torch.long).reshape(len(r), -1)
+                for d in range(1, min(depths, table.shape[1]) + 1):  # token i at depth d: anchor P + i - 1 - d
+                    anchors = len(p) - 1 - d + torch.arange(table.shape[0])
+                    ok = (anchors >= 0) & (table[:, d - 1] >= 0)
+                    probes[b, anchors[ok], d - 1] = table[ok, d - 1]
+        self.steps = draft.unrolled(ids.to(draft.device), features.to(draft.device), depths,
+                                    None if probes is None else probes.to(draft.device))
 
     def _rows(self, x: torch.Tensor, b: int, d: int, i: int, j: int) -> tuple[torch.Tensor, int]:
         start = self.prompt_lengths[b] + i - 1 - d  # the anchor of response token i at depth d
@@ -283,6 +296,14 @@ class FeaturePass:
     def hidden(self, b: int, d: int, i: int, j: int) -> torch.Tensor:
         """[j - i, H]: the draft's state that produced q of response tokens i..j-1 at depth d."""
         rows, missing = self._rows(self.steps[d - 1].hidden, b, d, i, j)
+        return self._pad(rows.float(), missing)
+
+    def after(self, b: int, d: int, i: int, j: int) -> torch.Tensor:
+        """[j - i, H]: the draft's state after feeding the d-th candidate drawn where response tokens
+        i..j-1 stand (``candidates``), what the paper's head reads for it."""
+        if self.steps[d - 1].after is None:
+            raise ValueError("FeaturePass.after needs the candidates (FeaturePass(..., candidates=...))")
+        rows, missing = self._rows(self.steps[d - 1].after, b, d, i, j)
         return self._pad(rows.float(), missing)
 
     @torch.no_grad()

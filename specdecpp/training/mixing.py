@@ -98,21 +98,30 @@ def mixed_features(draft, rows: list[dict], ratio: float, seed: int, epoch: int 
 
 
 def feature_draft_head_features(draft, target, rows: list[dict], spec: dict):
-    """The lag-free head's features and labels for a feature draft's labels by depth (data_gen's
-    ``depth_*`` columns): every response token X_i at every depth d of a round where it has a label
-    (row order: position i, then depth d), scored from the draft state that produced q^(d)_i, its
-    logits there and the candidate Y^(d)_i, exactly what the engine hands the head when a round
-    drafts X_i as its d-th candidate (:class:`specdecpp.models.feature_runner.FeaturePass`). The
-    labels' own context (``feature_context=target``) only: token mixing would need a draft state
-    after rejected tokens, which feature drafts never read."""
+    """A head's features and labels for a feature draft's labels by depth (data_gen's ``depth_*``
+    columns): every response token X_i at every depth d of a round where it has a label (row order:
+    position i, then depth d), the candidate Y^(d)_i drawn there, exactly what the engine hands the
+    head when a round drafts at X_i's place as its d-th candidate
+    (:class:`specdecpp.models.feature_runner.FeaturePass`):
+
+    - the lag-free head (``next``): the draft state that produced q^(d)_i, its logits there and Y^(d)_i;
+    - the paper's head (``resnet``): the draft state after feeding Y^(d)_i on that state (one more
+      unrolled step per depth, :meth:`~specdecpp.models.feature_draft.FeatureDraft.unrolled`'s probes).
+
+    The labels' own context (``feature_context=target``) only: token mixing would put rejected tokens
+    before later positions, where a feature draft reads the target's features, which no target forward
+    over rejected tokens computes."""
     from ..models.feature_runner import FeaturePass
 
-    if spec.get("kind", "resnet") == "resnet" or check_context(spec) != "target":
-        raise ValueError("a feature draft's heads: the lag-free head (head=next) with data.feature_context=target "
-                         "only (the paper's head reads the state after each candidate, which no feature draft pass "
-                         "computes yet)")
-    unrolled = FeaturePass(draft, target, [r["prompt_ids"] for r in rows], [r["target_ids"] for r in rows],
-                           max(len(r["depth_p_acc"][0]) for r in rows if len(r["depth_p_acc"])))
+    kind = spec.get("kind", "resnet")
+    if spec.get("context", "mixed") != "target":
+        raise ValueError("a feature draft's heads train in the labels' own context (data.feature_context=target): "
+                         "token mixing would need the target's features after rejected tokens, which no feature draft "
+                         f"pass computes (got {spec.get('context', 'mixed')!r})")
+    paper = kind == "resnet"
+    depths = max(len(r["depth_p_acc"][0]) for r in rows if len(r["depth_p_acc"]))
+    unrolled = FeaturePass(draft, target, [r["prompt_ids"] for r in rows], [r["target_ids"] for r in rows], depths,
+                           candidates=[r["depth_draft_ids"] for r in rows] if paper else None)
     feats, labels = [], []
     for b, r in enumerate(rows):
         n = len(r["target_ids"])
@@ -124,7 +133,10 @@ def feature_draft_head_features(draft, target, rows: list[dict], spec: dict):
             at = valid[:, d - 1].nonzero().squeeze(-1)
             if not len(at):
                 continue
-            f = lag_free_features(draft, unrolled.hidden(b, d, 0, n)[at], ids[at, d - 1], spec, at)
+            if paper:
+                f = unrolled.after(b, d, 0, n)[at]
+            else:
+                f = lag_free_features(draft, unrolled.hidden(b, d, 0, n)[at], ids[at, d - 1], spec, at)
             out = f.new_zeros((n, p_acc.shape[1], f.shape[-1])) if out is None else out
             out[at, d - 1] = f
         feats.append(out[valid] if out is not None else torch.zeros((0, 0)))
@@ -137,12 +149,14 @@ def feature_label_positions(depth_p_acc) -> int:
     return int((~torch.as_tensor(depth_p_acc, dtype=torch.float32).isnan()).sum())
 
 
-def check_context(spec: dict | None) -> str:
-    """The feature context a training spec asks for (``spec['context']``, default ``mixed``)."""
+def check_context(spec: dict | None, feature_draft: bool = False) -> str:
+    """The feature context a training spec asks for (``spec['context']``, default ``mixed``).
+    ``feature_draft``: labels of a feature draft, whose unrolled pass gives the paper's head its
+    state in the target context too (:func:`feature_draft_head_features`)."""
     context = (spec or {}).get("context", "mixed")
     if context not in FEATURE_CONTEXTS:
         raise ValueError(f"data.feature_context must be one of {list(FEATURE_CONTEXTS)}, got {context!r}")
-    if context == "target" and (spec or {}).get("kind", "resnet") == "resnet":
+    if context == "target" and (spec or {}).get("kind", "resnet") == "resnet" and not feature_draft:
         raise ValueError("data.feature_context=target needs the lag-free head (head=next): the paper's head reads "
                          "the state at Y_i after X_<i, one draft forward per position; use feature_context=mixed")
     return context

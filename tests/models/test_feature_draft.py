@@ -435,3 +435,46 @@ def test_unrolled_equals_drafting_with_a_cache(n_layers, device):
                 torch.testing.assert_close(steps[k].hidden[:, i], hidden[:, 0])
                 torch.testing.assert_close(draft.full_logits(draft.lm_head(steps[k].normed[:, i])), out.logits[:, -1],
                                            atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_unrolled_probes_give_the_state_after_feeding_a_candidate(n_layers, device):
+    """``unrolled(probes=...)``: each step's ``after`` at anchor i is the state the draft computes when,
+    after drafting k+1 tokens after x_0..x_{i+1} with a cache, it feeds the probe (a candidate other
+    than the true next token) on that step's output: what the paper's head reads for that candidate.
+    The probes leave the steps themselves unchanged."""
+    target = tiny_lm(64, 48, 4, seed=3)
+    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 64, 2), num_layers=n_layers,
+                                   generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    target, draft = target.to(device), draft.to(device)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    probes = torch.randint(0, 64, (2, 8, 3), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        feats = draft.fuse(target(tokens, output_hidden_states=True).hidden_states)
+        plain = draft.unrolled(tokens, feats, steps=3)
+        steps = draft.unrolled(tokens, feats, steps=3, probes=probes)
+        for k in range(3):
+            assert plain[k].after is None
+            torch.testing.assert_close(steps[k].hidden, plain[k].hidden)
+        for i in (0, 3, 7):
+            cache = draft.new_cache()
+            out = draft(tokens[:, 1:i + 2], features=feats[:, :i + 1], cache=cache, n_logits=1)
+            hidden = out.hidden[:, -1:]
+            for k in range(3):
+                if k:
+                    if i + 1 + k >= tokens.shape[1]:
+                        break
+                    out = draft(tokens[:, i + 1 + k:i + 2 + k], hidden=hidden, cache=cache)
+                hidden = out.hidden[:, -1:]
+                length = cache.length
+                fed = draft(probes[:, i, k:k + 1], hidden=hidden, cache=cache)
+                cache.rollback(length)
+                torch.testing.assert_close(steps[k].after[:, i], fed.hidden[:, 0], atol=1e-4, rtol=1e-4)
+                if k < 2 and i + 2 + k < tokens.shape[1]:  # the probe differs from the true token: another state
+                    assert not torch.allclose(steps[k].after[:, i], steps[k + 1].hidden[:, i], atol=1e-3)
+    with pytest.raises(ValueError, match=r"probes must be \[B, L-1, steps\]"):
+        draft.unrolled(tokens, feats, steps=2, probes=probes)
