@@ -21,11 +21,14 @@ from .load_aware import OnlineLengths, StepCosts
 
 class LoadAware:
     """Load-aware lengths for a proposer: the measured ``costs``, the draft-cost ``mode`` and where each
-    pass's acceptance estimates come from (:meth:`estimates`): a lag-free head's own (it reads the
-    candidate, so a drafted candidate is kept and only the next is decided), an OnlineAcceptance
-    policy's, or else a side :class:`OnlineAcceptanceEstimator` (vLLM's, calibrated while serving from
-    the outcomes the proposer feeds it; its estimates are computed before the candidate is drawn, so
-    a candidate may be dropped)."""
+    pass's acceptance estimates come from (:meth:`estimates`): an OnlineAcceptance policy's, or a side
+    :class:`OnlineAcceptanceEstimator` (vLLM's, calibrated while serving from the outcomes the proposer
+    feeds it; its estimates are computed before the candidate is drawn, so a candidate may be dropped),
+    and with a lag-free head, the head's own from the second pass on (it reads the candidate, so a
+    drafted candidate is kept and only the next is decided). The first pass of a head's step takes the
+    side estimator's, so that a request's first candidate can be dropped when verifying it does not pay
+    (length 0: the step costs the target one token for that request), which the head, reading the
+    candidate, cannot decide without bias."""
 
     def __init__(self, costs: StepCosts, policy: StopPolicy, max_len: int, mode: str = "dense") -> None:
         self.costs, self.mode = costs, mode
@@ -33,13 +36,13 @@ class LoadAware:
         if isinstance(policy, OnlineAcceptance):
             self.estimator = policy.estimator
         else:
-            self.estimator = None if self.head else OnlineAcceptanceEstimator(max_len)
+            self.estimator = OnlineAcceptanceEstimator(max_len)
 
     def estimates(self, policy: StopPolicy, k: int, logits, hidden, tokens, temperature: float,
                   record) -> tuple[torch.Tensor, bool]:
         """[B] this pass's estimates and whether they leave the candidates droppable; ``record(features,
         predictions)`` keeps what the estimator will be fed once the target has verified."""
-        if self.head:
+        if self.head and k > 1:
             score = policy.head.score(hidden if policy.needs_hidden else None, logits, tokens, None)
             return torch.sigmoid(score).double(), False
         if isinstance(policy, OnlineAcceptance):
@@ -112,7 +115,12 @@ class StoppedDrafts:
         if self.online is None:
             self.online = OnlineLengths(plan.costs, batch, self.max_len, plan.mode)
         caps = torch.where(stop, torch.tensor(k, device=stop.device), torch.tensor(self.max_len, device=stop.device))
-        keep, more = self.online.step(accept.detach().cpu(), caps.cpu(), droppable=droppable)
+        if droppable and plan.head:
+            # a head's stop reads y_k: it may end a row after y_k but must not weigh in on dropping y_k itself
+            keep, more = self.online.step(accept.detach().cpu(), None, droppable=True)
+            more = self.online.end(stop.cpu())
+        else:
+            keep, more = self.online.step(accept.detach().cpu(), caps.cpu(), droppable=droppable)
         keep, more = keep.to(active.device), more.to(active.device)
         self.lengths[keep & active] = k
         self.drafting = active & more
@@ -156,8 +164,9 @@ class Outcomes:
         estimator, features, predictions = inputs
         features, predictions, lengths = features.cpu(), predictions.cpu(), drafts.lengths.tolist()
         for row, req_id in enumerate(req_ids[: len(lengths)]):
-            if lengths[row] > 0:
-                self.pending[req_id] = (estimator, features[row], predictions[row], lengths[row])
+            drafted = min(lengths[row], features.shape[1])  # a head's side estimator scored the first pass only
+            if drafted > 0:
+                self.pending[req_id] = (estimator, features[row], predictions[row], drafted)
 
     def verified(self, req_ids, kept_counts) -> int:
         """Feed the outcomes of the requests that drafted last step; returns how many were fed."""

@@ -427,6 +427,12 @@ class OnlineLengths:
         self.drafting = more
         return keep, more
 
+    def end(self, rows) -> torch.Tensor:
+        """Rows ``rows`` [batch] (bool) draft no more after the candidates they keep (a stop policy's stop
+        made after the pass's plan); returns the rows still drafting."""
+        self.drafting = self.drafting & ~torch.as_tensor(rows, dtype=torch.bool).reshape(-1)
+        return self.drafting.clone()
+
     def _keep(self, rows: torch.Tensor, pk: torch.Tensor, k: int) -> None:
         self.lengths = torch.where(rows, torch.tensor(k), self.lengths)
         self.p = torch.where(rows, pk, self.p)

@@ -61,6 +61,21 @@ def test_load_aware_lengths_keep_target_only_tokens_and_shrink_under_a_steep_cos
     assert sum(steep_lengths) / len(steep_lengths) < 2.0, steep
 
 
+def test_a_lag_free_heads_load_aware_lengths_drop_first_candidates_under_a_steep_cost(pair, reference, tmp_path):
+    """A lag-free head under load-aware lengths: a flat cost keeps at least one candidate a request (the
+    head's own stop), a steep one drops first candidates (length 0, decided before they are drawn);
+    greedy output equals target-only's either way."""
+    from tests.vllm.test_vllm_greedy import varied_head
+
+    head = {"head": varied_head("next", 2), "threshold": 0.5, "max_candidates": 3}
+    flat_tokens, flat = run(pair, speculative_config(pair[0], load_aware=FLAT, cache_dir=tmp_path, **head))
+    steep_tokens, steep = run(pair, speculative_config(pair[0], load_aware=STEEP, cache_dir=tmp_path, **head))
+    assert flat_tokens == reference and steep_tokens == reference
+    flat_lengths, steep_lengths = [n for step in flat for n in step], [n for step in steep for n in step]
+    assert all(1 <= n <= 3 for n in flat_lengths)
+    assert 0 in steep_lengths and sum(steep_lengths) < sum(flat_lengths), (flat, steep)
+
+
 def test_the_step_costs_are_measured_at_start_up_and_the_estimator_is_fed(pair, reference, tmp_path, monkeypatch):
     measured, fed = [], []
     original_measure, original_observe = internals.measure_step_costs, OnlineAcceptanceEstimator.observe

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from specdecpp import SamplingConfig, warp  # noqa: E402
 from specdecpp.stopping.head import build_head  # noqa: E402
 from specdecpp.vllm import internals, speculative_config  # noqa: E402
+from specdecpp.vllm.load_aware import StepCosts  # noqa: E402
 from tests.helpers.stats import chi_square_pvalue  # noqa: E402
 from tests.helpers.vllm import VLLM_WARNINGS, close, recorded_lengths, save_pair, spec_metrics, start  # noqa: E402
 
@@ -53,13 +54,21 @@ def varied_next_head(hidden: int):
     return head
 
 
-def test_the_first_two_tokens_follow_the_target_at_t1_top_k_50(tmp_path):
+# 64 requests: flat to their 64 tokens, then a verified candidate costs 0.6 of what a request's token
+# earns at that rate, so a first candidate is kept where its estimated acceptance is above about 0.6
+MIXED_COSTS = StepCosts((1, 64, 256), (0.01, 0.01, 0.028), (1, 64), (0.001, 0.001))
+
+
+@pytest.mark.parametrize("load_aware", [None, MIXED_COSTS], ids=["head", "head+load_aware"])
+def test_the_first_two_tokens_follow_the_target_at_t1_top_k_50(tmp_path, load_aware):
+    """The lag-free head's own stops, and with load-aware lengths, which drop some requests' first
+    candidates (length 0, from the side estimator's estimate made before the candidate is drawn)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     draft, target = save_pair(tmp_path, vocab=VOCAB, noise=0.15)
     spec = speculative_config(draft, head=varied_next_head(128), threshold=0.5, max_candidates=3,
-                              cache_dir=tmp_path / "bundles")
+                              cache_dir=tmp_path / "bundles", load_aware=load_aware)
     began = time.perf_counter()
     llm = start(target, spec, skip_tokenizer_init=True, max_model_len=64, max_num_seqs=64)
     print(f"engine start-up {time.perf_counter() - began:.1f} s")
@@ -75,6 +84,8 @@ def test_the_first_two_tokens_follow_the_target_at_t1_top_k_50(tmp_path):
     samples = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     assert chi_square_pvalue(samples, exact_pairs(target)) > 1e-3
     assert any(len(set(step)) > 1 for step in lengths)  # rows stopped at their own lengths
+    if load_aware is not None:
+        assert any(0 in step and max(step) > 0 for step in lengths)  # some first candidates dropped, not all
     # the pair accepts about 0.29 of its second tokens (sum of min(p, q)); the bug made it ~0
     assert metrics["num_accepted_tokens"] > 0.15 * metrics["num_drafts"]
 
