@@ -100,27 +100,44 @@ class StoppedDrafts:
             self.probs.append(probs)
         active = self.drafting
         policy = self.policy
-        # the online estimator's policy is asked at the last pass too: its estimates are recorded to be fed
-        if k < self.max_len or isinstance(policy, OnlineAcceptance):
-            stop = policy.stop_rows(k, logits, hidden if policy.needs_hidden else None, tokens, active).to(
-                active.device) & active
-        if k >= self.max_len:
-            stop = active
-        if self.load_aware is None:
+        plan = self.load_aware
+        if plan is not None and plan.head and k == 1:
+            return self._first_pass_of_a_head(logits, hidden, tokens, active)
+
+        def stop_rows() -> torch.Tensor:
+            # the online estimator's policy is asked at the last pass too: its estimates are recorded to be fed
+            if k < self.max_len or isinstance(policy, OnlineAcceptance):
+                stop = policy.stop_rows(k, logits, hidden if policy.needs_hidden else None, tokens, active).to(
+                    active.device) & active
+            return active if k >= self.max_len else stop
+
+        stop = stop_rows()
+        if plan is None:
             self.lengths[stop] = k
             self.drafting = active & ~stop
             return self.done
-        plan = self.load_aware
         accept, droppable = plan.estimates(self.policy, k, logits, hidden, tokens, self.temperature, self._record)
         if self.online is None:
             self.online = OnlineLengths(plan.costs, batch, self.max_len, plan.mode)
         caps = torch.where(stop, torch.tensor(k, device=stop.device), torch.tensor(self.max_len, device=stop.device))
-        if droppable and plan.head:
-            # a head's stop reads y_k: it may end a row after y_k but must not weigh in on dropping y_k itself
-            keep, more = self.online.step(accept.detach().cpu(), None, droppable=True)
-            more = self.online.end(stop.cpu())
-        else:
-            keep, more = self.online.step(accept.detach().cpu(), caps.cpu(), droppable=droppable)
+        keep, more = self.online.step(accept.detach().cpu(), caps.cpu(), droppable=droppable)
+        return self._apply(keep, more, active, k)
+
+    def _first_pass_of_a_head(self, logits, hidden, tokens, active) -> bool:
+        """A lag-free head's first pass under load-aware lengths: which first candidates are kept is planned
+        from the side estimator's estimates (made before the candidates were drawn) alone; the head, which
+        reads them, is asked only if a kept row could draft on, and its stop then ends rows after their
+        candidate (it must not weigh in on dropping it: that would bias the output)."""
+        plan, policy = self.load_aware, self.policy
+        accept, droppable = plan.estimates(policy, 1, logits, hidden, tokens, self.temperature, self._record)
+        self.online = OnlineLengths(plan.costs, tokens.shape[0], self.max_len, plan.mode)
+        keep, more = self.online.step(accept.detach().cpu(), None, droppable=True)
+        if bool(more.any()):
+            stop = policy.stop_rows(1, logits, hidden if policy.needs_hidden else None, tokens, active)
+            more = self.online.end(stop.cpu() | (self.max_len <= 1))
+        return self._apply(keep, more, active, 1)
+
+    def _apply(self, keep, more, active, k: int) -> bool:
         keep, more = keep.to(active.device), more.to(active.device)
         self.lengths[keep & active] = k
         self.drafting = active & more
