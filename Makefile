@@ -321,10 +321,10 @@ test-vllm:
 #   (float32, 0.75 GiB of KV cache, enough for 64 requests): 7 fit in 24 GiB; the run checks the memory first and
 #   says what to drop.
 SERVE_ARGS ?= --pair demo --concurrency 1 4 16 64 --repeats 3 --max-new-tokens 64 --temperature 0 1 --kv-cache-gib 0.75 \
-	--methods target_only fixed_k1 fixed_k2 ngram svip \
+	--methods target_only fixed_k1 fixed_k2 ngram svip+load_aware \
 	head:demo/heads/next_wrej1_d1@0.5 head:demo/heads/next_wrej1_d1@0.5+load_aware
 SERVE_FEATURE_ARGS ?= --pair demo_feature --concurrency 1 4 16 64 --repeats 3 --max-new-tokens 64 --temperature 0 1 \
-	--kv-cache-gib 0.75 --methods target_only fixed_k1 fixed_k2 fixed_k3 svip \
+	--kv-cache-gib 0.75 --methods target_only fixed_k1 fixed_k2 svip svip+load_aware \
 	head:demo/heads_feature/next_wrej1_d2@0.7 head:demo/heads_feature/next_wrej1_d2@0.7+load_aware
 .PHONY: serve-bench
 serve-bench:
