@@ -170,7 +170,7 @@ def check_head(policy: SpecDecPP, draft: Path, draft_name: str | None, sampling)
 def check_feature_draft(draft: Path, policy: StopPolicy, draft_name: str | None = None, sampling=None) -> None:
     """What a feature draft (EAGLE-3, the speculators format: vLLM's ``eagle3`` method) is sent with:
     an EAGLE-3 config this project reads, and a policy on the draft's logits alone (FixedK, SVIP,
-    OnlineAcceptance) or SpecDec++ with a lag-free head trained on this draft (:func:`check_feature_head`);
+    OnlineAcceptance) or SpecDec++ with a head of either kind trained on this draft (:func:`check_feature_head`);
     with or without load-aware lengths."""
     from ..models.feature_draft import read_config
 
@@ -180,19 +180,14 @@ def check_feature_draft(draft: Path, policy: StopPolicy, draft_name: str | None 
 
 
 def check_feature_head(policy: SpecDecPP, draft: Path, config: dict, draft_name: str | None, sampling) -> None:
-    """A head sent with a feature draft: the lag-free head (kind ``next``), of the draft's hidden size and
+    """A head sent with a feature draft: either kind (the paper's reads the state vLLM's loop hands the
+    proposer at the next pass, the draft's state after feeding the candidate), of the draft's hidden size and
     trained on this draft by name (``specdecpp.models.fit``; every feature draft of a target has the
     target's hidden size, so the size alone cannot tell another one), on a draft that hands its
     final-normed state to the next step (``norm_output``: vLLM gives the draft loop that state, and the
     library's head reads the state fed back). ``draft_name``: the name the head's training recorded for
     this draft where it differs from the directory (a hub id; default: the directory, by identity or path)."""
     head = policy.head
-    if head.lag != 0:
-        raise ValueError(f"feature draft {str(draft)!r} (EAGLE-3): the paper's head (kind {head.kind!r}, lag "
-                         f"{head.lag}) is not trained for feature drafts (it reads the draft's state after each "
-                         "candidate, which no feature-draft pass computes; train refuses it): train a lag-free head "
-                         "on this draft's labels (python -m train head=next data.feature_context=target) or use "
-                         "stop_policy=FixedK(k), SVIP(...) or OnlineAcceptance(...)")
     if head.needs_position:
         raise ValueError("this lag-free head reads each candidate's position in the response (feature `position`), "
                          "which specdecpp.vllm does not pass yet: use a head trained without it")
@@ -263,7 +258,7 @@ def speculative_config(draft: str | os.PathLike, head=None, threshold: float | N
 
     A feature draft (EAGLE-3 in the speculators format, :class:`~specdecpp.FeatureDraft`'s
     ``save_pretrained``; detected by ``is_feature_draft``) gets vLLM's ``eagle3`` method, its requests
-    stopped by FixedK, SVIP, OnlineAcceptance or a lag-free head trained on that draft (its recorded
+    stopped by FixedK, SVIP, OnlineAcceptance or a head of either kind trained on that draft (its recorded
     draft compared by name even without ``draft_name``; :func:`check_feature_draft` says what is refused)."""
     check_version()
     policy = resolve_policy(head, threshold, max_candidates, stop_policy)

@@ -5,8 +5,9 @@ feature draft with FixedK, SVIP (each request's own length), OnlineAcceptance an
 to vLLM's EAGLE proposer: greedy output is target-only's, and sampled output (T=1, top-k 50) follows
 the target's distribution. A lag-free head trained on the feature draft is sent too: greedy output is
 target-only's, each request stops at its own length, and the features it scores vLLM's candidates from
-equal those the library's SpeculativeDecoder hands it for the same prefix and depth; heads for another
-draft, the paper's head and a norm_output=false draft are refused before vLLM starts.
+equal those the library's SpeculativeDecoder hands it for the same prefix and depth; the paper's head of
+the feature draft gives target-only's tokens at per-request lengths; heads for another draft and a
+norm_output=false draft are refused before vLLM starts.
 
 The pair is built so that the draft tracks the target (module ``tracking_pair``): a random tiny
 Llama target whose next token depends mostly on its last token (its layers scaled down, its
@@ -32,7 +33,15 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from specdecpp import SVIP, FixedK, NextTokenHead, SamplingConfig, SpecDecPP, SpeculativeDecoder  # noqa: E402
+from specdecpp import (  # noqa: E402
+    SVIP,
+    AcceptanceHead,
+    FixedK,
+    NextTokenHead,
+    SamplingConfig,
+    SpecDecPP,
+    SpeculativeDecoder,
+)
 from specdecpp.core.sampling import entropy  # noqa: E402
 from specdecpp.models.feature_draft import FeatureDraft  # noqa: E402
 from specdecpp.models.identity import portable_name  # noqa: E402
@@ -445,11 +454,43 @@ def feature_head(recorded, seed: int = 5) -> NextTokenHead:
     return head.eval()
 
 
+def feature_paper_head(recorded, seed: int = 6) -> AcceptanceHead:
+    """The paper's head (kind ``resnet``, one candidate of lag) of the pair's width, recorded as trained on
+    draft ``recorded``, its output scaled so that requests stop at different lengths."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = AcceptanceHead(HIDDEN, depth=1, draft=portable_name(recorded))
+    with torch.no_grad():
+        head.out.weight.mul_(20.0)
+        head.out.bias.fill_(1.5)
+    return head.eval()
+
+
+def test_the_papers_head_with_a_feature_draft_gives_target_only_tokens_at_per_request_lengths(pair, reference,
+                                                                                              tmp_path):
+    """The paper's head on a feature draft in vLLM: it scores candidate k from the state vLLM's EAGLE loop hands
+    the proposer at pass k+1 (the draft's state after feeding it, which is what the library hands it and what
+    train computes: tests/training/test_engine_features.py); greedy output equals target-only's and requests
+    stop at their own lengths."""
+    spec = speculative_config(pair[1], head=feature_paper_head(pair[1]), threshold=HEAD_THRESHOLD,
+                              max_candidates=HEAD_K, cache_dir=tmp_path)
+    llm = start(pair[0], spec)
+    try:
+        with recorded_lengths() as lengths:
+            tokens = greedy_tokens(llm)
+    finally:
+        close(llm)
+    assert tokens == reference
+    assert lengths and all(0 < n <= HEAD_K for step in lengths for n in step)
+    assert len({n for step in lengths for n in step}) >= 2, lengths  # the head, not K, stops them
+
+
 def test_a_head_is_checked_against_the_feature_draft_before_vllm_starts(pair, tmp_path):
     """A lag-free head trained on this feature draft (recorded by path or, with draft_name, by another
     name) is sent as eagle3 with its head in the bundle; one trained on another feature draft of the same
     target (the same hidden size: only the name tells them apart), on a plain draft of another size, the
-    paper's head and a norm_output=false draft are refused with the reason. No engine is started."""
+    and a norm_output=false draft are refused with the reason; the paper's head of this draft is sent. No engine is
+    started."""
     from specdecpp.vllm.config import HEAD_DIR, read_policy
     from tests.vllm.test_vllm_greedy import varied_head
 
@@ -479,9 +520,10 @@ def test_a_head_is_checked_against_the_feature_draft_before_vllm_starts(pair, tm
                               draft_name="org/feature-draft")["method"] == "eagle3"
     with pytest.raises(ValueError, match="its draft had hidden_size 64"):
         speculative_config(draft_dir, head=varied_head("next", 2), threshold=0.5, cache_dir=tmp_path)
-    resnet = varied_head("resnet", 1)
-    with pytest.raises(ValueError, match=r"the paper's head \(kind 'resnet', lag 1\) is not trained for feature"):
-        speculative_config(draft_dir, head=resnet, threshold=0.5, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="its draft had hidden_size 64"):  # the paper's head of a plain draft
+        speculative_config(draft_dir, head=varied_head("resnet", 1), threshold=0.5, cache_dir=tmp_path)
+    paper = speculative_config(draft_dir, head=feature_paper_head(draft_dir), threshold=0.5, cache_dir=tmp_path)
+    assert paper["method"] == "eagle3" and read_policy(paper["model"]).head.kind == "resnet"
     unnormed = tmp_path / "unnormed"
     unnormed.mkdir()
     config = json.loads((draft_dir / "config.json").read_text())
