@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Learned stopping on the feature pair (issue 62, item 4): label the feature draft at depths 1..4, train
-# lag-free heads on it, and ask the potential tool on held-out prompts (bundled test, HumanEval) how they
+# lag-free heads and the paper's heads on it, and ask the potential tool on held-out prompts (bundled test, HumanEval) how they
 # compare with fixed K, SVIP and the perfect head. Resumable: each step is skipped once its output exists.
 #   bash research/feature_heads/run.sh            (from the repository root; one thread, niced)
 # Sizes: TRAIN=40 DEV=8 HELDOUT=20 prompts, TOKENS=96 (the demo's sizes; override in the environment).
@@ -33,7 +33,14 @@ for h in next_wrej1_d0 next_wrej1_d1 next_wrej3_d1; do
       data.feature_context=target data.cache_features=true out=heads/demo_feature/$h trainer=cpu logger=none \
       && touch "heads/demo_feature/$h/.done"; }
 done
+for h in wrej1_d1 wrej6_d1; do  # the paper's head (one candidate of lag): the state after each candidate
+  [ -f "heads/demo_feature/$h/.done" ] || { step "train $h (the paper's head)"
+    $PY -m train "+experiment=[$h,small_data]" pair=demo_feature data.path=data/demo_feature/bundled head=resnet \
+      data.feature_context=target data.cache_features=true out=heads/demo_feature/$h trainer=cpu logger=none \
+      && touch "heads/demo_feature/$h/.done"; }
+done
 HEADS="--head heads/demo_feature/next_wrej1_d0 --head heads/demo_feature/next_wrej1_d1 --head heads/demo_feature/next_wrej3_d1"
+HEADS="$HEADS --head heads/demo_feature/wrej1_d1 --head heads/demo_feature/wrej6_d1"
 [ -f "$OUT/dev/potential.json" ] || { step "potential: dev (threshold choice)"
   $PY -m infer.potential data/demo_feature/bundled --split dev --costs "$OUT/costs.json" $HEADS --out "$OUT/dev"; }
 for set in bundled humaneval; do

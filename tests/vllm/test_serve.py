@@ -309,7 +309,9 @@ def test_a_run_writes_every_measurement_and_greedy_outputs_match(pair, tmp_path)
         {(t, c, m) for t in (0.0, 1.0) for c in (1, 2) for m in methods}
     assert all(e["greedy_checked"] for e in summary if e["temperature"] == 0 and e["method"] != "target_only")
     text = (out / "serve.md").read_text()
-    assert text.count("\n## ") == 4 and text.count("| svip:0.86 |") == 4 and text.count("= target-only") == 2 * 3
+    # the overview and one table per (temperature, concurrency); svip:0.86 in each, the overview's by temperature
+    assert text.count("\n## ") == 1 + 4 and text.count("| svip:0.86 |") == 4 + 2
+    assert text.count("= target-only") == 2 * 3
     assert "not reported" not in text
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -338,9 +340,10 @@ def test_a_method_whose_greedy_output_differs_is_marked_and_fails_the_run(pair, 
     assert [(b["repeat"], b["method"], b["position"]) for b in result["blocks"]] == \
         [(0, "target_only", 0), (0, "fixed_k2", 1), (1, "fixed_k2", 0), (1, "target_only", 1)]
     assert result["settings"]["engine"]["engines"] == "one at a time, per repeat"
-    (row,) = [line for line in (tmp_path / "out" / "serve.md").read_text().splitlines()
-              if line.startswith("| fixed_k2 ")]
+    overview, row = [line for line in (tmp_path / "out" / "serve.md").read_text().splitlines()
+                     if line.startswith("| fixed_k2 ")]
     assert "not reported" in row and "repeat 0 request 1" in row
+    assert overview == "| fixed_k2 | not reported |"
 
 
 # --- an interrupted run resumes (no vLLM: a stand-in engine) --------------------------------------
