@@ -255,27 +255,32 @@ def test_train_features_use_the_draft_logits_of_a_full_forward(tiny_pair):
     torch.testing.assert_close(expected[:, 64:65], q)  # hidden (32) + embedding (32), then prob
 
 
-def test_engine_hands_the_lag_free_head_of_a_feature_draft_the_features_train_computes(tiny_pair):
-    """A feature draft (EAGLE-3): a spy lag-free head records the features the chain builds for every
-    candidate; for each committed candidate drafted as its round's k-th, train's features of the
-    generated sequence at (its position, depth k) (feature_draft_head_features, the labels' own
-    context) are the same vector. Candidates at depths 1 and >= 2 both occur."""
+@pytest.mark.parametrize("kind", ["next", "resnet"])
+def test_engine_hands_a_feature_drafts_head_the_features_train_computes(tiny_pair, kind):
+    """A feature draft (EAGLE-3): a spy head records the features the chain builds for every candidate
+    (the lag-free head, ``next``: from the state that drew it, its logits and the candidate; the paper's head,
+    ``resnet``, one candidate of lag: the draft's state after feeding it); for each committed candidate
+    drafted as its round's k-th, train's features of the generated sequence at (its position, depth k)
+    (feature_draft_head_features, the labels' own context) are the same vector. Candidates at depths 1 and
+    >= 2 both occur."""
     from specdecpp.training.mixing import feature_draft_head_features
     from tests.helpers.tiny import perturbed_feature_draft
 
     _, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
     draft = perturbed_feature_draft(target)
     depths = 6
+    base = NextTokenHead if kind == "next" else AcceptanceHead
+    extra = {"features": ALL_NEXT_FEATURES, "top_m": 5} if kind == "next" else {}
 
-    class Spy(NextTokenHead):
+    class Spy(base):
         def __init__(self):
-            super().__init__(target.config.hidden_size, depth=1, features=ALL_NEXT_FEATURES, top_m=5)
+            super().__init__(target.config.hidden_size, depth=1, **extra)
             self.calls = []
 
         def score(self, hidden, logits, token, positions=None):
-            feats = self.features_of(hidden, logits, token, positions=positions)
-            self.calls.append((int(token), feats.detach().reshape(-1).clone()))
-            return torch.full(token.shape, 2.0)
+            feats = self.features_of(hidden, logits, token, positions=positions) if kind == "next" else hidden
+            self.calls.append((int(token) if kind == "next" else None, feats.detach().reshape(-1).clone()))
+            return torch.full((1,), 2.0)
 
     class Recorder(SpecDecPP):
         def begin_round(self, generated=None):
@@ -302,61 +307,10 @@ def test_engine_hands_the_lag_free_head_of_a_feature_draft_the_features_train_co
             if k > accepted:
                 continue
             j = n + k - 1 - len(prompt)
-            assert response[j] == token
+            assert token is None or response[j] == token
             torch.testing.assert_close(feats, train_feats[j * depths + k - 1], atol=1e-4, rtol=1e-4)
             checked["k=1" if k == 1 else "k>=2"] += 1
         n += accepted + 1
     assert n == out.tokens.shape[1] and checked["k=1"] >= 3 and checked["k>=2"] >= 3, checked
     with pytest.raises(ValueError, match="labels' own context"):
         feature_draft_head_features(draft, target, [row], spy.feature_spec())
-
-
-def test_engine_hands_the_papers_head_of_a_feature_draft_the_features_train_computes(tiny_pair):
-    """The paper's head (one candidate of lag) on a feature draft: a spy records the state the chain
-    hands it for each candidate (the draft's state after feeding it); for each committed candidate
-    drafted as its round's k-th, train's feature at (its position, depth k) is the same vector, at
-    depths 1 and >= 2."""
-    from specdecpp.training.mixing import feature_draft_head_features
-    from tests.helpers.tiny import perturbed_feature_draft
-
-    _, target, _ = load_pair(tiny_pair.draft, tiny_pair.target, device="cpu")
-    draft = perturbed_feature_draft(target)
-    depths = 6
-
-    class Spy(AcceptanceHead):
-        def __init__(self):
-            super().__init__(target.config.hidden_size, depth=1)
-            self.calls = []
-
-        def score(self, hidden, logits, token, positions=None):
-            self.calls.append(hidden.detach().reshape(-1).clone())
-            return torch.full((1,), 2.0)
-
-    class Recorder(SpecDecPP):
-        def begin_round(self, generated=None):
-            super().begin_round(generated)
-            self.head.calls = []
-            self.rounds.append(self.head.calls)
-
-    spy = Spy()
-    spy.attach(draft)
-    policy = Recorder(spy, threshold=0.6, max_candidates=depths)
-    policy.rounds = []
-    prompt = [5, 9, 13, 2, 7]
-    out = SpeculativeDecoder(draft, target, policy, SamplingConfig(temperature=1.0)).generate(
-        torch.tensor([prompt]), max_new_tokens=40, generator=torch.Generator().manual_seed(3))
-    response = out.tokens[0, len(prompt):].tolist()
-    row = {"prompt_ids": prompt, "target_ids": response, "depth_draft_ids": [[t] * depths for t in response],
-           "depth_p_acc": [[1.0] * depths for _ in response]}
-    (train_feats,), _ = feature_draft_head_features(draft, target, [row], {**spy.feature_spec(), "context": "target"})
-    assert train_feats.shape == (len(response) * depths, target.config.hidden_size)
-    checked, n = {"k=1": 0, "k>=2": 0}, len(prompt)
-    for calls, accepted in zip(policy.rounds, out.stats.accept_lengths, strict=True):
-        for k, feats in enumerate(calls, start=1):
-            if k > accepted:
-                continue
-            j = n + k - 1 - len(prompt)
-            torch.testing.assert_close(feats, train_feats[j * depths + k - 1], atol=1e-4, rtol=1e-4)
-            checked["k=1" if k == 1 else "k>=2"] += 1
-        n += accepted + 1
-    assert n == out.tokens.shape[1] and checked["k=1"] >= 3 and checked["k>=2"] >= 3, checked
