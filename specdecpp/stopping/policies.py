@@ -210,6 +210,7 @@ class SpecDecPP(StopPolicy):
         self.min_candidates, self.max_candidates = check_candidates("SpecDecPP", min_candidates, max_candidates)
         self._p_all_accepted: torch.Tensor | None = None  # [B] float64, per row, this round
         self._p_one = 1.0  # the same for should_stop's one row
+        self.last_accept: tuple[int, torch.Tensor] | None = None  # (k, [B] float64) of stop_rows' last scoring
 
     @property
     def needs_hidden(self) -> bool:
@@ -228,6 +229,7 @@ class SpecDecPP(StopPolicy):
         super().begin_round(generated)
         self._p_all_accepted = None
         self._p_one = 1.0
+        self.last_accept = None
 
     @torch.no_grad()
     def should_stop(self, k, logits, hidden, token=None) -> bool:
@@ -247,8 +249,9 @@ class SpecDecPP(StopPolicy):
             self._p_all_accepted = torch.ones(logits.shape[0], dtype=torch.float64, device=logits.device)
         # lag 0: y_k from e_{k-1} (hidden), q_k (logits) and y_k; lag 1: y_{k-1} from e_{k-1}
         if k > self.head.lag:
-            self._p_all_accepted *= torch.sigmoid(self.head.score(hidden, logits, tokens,
-                                                                  self._positions(k, tokens))).double()
+            accept = torch.sigmoid(self.head.score(hidden, logits, tokens, self._positions(k, tokens))).double()
+            self._p_all_accepted *= accept
+            self.last_accept = (k, accept)
         return algorithm2_stops(self._p_all_accepted, k, self.threshold, self.min_candidates)
 
     def _positions(self, k: int, tokens: torch.Tensor) -> torch.Tensor | None:

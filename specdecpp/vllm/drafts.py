@@ -43,6 +43,8 @@ class LoadAware:
         """[B] this pass's estimates and whether they leave the candidates droppable; ``record(features,
         predictions)`` keeps what the estimator will be fed once the target has verified."""
         if self.head and k > 1:
+            if policy.last_accept is not None and policy.last_accept[0] == k:  # stop_rows scored this pass
+                return policy.last_accept[1], False
             score = policy.head.score(hidden if policy.needs_hidden else None, logits, tokens, None)
             return torch.sigmoid(score).double(), False
         if isinstance(policy, OnlineAcceptance):
