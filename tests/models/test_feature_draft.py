@@ -405,20 +405,25 @@ def test_speculators_model_gives_the_same_logits(speculators_pair):
     torch.testing.assert_close(ours[..., draft.token_ids], seen[0], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n_layers", [1, 2])
-def test_unrolled_equals_drafting_with_a_cache(n_layers, device):
-    """FeatureDraft.unrolled (training-time test, data_gen's labels at depth k) at every step and
-    anchor computes what drafting after that prefix with a cache computes: the hidden state fed on
-    and the logits."""
+def unrolled_case(n_layers: int, device):
+    """A tiny target, a perturbed ``init_from`` draft of it over every other id, and 2 x 9 tokens."""
     target = tiny_lm(64, 48, 4, seed=3)
     draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 64, 2), num_layers=n_layers,
                                    generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    target, draft = target.to(device), draft.to(device)
-    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    return target.to(device), draft.to(device), tokens.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_unrolled_equals_drafting_with_a_cache(n_layers, device):
+    """FeatureDraft.unrolled (training-time test, data_gen's labels at depth k) at every step and
+    anchor computes what drafting after that prefix with a cache computes: the hidden state fed on
+    and the logits."""
+    target, draft, tokens = unrolled_case(n_layers, device)
     with torch.no_grad():
         feats = draft.fuse(target(tokens, output_hidden_states=True).hidden_states)
         steps = draft.unrolled(tokens, feats, steps=3)
@@ -444,14 +449,7 @@ def test_unrolled_probes_give_the_state_after_feeding_a_candidate(n_layers, devi
     after drafting k+1 tokens after x_0..x_{i+1} with a cache, it feeds the probe (a candidate other
     than the true next token) on that step's output: what the paper's head reads for that candidate.
     The probes leave the steps themselves unchanged."""
-    target = tiny_lm(64, 48, 4, seed=3)
-    draft = FeatureDraft.init_from(target, draft_vocab=torch.arange(0, 64, 2), num_layers=n_layers,
-                                   generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    target, draft = target.to(device), draft.to(device)
-    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    target, draft, tokens = unrolled_case(n_layers, device)
     probes = torch.randint(0, 64, (2, 8, 3), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.no_grad():
         feats = draft.fuse(target(tokens, output_hidden_states=True).hidden_states)
