@@ -33,7 +33,7 @@ from ..core.compat import cache_kwargs
 from ..core.hooks import FinalHidden, keep_last, new_cache
 from ..core.sampling import SamplingConfig, argmax, sample, warp
 from ..core.timing import Clock
-from ..models.feature_runner import refuse_feature_draft
+from ..fast.features import StaticBatchFeatureTargetRunner
 from ..models.runner import HiddenHook
 from ..stopping.policies import StopPolicy
 from .rounds import (
@@ -384,8 +384,10 @@ class BatchRun:
         self.slots = batch_size or len(prompts)
         tokens, ((_, draft_buckets), (_, target_buckets)) = decoder.fast_plan(max(s.prompt_len for s in self.seqs),
                                                                               max_new_tokens)
-        if feature_runners is not None:  # a feature pair's eager runners (generate_batch refuses it fast)
-            draft_runners, target_runners = feature_runners(decoder.draft, decoder.target)
+        if feature_runners is not None:  # a feature pair's: the draft's eager, the target's as decoder.fast chooses
+            static = None if decoder.fast is None else decoder.runners.batch(
+                tokens, target_buckets, rows=self.slots, static=StaticBatchFeatureTargetRunner)
+            draft_runners, target_runners = feature_runners(decoder.draft, decoder.target, static)
         else:
             runners = partial(decoder.runners.batch, tokens, rows=self.slots, eager=BatchRunner)  # decoder.fast chooses
             draft_runners, target_runners = runners(draft_buckets), runners(target_buckets)
@@ -492,10 +494,6 @@ def generate_batch(decoder, prompts: list[torch.Tensor], max_new_tokens: int = 1
     """``decoder.generate_batch``'s loop (:meth:`~specdecpp.decoders.chain.SpeculativeDecoder.generate_batch`
     says what it returns)."""
     check_batch_args(prompts, max_new_tokens, generators, batch_size, (decoder.draft, decoder.target))
-    if decoder.fast is not None:
-        refuse_feature_draft(decoder.draft, f"generate_batch on the fast path (fast={decoder.fast!r})",
-                             "its per-row batches run eager; build the decoder with fast=None for batches, or decode "
-                             "one prompt per generate call on the fast path")
     check_hooks(hooks)
     if not isinstance(fill, bool):
         raise ValueError(f"fill must be True or False, got {fill!r}")

@@ -27,55 +27,29 @@ from __future__ import annotations
 import torch
 
 from ..models.feature_draft import FeatureDraft, FeatureDraftCache
-from ..models.feature_runner import AuxHidden, FeatureStore
+from ..models.feature_runner import AuxHidden, FeatureStore, KeepsRowFeatures, RowStores
 from .batch import COMPACT_AT, BatchRunner
 
 
-class RowStores:
-    """One :class:`FeatureStore` per row of a batch, in the batch's row order: the target's runner
-    writes, grows and selects them; the draft's runner reads them."""
-
-    def __init__(self) -> None:
-        self.rows: list[FeatureStore] = []
-
-
-class BatchFeatureTargetRunner(BatchRunner):
-    """The target's :class:`BatchRunner` that also keeps every row's fused features (module docstring)."""
+class BatchFeatureTargetRunner(KeepsRowFeatures, BatchRunner):
+    """The target's :class:`BatchRunner` that also keeps every row's fused features (module docstring),
+    captured by forward pre-hooks around each forward."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, layers: list[int], stores: RowStores) -> None:
         super().__init__(model, vocab, want_hidden)
         self.aux, self.stores = AuxHidden(model, layers), stores
 
+    def _fused_of(self) -> torch.Tensor:
+        return self.aux.fused()
+
     def feed(self, chunks: list[torch.Tensor], n_logits: int | None = None):
-        starts = list(self.lengths)
         with self.aux:
-            out = super().feed(chunks, n_logits)
-            fused = self.aux.fused()
-        for b, c in enumerate(chunks):  # row b's real tokens are its first len(c) columns
-            if c.shape[0]:
-                self.stores.rows[b].write(starts[b], fused[b, : c.shape[0]])
-        return out
-
-    def rollback(self, lengths: list[int]) -> None:
-        super().rollback(lengths)
-        for store, n in zip(self.stores.rows, self.lengths, strict=True):
-            store.rollback(n)
-
-    def select(self, keep: list[int]) -> None:
-        super().select(keep)
-        self.stores.rows = [self.stores.rows[b] for b in keep]
+            return super().feed(chunks, n_logits)
 
     def add_rows(self, prefixes: list[torch.Tensor]) -> None:
-        """As :meth:`BatchRunner.add_rows` (the prefill runs on this model, so the hooks see it); the
-        new rows' stores hold their prefixes' features."""
-        new = [FeatureStore() for _ in prefixes]
+        """As :meth:`BatchRunner.add_rows` (the prefill runs on this model, so the hooks see it)."""
         with self.aux:
             super().add_rows(prefixes)
-            fused = self.aux.fused() if max(int(p.shape[0]) for p in prefixes) > 0 else None
-        for b, (store, p) in enumerate(zip(new, prefixes, strict=True)):
-            if p.shape[0]:
-                store.write(0, fused[b, : p.shape[0]])
-        self.stores.rows += new
 
 
 class BatchFeatureDraftRunner:
@@ -276,11 +250,14 @@ def _left_padded(side: BatchFeatureDraftRunner, held: list, layer: int, width: i
     return torch.cat([buf.new_zeros((*buf.shape[:2], width - side.width, buf.shape[3])), buf], dim=2)
 
 
-def batch_feature_runners(draft: FeatureDraft, target):
+def batch_feature_runners(draft: FeatureDraft, target, static_target=None):
     """The factories ``(draft_runners, target_runners)`` of a feature pair's batch, each called as
-    ``(model, vocab, want_hidden)``, sharing one :class:`RowStores`."""
+    ``(model, vocab, want_hidden)``, sharing one :class:`RowStores`. ``static_target``: the target's
+    runner on the fast path (:class:`~specdecpp.fast.features.StaticBatchFeatureTargetRunner` with
+    its sizing bound, called as ``(model, vocab, want_hidden, layers, stores)``); None: the eager
+    :class:`BatchFeatureTargetRunner`. The draft's runner is eager either way (a feature draft is no
+    transformers model; its one layer is a few percent of a target forward)."""
     draft.check_target(target)
-    stores = RowStores()
+    stores, target_runner = RowStores(), static_target or BatchFeatureTargetRunner
     return (lambda model, vocab, want_hidden: BatchFeatureDraftRunner(model, vocab, want_hidden, stores),
-            lambda model, vocab, want_hidden: BatchFeatureTargetRunner(model, vocab, want_hidden, draft.aux_layers,
-                                                                       stores))
+            lambda model, vocab, want_hidden: target_runner(model, vocab, want_hidden, draft.aux_layers, stores))

@@ -454,7 +454,7 @@ class FastPlanned:
         (specdecpp.fast.features)."""
         tokens, plan = self.fast_plan(prompt_len, max_new_tokens)
         if getattr(self, "feature", False):
-            return warm_up_features(self.draft, self.target, self.runners, tokens, plan[-1][1], progress)
+            return warm_up_features(self.draft, self.target, self.runners, tokens, plan[-1][1], batch_size, progress)
         if not self.drafts:
             plan = [(model, buckets) for model, buckets in plan if model is not self.draft]
         return self.runners.warm_up(tokens, plan, rows=batch_size, progress=progress)

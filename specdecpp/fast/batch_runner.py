@@ -41,6 +41,10 @@ class StaticBatchRunner(StaticModel):
         self.lengths: list[int] = []  # row b holds lengths[b] tokens, in buffer row slot_of[b]
         self.slot_of: list[int] = []
         self.n_compactions = 0  # BatchRunner's counter: no compaction is ever needed here
+        # the step every forward runs (a feature pair's target: one that also returns its features, kept in
+        # ``extras``, row b's the batch's row b, a prefill's row i prefix i's; fast/features.py)
+        self.step_fn, self.step_name = batch_step, "batch_step"
+        self.extras: tuple[torch.Tensor, ...] = ()
         self.n_moved_rows = 0  # rows copied to a lower buffer row so that the batch bucket shrinks
 
     @property
@@ -101,7 +105,7 @@ class StaticBatchRunner(StaticModel):
             if m[b]:
                 ids[slot, : m[b]] = chunk
         t0 = time.perf_counter() if renting else 0.0
-        logits, hidden = self._forward(ids, lengths, real, None, compiled)
+        logits, hidden, *extras = self._forward(ids, lengths, real, None, compiled)
         if renting:
             self._pay_rent(renting, t0)
         self.lengths = [n + k for n, k in zip(self.lengths, m, strict=True)]
@@ -109,6 +113,8 @@ class StaticBatchRunner(StaticModel):
         if self.slot_of != list(range(self.rows)):
             order = torch.tensor(self.slot_of, device=self.device)
             logits, hidden = logits.index_select(0, order), hidden.index_select(0, order)
+            extras = [e.index_select(0, order) for e in extras]
+        self.extras = tuple(e[: self.rows, :width] for e in extras)
         logits, hidden = (logits[: self.rows, width - keep : width, : self.vocab],
                           hidden[: self.rows, width - keep : width])
         return graph_outputs(compiled and self.fast in GRAPH_BACKENDS, logits, hidden if self.want_hidden else None)
@@ -133,9 +139,9 @@ class StaticBatchRunner(StaticModel):
             window = RowWindow([k[:batch] for k in self.keys], [v[:batch] for v in self.values])
         else:
             window = RowWindow(self.keys, self.values, rows, span)
-        step, key, name = batch_step, (width, self.size, batch), f"batch_step_b{batch}_w{width}_s{self.size}"
+        step, key, name = self.step_fn, (width, self.size, batch), f"{self.step_name}_b{batch}_w{width}_s{self.size}"
         if compiled and self.fast != "graphs":  # compile, compile-graphs: the bucket's compiled step
-            step = compiling.compiled_step(self.model, batch_step, key, name, self.steps, self.compile_options)
+            step = compiling.compiled_step(self.model, self.step_fn, key, name, self.steps, self.compile_options)
         with self.attention():
             if compiled and self.fast in GRAPH_BACKENDS:
                 return self.graph_set.run(self.steps, (self.fast, *key), name, step, self.decoder, self.head,
@@ -195,7 +201,9 @@ class StaticBatchRunner(StaticModel):
             for row, i in enumerate(fed):
                 ids[row, : m[i]] = prefixes[i]
             rows = torch.tensor([slots[i] for i in fed], device=self.device)
-            self._forward(ids, [0] * len(fed), [m[i] for i in fed], rows, compiled=False, span=width)
+            _, _, *extras = self._forward(ids, [0] * len(fed), [m[i] for i in fed], rows, compiled=False, span=width)
+            index = torch.tensor(fed, device=self.device)  # row i: prefix i's (an empty prefix's: zeros)
+            self.extras = tuple(e.new_zeros((len(prefixes), *e.shape[1:])).index_copy_(0, index, e) for e in extras)
         self.slot_of += slots
         self.lengths += m
 

@@ -70,26 +70,31 @@ class CallRunners:
         max_len = None if self.fast is None else self._max_len(tokens, buckets)
         return {"max_len": max_len, "buckets": buckets, "cover": self.cover}
 
-    def batch(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS, rows: int = 1, eager=None):
+    def batch(self, tokens: int, buckets: tuple[int, ...] = TARGET_BUCKETS, rows: int = 1, eager=None,
+              static=StaticBatchRunner):
         """As calling it, for a batch: a factory ``(model, vocab, want_hidden) -> runner`` for a
         call whose rows hold at most ``tokens`` tokens each, at most ``rows`` of them at once:
         ``eager`` (the decoders' ``BatchRunner``, which this layer cannot import) for ``fast=None``,
-        else a :class:`StaticBatchRunner` of the decoder's cache size."""
+        else ``static`` (:class:`StaticBatchRunner`, or a class that extends it, its own arguments
+        bound) of the decoder's cache size."""
         buckets = check_buckets(buckets)
         if self.fast is None:
             if eager is None:
                 raise ValueError("CallRunners.batch: fast=None needs the eager batch runner (eager=BatchRunner)")
             return eager
-        return functools.partial(StaticBatchRunner, fast=self.fast, max_len=self._max_len(tokens, buckets),
+        return functools.partial(static, fast=self.fast, max_len=self._max_len(tokens, buckets),
                                  buckets=buckets, rows=rows, cover=self.cover)
 
-    def warm_up(self, tokens: int, plan, rows: int | None = None, progress: bool = False) -> float:
+    def warm_up(self, tokens: int, plan, rows: int | None = None, progress: bool = False, static=None) -> float:
         """Compile each model's buckets ``plan`` [(model, buckets), ...] for a call of ``tokens``
         tokens (one forward of each width; the steps are kept for the process) unless compiled
         already; with ``rows``, those of a batch call of at most ``rows`` rows at once instead
         (every batch bucket up to the one that holds ``rows``, times every width). Returns the
         seconds it took (0 unless ``fast`` compiles or captures: "compile", "graphs", "compile-graphs").
-        ``progress``: a progress bar over the steps (a tuned target bucket compiles for minutes on a CPU)."""
+        ``progress``: a progress bar over the steps (a tuned target bucket compiles for minutes on a CPU).
+        ``static``: the runner class to warm instead of :class:`StaticRunner` (with ``rows``:
+        :class:`StaticBatchRunner`), its own arguments bound: a feature pair's target runner, whose
+        steps also return the features (:mod:`specdecpp.fast.features`)."""
         if self.fast not in BUCKETED_BACKENDS:
             return 0.0
         t0 = time.perf_counter()
@@ -103,7 +108,7 @@ class CallRunners:
                 runner = None  # under graphs, the last model's runner releases its buffers before the next leases
                 name = type(model).__name__
                 if rows is None:
-                    runner = self(tokens, buckets)(model, 1, False)
+                    runner = (static or StaticRunner)(model, 1, False, fast=self.fast, **self.sizing(tokens, buckets))
                     runner.cover = False  # every bucket its own step
                     for width in runner.buckets:
                         bar.set_postfix_str(f"{name} width {width}")
@@ -111,7 +116,7 @@ class CallRunners:
                         runner.feed(torch.zeros(width, dtype=torch.long, device=runner.device))
                         bar.update()
                     continue
-                runner = self.batch(tokens, buckets, rows)(model, 1, False)
+                runner = self.batch(tokens, buckets, rows, static=static or StaticBatchRunner)(model, 1, False)
                 runner.cover = False  # every bucket its own step
                 for batch in fit_buckets(rows, runner.batch_buckets):
                     runner.select([])

@@ -10,18 +10,16 @@ target forward. CUDA graphs do not take a feature pair (the decoders refuse it).
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 
 import torch
-from tqdm import tqdm
 
-from ..core.attention import decode_attention
-from ..models.feature_runner import FeatureStore, FollowsFeatureStore, feature_runners
-from .buckets import BUCKETED_BACKENDS, COMPILING_BACKENDS, GRAPH_BACKENDS
+from ..models.feature_runner import FeatureStore, FollowsFeatureStore, KeepsRowFeatures, RowStores, feature_runners
+from .batch_runner import StaticBatchRunner
+from .buckets import COMPILING_BACKENDS, GRAPH_BACKENDS
 from .calls import CallRunners
 from .runners import StaticRunner
-from .step import feature_model_steps, feature_step
+from .step import batch_feature_step, feature_model_steps, feature_step
 
 
 class StaticFeatureTargetRunner(FollowsFeatureStore, StaticRunner):
@@ -31,9 +29,7 @@ class StaticFeatureTargetRunner(FollowsFeatureStore, StaticRunner):
     apart from the model's plain ones (:func:`~specdecpp.fast.step.feature_model_steps`)."""
 
     def __init__(self, model, vocab: int, want_hidden: bool, layers, store: FeatureStore, **static) -> None:
-        if static.get("fast") in GRAPH_BACKENDS:
-            raise ValueError(f"a feature pair's target runs on fast='static' or 'compile', not {static['fast']!r}: "
-                             "CUDA graphs do not hand the draft the target's features")
+        refuse_graphs(static.get("fast"))
         super().__init__(model, vocab, want_hidden, **static)
         self.layers, self.store = tuple(layers), store
         if self.fast in COMPILING_BACKENDS:
@@ -47,6 +43,33 @@ class StaticFeatureTargetRunner(FollowsFeatureStore, StaticRunner):
         out = super().feed(ids, n_logits, position_ids, attention_mask)
         self.store.write(start, self.extras[0])
         return out
+
+
+class StaticBatchFeatureTargetRunner(KeepsRowFeatures, StaticBatchRunner):
+    """A feature pair's target in a batch over the static cache of per-row lengths:
+    :class:`StaticBatchRunner` (``fast`` "static" or "compile") whose every forward, the joining rows'
+    prefill included, also gives the fused features of ``layers`` (:func:`~specdecpp.fast.step.batch_feature_step`),
+    written into each row's store of ``stores`` (:class:`~specdecpp.models.feature_runner.RowStores`,
+    shared with the eager :class:`~specdecpp.decoders.batch_features.BatchFeatureDraftRunner`), as the
+    eager :class:`~specdecpp.decoders.batch_features.BatchFeatureTargetRunner` writes them."""
+
+    def __init__(self, model, vocab: int, want_hidden: bool, layers, stores: RowStores, **static) -> None:
+        refuse_graphs(static.get("fast"))
+        super().__init__(model, vocab, want_hidden, **static)
+        self.layers, self.stores = tuple(layers), stores
+        if self.fast in COMPILING_BACKENDS:
+            prime_hidden_states(model)
+        self.steps = feature_model_steps(model, self.layers)
+        self.step_fn, self.step_name = batch_feature_step(self.layers), "batch_feature_step"
+
+    def _fused_of(self) -> torch.Tensor:
+        return self.extras[0]
+
+
+def refuse_graphs(fast: str | None) -> None:
+    if fast in GRAPH_BACKENDS:
+        raise ValueError(f"a feature pair's target runs on fast='static' or 'compile', not {fast!r}: "
+                         "CUDA graphs do not hand the draft the target's features")
 
 
 _PRIMED: weakref.WeakSet = weakref.WeakSet()
@@ -78,22 +101,12 @@ def fast_feature_runners(draft, target, runners: CallRunners, tokens: int, bucke
 
 
 def warm_up_features(draft, target, runners: CallRunners, tokens: int, buckets: tuple[int, ...],
-                     progress: bool = False) -> float:
-    """Compile every target bucket of a feature pair's call of ``tokens`` tokens (one forward of
-    each width; kept for the process), as :meth:`CallRunners.warm_up` does for a plain pair; the
-    seconds it took (0 unless ``fast="compile"``)."""
-    if runners.fast not in BUCKETED_BACKENDS:
-        return 0.0
-    t0 = time.perf_counter()
-    _, make = fast_feature_runners(draft, target, runners, tokens, buckets)
-    runner = make(target, 1, False)
-    runner.cover = False  # every bucket its own step
-    with torch.no_grad(), decode_attention(target.device), \
-            tqdm(total=len(runner.buckets), desc=f"fast={runners.fast}: compiling feature steps", unit="step",
-                 disable=not progress) as bar:
-        for width in runner.buckets:
-            bar.set_postfix_str(f"{type(target).__name__} width {width}")
-            runner.rollback(0)
-            runner.feed(torch.zeros(width, dtype=torch.long, device=runner.device))
-            bar.update()
-    return time.perf_counter() - t0
+                     rows: int | None = None, progress: bool = False) -> float:
+    """Compile every target bucket of a feature pair's call of ``tokens`` tokens (with ``rows``:
+    of its batch calls of at most that many rows at once), its feature steps (kept for the process),
+    as :meth:`CallRunners.warm_up` does for a plain pair; the seconds it took (0 unless
+    ``fast="compile"``)."""
+    static = (functools.partial(StaticFeatureTargetRunner, layers=draft.aux_layers, store=FeatureStore())
+              if rows is None else
+              functools.partial(StaticBatchFeatureTargetRunner, layers=draft.aux_layers, stores=RowStores()))
+    return runners.warm_up(tokens, [(target, buckets)], rows, progress, static=static)

@@ -77,8 +77,8 @@ def model_steps(model) -> ModelSteps:
     return steps
 
 
-def feature_step(layers: tuple[int, ...]):
-    """:func:`static_step` that also returns the fused features [W, F*H] of a feature draft's
+def batch_feature_step(layers: tuple[int, ...]):
+    """:func:`batch_step` that also returns the fused features [B, W, F*H] of a feature draft's
     ``layers`` (the inputs of those decoder layers, transformers' ``hidden_states[i]``, concatenated
     in order: :meth:`~specdecpp.models.feature_draft.FeatureDraft.fuse`), as a third output: the
     verification's forward computes them anyway. Asked of the decoder as ``output_hidden_states``
@@ -89,11 +89,23 @@ def feature_step(layers: tuple[int, ...]):
     def step(decoder, head, cache_arg: str, cache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache.slots = slots
-        out = decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache_position=slots,
+        out = decoder(input_ids=ids, position_ids=positions, attention_mask=mask, cache_position=slots,
                       use_cache=True, output_hidden_states=True, **{cache_arg: cache})
         hidden = out.last_hidden_state
-        fused = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-        return head(hidden)[0], hidden[0], fused[0]
+        return head(hidden), hidden, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+    return step
+
+
+def feature_step(layers: tuple[int, ...]):
+    """:func:`batch_feature_step` of one row (as :func:`static_step` is :func:`batch_step`'s):
+    the logits [W, V], the final hidden state [W, H] and the fused features [W, F*H]."""
+    batch = batch_feature_step(layers)
+
+    def step(decoder, head, cache_arg: str, cache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, hidden, fused = batch(decoder, head, cache_arg, cache, ids[None], positions[None], slots, mask)
+        return logits[0], hidden[0], fused[0]
 
     return step
 
@@ -102,8 +114,8 @@ _FEATURE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def feature_model_steps(model, layers: tuple[int, ...]) -> ModelSteps:
-    """As :func:`model_steps`, for ``model``'s feature steps of ``layers`` (:func:`feature_step`):
-    kept apart from its plain steps, whose compiled graphs return no features."""
+    """As :func:`model_steps`, for ``model``'s feature steps of ``layers`` (:func:`feature_step`,
+    :func:`batch_feature_step`): kept apart from its plain steps, whose compiled graphs return no features."""
     by_layers = _FEATURE_STEPS.get(model)
     if by_layers is None:
         by_layers = _FEATURE_STEPS[model] = {}

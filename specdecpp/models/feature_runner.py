@@ -106,6 +106,56 @@ class FollowsFeatureStore:
         super().compact(keep)
 
 
+class RowStores:
+    """One :class:`FeatureStore` per row of a batch, in the batch's row order: the target's batch
+    runner writes, grows and selects them; the draft's batch runner reads them."""
+
+    def __init__(self) -> None:
+        self.rows: list[FeatureStore] = []
+
+
+class KeepsRowFeatures:
+    """A feature pair's target batch runner, eager or static (mixed in before the runner class it
+    extends): after each forward, row b's fused features of the tokens it fed go to its store in
+    ``stores`` (:class:`RowStores`), which follows the row's rollback, its leaving and its joining.
+    :meth:`_fused_of` gives the last forward's fused features [B, W, F*H] (a prefill's: row i is
+    prefix i's), however the class that mixes it in computes them."""
+
+    stores: RowStores
+
+    def _fused_of(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def feed(self, chunks: list[torch.Tensor], n_logits: int | None = None):
+        starts = list(self.lengths)
+        out = super().feed(chunks, n_logits)
+        fused = self._fused_of()
+        for b, c in enumerate(chunks):  # row b's real tokens are its first len(c) columns
+            if c.shape[0]:
+                self.stores.rows[b].write(starts[b], fused[b, : c.shape[0]])
+        return out
+
+    def rollback(self, lengths: list[int]) -> None:
+        super().rollback(lengths)
+        for store, n in zip(self.stores.rows, self.lengths, strict=True):
+            store.rollback(n)
+
+    def select(self, keep: list[int]) -> None:
+        super().select(keep)
+        self.stores.rows = [self.stores.rows[b] for b in keep]
+
+    def add_rows(self, prefixes: list[torch.Tensor]) -> None:
+        """The new rows' stores hold their prefixes' features (the prefill's, row i prefix i's)."""
+        new = [FeatureStore() for _ in prefixes]
+        super().add_rows(prefixes)
+        if max(int(p.shape[0]) for p in prefixes) > 0:
+            fused = self._fused_of()
+            for i, (store, p) in enumerate(zip(new, prefixes, strict=True)):
+                if p.shape[0]:
+                    store.write(0, fused[i, : p.shape[0]])
+        self.stores.rows += new
+
+
 class FeatureTargetRunner(FollowsFeatureStore, ModelRunner):
     """The target's :class:`ModelRunner` that also writes the fused features of every position it
     feeds into ``store`` (the verification's forward computes them anyway)."""

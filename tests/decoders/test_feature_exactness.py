@@ -33,7 +33,10 @@ from specdecpp import (
 )
 from specdecpp.decoders.cascade import Cascade
 from specdecpp.fast import features as features_module
+from specdecpp.fast.features import StaticBatchFeatureTargetRunner
+from specdecpp.fast.step import feature_model_steps
 from specdecpp.models.feature_draft import FeatureDraft
+from specdecpp.models.feature_runner import RowStores
 from tests.helpers.stats import chi_square_pvalue, exact_distribution, sampled_grid
 from tests.helpers.tiny import tiny_lm
 
@@ -68,6 +71,12 @@ FEATURE_DECODERS["batch_fill-lag_free_head"] = lambda d, t, s, h, **kw: InBatch(
 # (batch-paper_head is left out: the paper head is centred on the chain's first drafting round, and in a
 # batch's rounds it stops at 2 candidates in nearly every one; batch-svip and the queued lag-free head
 # check that a batch row's adaptive stop varies)
+# Per-row batches on the fast path (specdecpp.fast.features.StaticBatchFeatureTargetRunner: the target on
+# the static cache of per-row lengths, the draft eager): each batch again with ``-fast_static``; compiled
+# batches are checked by test_compiled_feature_batches_compile_each_bucket_once (a (batch, width) bucket
+# compiles for half a minute on 2 cores, and every batch here would compile a dozen).
+for _name in [n for n in FEATURE_DECODERS if n.startswith("batch")]:
+    FEATURE_DECODERS[f"{_name}-fast_static"] = functools.partial(FEATURE_DECODERS[_name], fast="static")
 ADAPTIVE = ("chain-svip", "chain-paper_head", "chain-lag_free_head", "batch-svip", "batch_queued-lag_free_head")
 
 PROMPT = [0, 1]  # the chi-square prompt; the heads are centred so their stop varies after it
@@ -248,13 +257,19 @@ def _decodes(decoder, sampling_id: str, n: int = 240) -> list:
 
 
 FAST_EQUALS_EAGER_IN_MAKE_TEST = ("chain-lag_free_head-fast_static-T1", "chain-svip-fast_static-T0.8-top3-eos2",
-                                  "sequoia-two_level-fast_static-T1")
+                                  "sequoia-two_level-fast_static-T1",
+                                  "batch_queued-lag_free_head-fast_static-T0.8-top3-eos2")
+# a batch's 240 decodes take 15-30 s: each batch under one sampling (the paper head's batch stops at 2 in nearly
+# every round, so it adds little to fixed K's)
+BATCH_FAST_EQUALS_EAGER = {"batch_queued-lag_free_head-fast_static-T0.8-top3-eos2", "batch-svip-fast_static-T1",
+                           "batch_fill-lag_free_head-fast_static-T1-top_p0.99", "batch-fixed_k3-fast_static-T1"}
 
 
 @pytest.mark.parametrize("name,sampling_id", [
     pytest.param(n, s.id, id=f"{n}-{s.id}",
                  marks=[pytest.mark.slow] * (compiled(n) or f"{n}-{s.id}" not in FAST_EQUALS_EAGER_IN_MAKE_TEST))
-    for n in FEATURE_DECODERS if "-fast_" in n for s in SAMPLINGS])
+    for n in FEATURE_DECODERS if "-fast_" in n for s in SAMPLINGS
+    if not n.startswith("batch") or f"{n}-{s.id}" in BATCH_FAST_EQUALS_EAGER])
 def test_fast_sampled_output_equals_eager(feature_pair6, name, sampling_id):
     """On the CPU the fast path's target forwards (static cache, compiled steps) change how a
     forward is computed, not what a round does with it: 240 seeded decodes equal the eager chain's,
@@ -340,10 +355,8 @@ def test_decoders_that_cannot_feed_a_feature_draft_refuse_it(feature_pair32):
         SpeculativeDecoder(draft, target, FixedK(2), fast="graphs")
     with pytest.raises(ValueError, match=r"a cascade does not take a feature draft"):
         SpeculativeDecoder(draft, target, FixedK(2), cascade=Cascade("chow", 0.5))
-    decoder = SpeculativeDecoder(draft, target, FixedK(2), fast="static")
-    with pytest.raises(ValueError, match=r"generate_batch on the fast path \(fast='static'\) does not take a feature "
-                                         r"draft.*run eager"):
-        decoder.generate_batch([torch.tensor([1, 2]), torch.tensor([3])], 4)
+    with pytest.raises(ValueError, match=r"runs on fast='static' or 'compile', not 'graphs': CUDA graphs do not hand the draft"):
+        StaticBatchFeatureTargetRunner(target, 32, False, draft.aux_layers, RowStores(), fast="graphs")
 
 
 def test_a_feature_draft_for_another_target_is_refused(feature_pair32):
@@ -410,19 +423,22 @@ def test_a_fresh_targets_feature_step_compiles_on_its_first_call():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("compact_at", [4, 32], ids=["compact_often", "default"])
+@pytest.mark.parametrize("compact_at,fast", [(4, None), (32, None), (4, "static")],
+                         ids=["compact_often", "default", "fast_static"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)],
                          ids=["greedy", "T1"])
-def test_batch_rows_draft_caches_equal_a_fresh_forward(feature_pair32, monkeypatch, sampling, compact_at, device):
+def test_batch_rows_draft_caches_equal_a_fresh_forward(feature_pair32, monkeypatch, sampling, compact_at, fast,
+                                                       device):
     """Per-row batches (rows of other lengths, a one-token prompt, rows joining finished rows' slots,
-    compactions): each row's draft cache at its end equals a fresh draft forward over a fresh
-    teacher-forced target forward's features of the row's kept tokens, so every row read its own
-    target features, nothing of its batch-mates'."""
+    the draft's compactions; on the fast path the target's static cache of per-row lengths, rows
+    moving between its buffer rows): each row's draft cache at its end equals a fresh draft forward
+    over a fresh teacher-forced target forward's features of the row's kept tokens, so every row read
+    its own target features, nothing of its batch-mates'."""
     import specdecpp.decoders.batch_features as batch_features
 
     monkeypatch.setattr(batch_features, "COMPACT_AT", compact_at)
     draft, target, heads = on(device, feature_pair32)
-    decoder = SpeculativeDecoder(draft, target, SVIP(threshold=0.33, max_candidates=4), sampling)
+    decoder = SpeculativeDecoder(draft, target, SVIP(threshold=0.33, max_candidates=4), sampling, fast=fast)
     prompts = [[3, 1, 4], [7], [4, 4, 9, 10, 11, 3, 5], [2, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     outs = decoder.generate_batch([torch.tensor(p, device=device) for p in prompts], 24,
                                   [torch.Generator().manual_seed(b) for b in range(len(prompts))], batch_size=3,
@@ -441,13 +457,15 @@ def test_batch_rows_draft_caches_equal_a_fresh_forward(feature_pair32, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fast", [None, "static"], ids=["eager", "fast_static"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, top_k=10)],
                          ids=["greedy", "T1-top10"])
-def test_a_feature_batch_row_does_not_depend_on_its_batch_mates(feature_pair32, sampling, device):
+def test_a_feature_batch_row_does_not_depend_on_its_batch_mates(feature_pair32, sampling, fast, device):
     """A prompt decoded alone, among other prompts, in another position, or joining a running batch
     (its own generator each time) gives the same tokens and the same rounds."""
     draft, target, heads = on(device, feature_pair32)
-    decoder = SpeculativeDecoder(draft, target, SpecDecPP(heads["next"], 0.5, max_candidates=4), sampling)
+    decoder = SpeculativeDecoder(draft, target, SpecDecPP(heads["next"], 0.5, max_candidates=4), sampling,
+                                 fast=fast)
     prompt, others = [4, 4, 9, 10, 11, 3, 5], [[3, 1, 4], [7], [2, 6, 1, 1]]
 
     def row(prompts, index, batch_size=None):
@@ -464,3 +482,40 @@ def test_a_feature_batch_row_does_not_depend_on_its_batch_mates(feature_pair32, 
     if sampling.greedy:
         cpu_target = feature_pair32[1]
         assert alone[0] == cpu_target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False).tolist()
+
+
+@pytest.mark.slow
+def test_compiled_feature_batches_compile_each_bucket_once():
+    """fast='compile', generate_batch with a feature pair: warm_up(..., batch_size) compiles the
+    target's (batch, width) feature steps once (the draft runs eagerly); then batches of other sizes
+    (up to it), rows joining and leaving, and another decoder over the same models never compile
+    again; every row equals the target's greedy decoding, and sampled rows equal the static path's
+    seed for seed (which equals eager decoding: test_fast_sampled_output_equals_eager)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_lm(32, 32, 2, seed=25, scale=0.4)  # fresh models: their steps compile here
+    draft = _feature_draft(target, 26)
+    greedy = SamplingConfig(temperature=0)
+    decoder = SpeculativeDecoder(draft, target, FixedK(1), greedy, fast="compile")
+    graphs = counters["stats"]["unique_graphs"]
+    assert decoder.warm_up(7, 21, batch_size=2) > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 4  # the target's widths 1, 2 x batches 1, 2
+    steps = feature_model_steps(target, tuple(draft.aux_layers)).compile_seconds
+    assert {(w, b) for w, _, b in steps} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    prompts = [[1, 2, 3], [7], [4, 4, 9, 10, 11, 3, 5]]
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=21, do_sample=False).tolist() for p in prompts]
+    sampled = SamplingConfig(temperature=1.0, top_k=10)
+
+    def rows(d, batch_size):
+        gens = [torch.Generator().manual_seed(b) for b in range(len(prompts))]
+        outs = d.generate_batch([torch.tensor(p) for p in prompts], 21, gens, batch_size=batch_size)
+        return [(o.tokens.tolist(), o.stats.candidate_lengths, o.stats.accept_lengths) for o in outs]
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch_size in (2, 1):  # 3 prompts: rows join as others finish
+            got = rows(decoder, batch_size)
+            assert [tokens for tokens, _, _ in got] == refs
+            assert sum(sum(acc) for _, _, acc in got) > 0
+        compiled = rows(SpeculativeDecoder(draft, target, FixedK(1), sampled, fast="compile"), 2)
+    assert counters["stats"]["unique_graphs"] - graphs == 4
+    assert compiled == rows(SpeculativeDecoder(draft, target, FixedK(1), sampled, fast="static"), 2)
