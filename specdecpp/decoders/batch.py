@@ -421,7 +421,8 @@ class BatchRun:
     def draft(self) -> BatchBlock:
         """Every row drafts up to its policy's stop, never past its length limit; a feature draft's row
         once the features it reads exist."""
-        live, ready = self.live, getattr(self.drafter.runner, "can_draft", None)
+        live = self.live
+        ready = getattr(self.drafter.runner, "can_draft", None) if self.drafting else None  # (no rows: it never ran)
         return self.drafter.block(live, [min(self.policy.max_candidates, s.room - 1)
                                          if ready is None or ready(b, s.n) else 0 for b, s in enumerate(live)],
                                   [self.gens[i] for i in self.rows], self.hooks.draft_logits)
