@@ -114,7 +114,7 @@ from specdecpp.analysis.stats import bootstrap_interval, pooled_ratio
 from specdecpp.core.timing import Clock, machine_description, time_forward
 from specdecpp.data.labels import sample_responses
 from specdecpp.fast.calls import CallRunners
-from specdecpp.fast.step import model_steps
+from specdecpp.fast.step import every_model_steps
 from specdecpp.models.loading import dtype_name, eos_token_ids, resolve_device, resolve_dtype
 
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0), "paper": SamplingConfig(temperature=1.0, top_k=50)}
@@ -218,8 +218,8 @@ def compile_record(models: dict) -> dict:
     round "round ROLE K w s" ("steps ...": an adaptive policy's graphs, K the most candidates)."""
     out = {}
     for role, m in models.items():
-        steps = model_steps(m)
-        for key, sec in (*steps.compile_seconds.items(), *steps.capture_seconds.items()):
+        for key, sec in ((k, v) for steps in every_model_steps(m)  # a feature pair's target: its feature steps too
+                         for k, v in (*steps.compile_seconds.items(), *steps.capture_seconds.items())):
             if key[0] in ("round", "steps"):  # captured rounds (specdecpp/decoders/captured.py): K, target width, size
                 out[f"{key[0]} {role} K{key[1]} w{key[2]} s{key[3]}"] = sec
                 continue

@@ -120,3 +120,9 @@ def feature_model_steps(model, layers: tuple[int, ...]) -> ModelSteps:
     if by_layers is None:
         by_layers = _FEATURE_STEPS[model] = {}
     return by_layers.setdefault(tuple(layers), ModelSteps())
+
+
+def every_model_steps(model) -> list[ModelSteps]:
+    """``model``'s plain steps (:func:`model_steps`) and its feature steps of every layer set
+    (:func:`feature_model_steps`): what it compiled or captured in this process, for reports."""
+    return [model_steps(model), *_FEATURE_STEPS.get(model, {}).values()]
