@@ -31,11 +31,8 @@ class StaticFeatureTargetRunner(FollowsFeatureStore, StaticRunner):
     def __init__(self, model, vocab: int, want_hidden: bool, layers, store: FeatureStore, **static) -> None:
         refuse_graphs(static.get("fast"))
         super().__init__(model, vocab, want_hidden, **static)
-        self.layers, self.store = tuple(layers), store
-        if self.fast in COMPILING_BACKENDS:
-            prime_hidden_states(model)
-        self.steps = feature_model_steps(model, self.layers)
-        self.step_fn, self.step_name = feature_step(self.layers), "feature_step"
+        self.store = store
+        take_feature_steps(self, layers, feature_step, "feature_step")
 
     def feed(self, ids: torch.Tensor, n_logits: int = 1, position_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None):
@@ -56,14 +53,22 @@ class StaticBatchFeatureTargetRunner(KeepsRowFeatures, StaticBatchRunner):
     def __init__(self, model, vocab: int, want_hidden: bool, layers, stores: RowStores, **static) -> None:
         refuse_graphs(static.get("fast"))
         super().__init__(model, vocab, want_hidden, **static)
-        self.layers, self.stores = tuple(layers), stores
-        if self.fast in COMPILING_BACKENDS:
-            prime_hidden_states(model)
-        self.steps = feature_model_steps(model, self.layers)
-        self.step_fn, self.step_name = batch_feature_step(self.layers), "batch_feature_step"
+        self.stores = stores
+        take_feature_steps(self, layers, batch_feature_step, "batch_feature_step")
 
     def _fused_of(self) -> torch.Tensor:
         return self.extras[0]
+
+
+def take_feature_steps(runner, layers, make_step, name: str) -> None:
+    """A static runner (one row or a batch) of a feature pair's target runs ``make_step(layers)``,
+    which also returns the fused features, under ``name``; its compiled steps are kept apart from
+    the model's plain ones (:func:`~specdecpp.fast.step.feature_model_steps`)."""
+    runner.layers = tuple(int(i) for i in layers)
+    if runner.fast in COMPILING_BACKENDS:
+        prime_hidden_states(runner.model)
+    runner.steps = feature_model_steps(runner.model, runner.layers)
+    runner.step_fn, runner.step_name = make_step(runner.layers), name
 
 
 def refuse_graphs(fast: str | None) -> None:
